@@ -1,0 +1,31 @@
+"""Everything that shapes an engine, in one plain dataclass shared by `LLM`, the CLI and the benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    draft: str | None = None
+    tokenizer: str | None = None  # defaults to the model's directory
+    revision: str | None = None
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto = cuda if available
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights of the real shapes)
+    max_model_len: int | None = None  # default: the config's max_position_embeddings, capped by the KV pool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    num_draft_tokens: int = 4  # k; 0 = no speculation (also when no draft model is given)
+    gpu_memory_utilization: float = 0.90  # fraction of total GPU memory the engine may use (weights + KV)
+    kv_cache_memory: int | None = None  # bytes for KV pages; overrides gpu_memory_utilization
+    kv_cache_tokens: int | None = None  # test knob: the full pool's capacity in tokens
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    enforce_eager: bool = False  # no CUDA graphs
+    seed: int = 0  # seeds dummy weights and the per-request seeds drawn when a request gives none
+    # Benchmark only: force the mean number of tokens per verify step (bonus included) while every draft and
+    # verify computation still runs. Random weights accept ~nothing; this measures MTP's speed, not quality.
+    forced_acceptance: list[float] | float | None = None
+    served_model_name: str | None = None

@@ -1,0 +1,67 @@
+"""Plain dataclasses that cross the engine boundary (engine thread -> API / server)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # choice index (0..n-1)
+    text: str = ""  # everything produced so far (stop string excluded)
+    token_ids: list[int] = field(default_factory=list)  # everything produced so far
+    new_text: str = ""  # the part of `text` this output adds
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() stamps
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    """A snapshot the server turns into Prometheus metrics at scrape time."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    full_pages_total: int = 0
+    full_pages_free: int = 0
+    swa_pages_total: int = 0
+    swa_pages_free: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: dict = field(default_factory=dict)  # finish_reason -> count
+    spec_num_steps: int = 0  # verify steps that carried drafts
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list = field(default_factory=list)  # accepted count at draft position i
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step, bonus included (1 + accepted / steps)."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_num_steps if self.spec_num_steps else 0.0

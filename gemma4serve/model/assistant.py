@@ -1,0 +1,83 @@
+"""The Gemma 4 MTP assistant: a query-only 4-layer stack over the target's frozen KV (spec §8, §12).
+
+It owns no KV. Each step takes the target's scaled embedding of the token at P and the previous hidden state,
+attends (queries at the constant position P) to the target's last sliding and last full producer layer, and
+returns draft logits plus the recurrent hidden state for the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gemma4serve.config import AssistantConfig, TextConfig
+from gemma4serve.model.gemma4 import DecoderLayer, ForwardContext, Rotary
+from gemma4serve.model.layers import RMSNorm
+
+
+class _Stack(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # only the tied LM head
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CentroidHead(nn.Module):
+    """The E2B/E4B "ordered embedding" head: score 2048 token clusters, keep the top few, and give every other
+    token a logit just below the worst selected one (HF fills min(selected) - 1)."""
+
+    def __init__(self, cfg: AssistantConfig):
+        super().__init__()
+        V, Ha = cfg.text.vocab_size, cfg.text.hidden_size
+        self.top_k = cfg.centroid_top_k
+        self.centroids = nn.Linear(Ha, cfg.num_centroids, bias=False)
+        self.register_buffer("token_ordering", torch.zeros(V, dtype=torch.int64))
+
+    def forward(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        B, V = h.shape[0], lm_head.shape[0]
+        top = torch.topk(self.centroids(h), self.top_k, dim=-1).indices  # [B, k]
+        clusters = self.token_ordering.view(self.centroids.out_features, -1)
+        toks = clusters[top].reshape(B, -1)  # [B, k * V / C] canonical token ids
+        sel = (h[:, None, :] @ lm_head[toks].transpose(1, 2)).squeeze(1)
+        fill = (sel.min(dim=-1, keepdim=True).values - 1.0).expand(B, V)
+        return fill.contiguous().scatter(1, toks, sel)
+
+
+class Gemma4Assistant(nn.Module):
+    def __init__(self, cfg: AssistantConfig):
+        super().__init__()
+        self.cfg = cfg
+        Ha, Hb = cfg.text.hidden_size, cfg.backbone_hidden_size
+        self.model = _Stack(cfg.text)
+        self.pre_projection = nn.Linear(2 * Hb, Ha, bias=False)
+        self.post_projection = nn.Linear(Ha, Hb, bias=False)
+        self.masked_embedding = CentroidHead(cfg) if cfg.use_ordered_embeddings else None
+        self.rotary: Rotary | None = None
+        self.optional_weights: set[str] = set()
+
+    def bind(self, target_cfg: TextConfig, device) -> None:
+        self.cfg.check_fits(target_cfg)
+        self.rotary = Rotary(self.cfg.text, device)
+        for layer in self.model.layers:
+            layer.self_attn.kv_layer = target_cfg.store_layer(layer.spec.kind)
+
+    @property
+    def window(self) -> int:
+        """Visible sliding rows: the last W_a + 1 committed ones (HF's inclusive bidirectional window)."""
+        return self.cfg.text.sliding_window + 1
+
+    def step(self, tok_embed: torch.Tensor, hprev: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        """One draft step for B sequences -> (logits [B, V], next hidden [B, Hb])."""
+        u = self.pre_projection(torch.cat([tok_embed, hprev], dim=-1))
+        rope = self.rotary.cos_sin(positions, u.dtype)
+        for layer in self.model.layers:
+            cos, sin = rope[layer.spec.kind]
+            u = layer(u, cos, sin, ctx)
+        h = self.model.norm(u)
+        lm_head = self.model.embed_tokens.weight
+        logits = self.masked_embedding(h, lm_head) if self.masked_embedding is not None else h @ lm_head.t()
+        return logits, self.post_projection(h)
+
+    def checkpoint_param_name(self, name: str) -> str | None:
+        return None if name == "lm_head.weight" else name

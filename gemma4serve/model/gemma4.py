@@ -1,0 +1,176 @@
+"""The Gemma 4 text decoder (every released variant) over the paged KV cache (spec §3).
+
+Module names mirror the HF checkpoint so loading is a prefix strip. The model writes each producer layer's
+new K/V into the pages named by the batch and attends through the backend; it keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gemma4serve.attention.metadata import AttentionMetadata
+from gemma4serve.config import LayerSpec, TextConfig
+from gemma4serve.kv.cache import KVCache
+from gemma4serve.model.layers import MLP, Experts, RMSNorm, Router, apply_rope, gelu_tanh, rms_norm, rope_cos_sin, rope_inv_freq
+
+
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata
+    kv: KVCache
+    attn: object  # an attention backend: .write(...) and .forward(...)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, spec: LayerSpec, hidden_size: int):
+        super().__init__()
+        self.spec = spec
+        self.kv_layer = spec.kv_layer  # the assistant rebinds this to the target's store layer
+        self.eps = cfg.rms_norm_eps
+        nh, hd, nkv = cfg.num_heads, spec.head_dim, spec.num_kv_heads
+        self.q_proj = nn.Linear(hidden_size, nh * hd, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        if not spec.kv_shared:
+            self.k_proj = nn.Linear(hidden_size, nkv * hd, bias=False)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        T, hd, kind = h.shape[0], self.spec.head_dim, self.spec.kind
+        q = apply_rope(self.q_norm(self.q_proj(h).view(T, -1, hd)), cos, sin)
+        k_cache, v_cache = ctx.kv.layer(self.kv_layer)
+        if not self.spec.kv_shared:
+            raw_k = self.k_proj(h).view(T, -1, hd)
+            raw_v = raw_k if self.v_proj is None else self.v_proj(h).view(T, -1, hd)
+            k = apply_rope(self.k_norm(raw_k), cos, sin)
+            v = rms_norm(raw_v, None, self.eps)  # v_norm: no learned scale, no rotation (k_eq_v included)
+            ctx.attn.write(k_cache, v_cache, k, v, ctx.meta.write_slot[kind])
+        out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, spec: LayerSpec):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.spec = spec
+        self.self_attn = Attention(cfg, spec, H)
+        self.mlp = MLP(H, spec.mlp_width)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm = RMSNorm(H, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.moe = cfg.moe
+        if cfg.moe:
+            self.router = Router(cfg)
+            self.experts = Experts(cfg)
+            self.pre_feedforward_layernorm_2 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_1 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
+        self.ple = cfg.ple_dim > 0
+        if self.ple:
+            self.per_layer_input_gate = nn.Linear(H, cfg.ple_dim, bias=False)
+            self.per_layer_projection = nn.Linear(cfg.ple_dim, H, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(H, eps)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext, ple: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        x = x + self.post_attention_layernorm(h)
+        residual = x
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe:
+            weights, experts = self.router(residual)
+            moe_out = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
+        x = residual + self.post_feedforward_layernorm(h)
+        if self.ple:
+            g = gelu_tanh(self.per_layer_input_gate(x)) * ple
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return x * self.layer_scalar  # scales the whole residual stream, after PLE
+
+
+class Rotary:
+    """fp32 inverse frequencies per layer type (kept out of the state dict so a bf16 cast never touches them)."""
+
+    def __init__(self, cfg: TextConfig, device):
+        self.inv_freq = {kind: rope_inv_freq(spec).to(device) for kind, spec in cfg.rope.items()}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        return {kind: rope_cos_sin(inv, positions, dtype) for kind, inv in self.inv_freq.items()}
+
+
+_TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+_SHARED_KV_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
+
+
+class Gemma4Model(nn.Module):
+    """Target decoder: `forward` returns the final-normed hidden states, `logits` applies the tied head."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        if cfg.ple_dim:
+            L, D = cfg.num_layers, cfg.ple_dim
+            self.embed_tokens_per_layer = nn.Embedding(cfg.ple_vocab_size, L * D)
+            self.per_layer_model_projection = nn.Linear(H, L * D, bias=False)
+            self.per_layer_projection_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.rotary: Rotary | None = None
+        self.optional_weights: set[str] = set()
+
+    def bind(self, device) -> None:
+        """Set up what is not a weight (RoPE tables) on the device the weights live on."""
+        self.rotary = Rotary(self.cfg, device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The scaled embedding E[ids] * dtype(sqrt(H)); the drafter embeds its tokens with it too."""
+        w = self.embed_tokens.weight
+        return w[ids] * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(w.dtype)
+
+    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        T, L, D = ids.shape[0], cfg.num_layers, cfg.ple_dim
+        w = self.embed_tokens_per_layer.weight
+        tok = (w[ids] * torch.tensor(D**0.5, dtype=torch.float32).to(w.dtype)).view(T, L, D)
+        proj = (self.per_layer_model_projection(x) * cfg.hidden_size**-0.5).view(T, L, D)
+        proj = self.per_layer_projection_norm(proj)
+        return (proj + tok) * 2.0**-0.5
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed(ids)
+        ple = self.per_layer_inputs(ids, x) if self.cfg.ple_dim else None
+        rope = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[layer.spec.kind]
+            x = layer(x, cos, sin, ctx, ple[:, i] if ple is not None else None)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the cap)."""
+        logits = hidden @ self.embed_tokens.weight.t()
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def checkpoint_param_name(self, name: str) -> str | None:
+        """Checkpoint tensor name -> our parameter name, or None to skip it."""
+        if name.startswith(_TOWERS) or name == "lm_head.weight":
+            return None
+        for prefix in ("model.language_model.", "model."):
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        m = _SHARED_KV_PARAM.match(name)
+        if m and self.cfg.layers[int(m.group(1))].kv_shared:
+            return None  # dead k/v weights some E2B/E4B checkpoints carry on KV-shared layers
+        return name
