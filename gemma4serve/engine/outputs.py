@@ -41,6 +41,14 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
 
+    @property
+    def token_ids(self) -> list[int]:  # the first choice's, for the common n=1 case
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
 
 @dataclass
 class EngineStats:

@@ -1,0 +1,254 @@
+"""The synchronous engine: requests in, one step at a time, outputs (with deltas) out.
+
+It owns the request state machine (waiting -> prefill chunks -> decode/verify -> finished | aborted), the
+stop conditions and detokenization; the scheduler decides what runs, the runner runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gemma4serve.detokenizer import IncrementalDetokenizer
+from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.models import load_models
+from gemma4serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
+from gemma4serve.engine.runner import ModelRunner
+from gemma4serve.engine.scheduler import Scheduler
+from gemma4serve.engine.sequence import Sequence, Status, StepResult
+from gemma4serve.engine.spec import ForcedAcceptance
+from gemma4serve.kv.manager import KVManager
+from gemma4serve.kv.pool import PagePool
+from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.tokenizer import Tokenizer
+
+log = logging.getLogger("gemma4serve")
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # choices of one request get well-separated seeds
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list
+    metrics: RequestMetrics
+    new_ids: list = field(default_factory=list)  # per choice: tokens since the last output
+    new_text: list = field(default_factory=list)
+    new_logprobs: list = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is Status.FINISHED for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.state = load_models(args)
+        cfg = self.state.target.cfg
+        self.cfg = cfg
+        tok_dir = Path(args.tokenizer) if args.tokenizer else self.state.target_dir
+        self.tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").exists() else None
+        self.eos_ids = set(cfg.eos_token_ids)
+        plan = self.state.kv_plan
+        self.max_model_len = plan.max_model_len
+        ps = args.page_size
+        self.kv = KVManager(PagePool(plan.full_pages, ps, "full"), PagePool(plan.sliding_pages, ps, "sliding"),
+                            ps, plan.sliding_keep)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        forced = None
+        k = args.num_draft_tokens if self.state.draft is not None else 0
+        if args.forced_acceptance is not None and k:
+            forced = ForcedAcceptance(args.forced_acceptance, k, self.state.device)
+            log.warning(
+                "BENCHMARK MODE: --forced-acceptance forces %.2f tokens per verify step; generated text is NOT "
+                "the model's output", forced.mean_tokens_per_step,
+            )
+        self.num_draft_tokens = k
+        self.runner = ModelRunner(self.state, k, forced)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(args.seed)
+        self._arrivals = 0
+        self.stats = EngineStats(spec_accepted_per_position=[0] * k)
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams) -> None:
+        """Queue a request; raises ValueError with a user-facing message when it cannot be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            prompt = self.tokenizer.encode(prompt)
+        prompt = [int(t) for t in prompt]
+        params.validate()
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        n_prompt = len(prompt)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n_prompt}"
+            )
+        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{n_prompt} prompt tokens + {params.max_tokens} max_tokens"
+            )
+        max_len = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
+        if self.kv._pages_for(max_len + self.num_draft_tokens + 1) > self.kv.full.capacity:
+            raise ValueError(f"the request needs up to {max_len} tokens of KV cache; the pool holds "
+                             f"{self.kv.full.capacity * self.kv.page_size}")
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seqs, detoks = [], []
+        for i in range(params.n):
+            self._arrivals += 1
+            seqs.append(Sequence(
+                request_id=request_id, index=i, token_ids=list(prompt), num_prompt=n_prompt, params=params,
+                seed=(base_seed + i * _SEED_STRIDE) % (1 << 64), arrival=self._arrivals, max_len=max_len,
+            ))
+            detoks.append(
+                IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                                       include_stop_str_in_output=params.include_stop_str_in_output)
+                if self.tokenizer is not None else None
+            )
+        req = Request(request_id, prompt, params, seqs, detoks, RequestMetrics(arrival_time=time.monotonic()),
+                      new_ids=[[] for _ in seqs], new_text=["" for _ in seqs], new_logprobs=[[] for _ in seqs])
+        self.requests[request_id] = req
+        self.stats.prompt_tokens += n_prompt
+        for s in seqs:
+            self.scheduler.add(s)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for s in req.seqs:
+            if s.status is not Status.FINISHED:
+                s.finish_reason = "abort"
+                self.scheduler.finish(s)
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if not chunks:
+            return []
+        now = time.monotonic()
+        for ch in chunks:
+            m = self.requests[ch.seq.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        results = self.runner.execute(chunks)
+        touched: dict[str, Request] = {}
+        for ch in chunks:
+            seq = ch.seq
+            if not ch.samples:
+                seq.num_computed += ch.length
+                continue
+            req = self.requests[seq.request_id]
+            self._commit(req, seq, ch.drafts, results[seq])
+            touched[req.request_id] = req
+        outs = []
+        for req in touched.values():
+            outs.append(self._output(req))
+            if req.finished:
+                del self.requests[req.request_id]
+        return outs
+
+    def _commit(self, req: Request, seq: Sequence, drafts: list[int], result: StepResult) -> None:
+        """Append the step's tokens, cutting at the first stop condition, and record drafting statistics."""
+        st = self.stats
+        if drafts:
+            accepted = len(result.tokens) - 1
+            st.spec_num_steps += 1
+            st.spec_drafted_tokens += len(drafts)
+            st.spec_accepted_tokens += accepted
+            for i in range(accepted):
+                st.spec_accepted_per_position[i] += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.monotonic()
+        p, i = seq.params, seq.index
+        detok = req.detoks[i]
+        for j, tok in enumerate(result.tokens):
+            seq.token_ids.append(tok)
+            req.new_ids[i].append(tok)
+            st.generation_tokens += 1
+            if result.logprobs is not None:
+                lp, top = result.logprobs[j]
+                req.new_logprobs[i].append(TokenLogprob(tok, lp, top))
+            if not p.ignore_eos and tok in self.eos_ids:
+                self._finish(req, seq, "stop", tok)
+                break
+            if tok in p.stop_token_ids:
+                self._finish(req, seq, "stop", tok)
+                break
+            if detok is not None:
+                text, stop = detok.push([tok])
+                req.new_text[i] += text
+                if stop is not None:
+                    self._finish(req, seq, "stop", stop)
+                    break
+            if seq.num_tokens >= seq.max_len:
+                self._finish(req, seq, "length", None)
+                break
+        if seq.status is not Status.FINISHED:
+            seq.num_computed = seq.num_tokens - 1
+            seq.drafts = result.next_drafts
+
+    def _finish(self, req: Request, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        detok = req.detoks[seq.index]
+        if detok is not None:
+            req.new_text[seq.index] += detok.flush()
+        self.scheduler.finish(seq)
+        self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = []
+        for i, seq in enumerate(req.seqs):
+            detok = req.detoks[i]
+            outs.append(CompletionOutput(
+                index=i,
+                text=detok.text if detok is not None else "",
+                token_ids=list(seq.output_ids),
+                new_text=req.new_text[i],
+                new_token_ids=req.new_ids[i],
+                new_logprobs=req.new_logprobs[i] if req.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+            req.new_ids[i], req.new_text[i], req.new_logprobs[i] = [], "", []
+        finished = req.finished
+        if finished:
+            req.metrics.finished_time = time.monotonic()
+        return RequestOutput(req.request_id, req.prompt_ids, outs, finished, req.metrics)
+
+    # ---- introspection --------------------------------------------------------------------------------
+
+    def snapshot(self) -> EngineStats:
+        st = self.stats
+        st.num_running = len(self.scheduler.running)
+        st.num_waiting = len(self.scheduler.waiting)
+        st.full_pages_total, st.full_pages_free = self.kv.full.capacity, self.kv.full.num_free
+        st.swa_pages_total, st.swa_pages_free = self.kv.sliding.capacity, self.kv.sliding.num_free
+        st.num_preemptions = self.scheduler.num_preemptions
+        return EngineStats(**{**st.__dict__, "requests_finished": dict(st.requests_finished),
+                              "spec_accepted_per_position": list(st.spec_accepted_per_position)})
+
+    def kv_pool_free(self) -> dict:
+        return {"full": self.kv.full.num_free, "sliding": self.kv.sliding.num_free}

@@ -1,0 +1,127 @@
+"""Runs one scheduled step on the device: packed target forward, verification, and the draft loop.
+
+The host builds the step's tensors once (token ids, positions, page tables, write slots); everything after
+that — target forward, logits of the sampling rows, acceptance, seeding and running the k-step draft loop —
+stays on the device, and the step ends with a single copy of the results back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemma4serve.attention.metadata import AttentionMetadata
+from gemma4serve.config import FULL, SLIDING
+from gemma4serve.engine.sampler import SamplingBatch, accept
+from gemma4serve.engine.sequence import ScheduledChunk, StepResult
+from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
+from gemma4serve.engine.models import ModelState
+from gemma4serve.model.gemma4 import ForwardContext
+
+
+class ModelRunner:
+    def __init__(self, state: ModelState, num_draft_tokens: int, forced: ForcedAcceptance | None = None):
+        self.s = state
+        self.k = num_draft_tokens if state.draft is not None else 0
+        self.draft_loop = DraftLoop(state) if self.k else None
+        self.forced = forced
+
+    def _tables(self, chunks: list[ScheduledChunk]) -> dict:
+        dev = self.s.device
+        out = {}
+        for kind, attr in ((FULL, "full"), (SLIDING, "sliding")):
+            rows = [getattr(ch.seq.pages, attr) for ch in chunks]
+            width = max(1, max(len(r) for r in rows))
+            out[kind] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev)
+        return out
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> dict:
+        """Run the step; returns {sequence: StepResult} for the chunks that produce tokens."""
+        s, dev, ps = self.s, self.s.device, self.s.page_size
+        ids, positions, token_seq, cu = [], [], [], [0]
+        for b, ch in enumerate(chunks):
+            seq = ch.seq
+            ids += seq.token_ids[ch.start : ch.start + ch.length] + ch.drafts
+            positions += range(ch.start, ch.start + ch.num_query)
+            token_seq += [b] * ch.num_query
+            cu.append(cu[-1] + ch.num_query)
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        seq_t = torch.tensor(token_seq, dtype=torch.int32, device=dev)
+        tables = self._tables(chunks)
+        page_idx = pos_t // ps
+        write_slot = {
+            kind: tables[kind][seq_t.long(), page_idx].long() * ps + pos_t % ps for kind in tables
+        }
+        meta = AttentionMetadata(
+            token_seq=seq_t,
+            kv_end=(pos_t + 1).to(torch.int32),
+            page_table=tables,
+            write_slot=write_slot,
+            window={SLIDING: s.target.cfg.sliding_window, FULL: 0},
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            max_q_len=max(ch.num_query for ch in chunks),
+        )
+        hidden = s.target(ids_t, pos_t, ForwardContext(meta, s.kv, s.attn))
+
+        sampling = [(b, ch) for b, ch in enumerate(chunks) if ch.samples]
+        if not sampling:
+            return {}
+        K = max(len(ch.drafts) for _, ch in sampling)
+        # Row j of a sampling chunk is its (last token, d_1..d_k) query row j; pad by repeating the last row.
+        rows, first_pos, drafts, num_drafts = [], [], [], []
+        for b, ch in sampling:
+            nd = len(ch.drafts)
+            first = cu[b + 1] - nd - 1
+            rows.append([first + min(j, nd) for j in range(K + 1)])
+            first_pos.append(ch.start + ch.length - 1)
+            drafts.append(ch.drafts + [-1] * (K - nd))
+            num_drafts.append(nd)
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        first_pos_t = torch.tensor(first_pos, dtype=torch.int64, device=dev)
+        drafts_t = torch.tensor(drafts, dtype=torch.int64, device=dev).view(len(sampling), K)
+        num_drafts_t = torch.tensor(num_drafts, dtype=torch.int64, device=dev)
+        seqs = [ch.seq for _, ch in sampling]
+        sb = SamplingBatch.build(
+            [q.params for q in seqs], [q.seed for q in seqs], [q.output_ids for q in seqs],
+            [q.token_ids[: q.num_prompt] for q in seqs], dev,
+        )
+        logits = s.target.logits(hidden[rows_t.view(-1)]).float().view(len(sampling), K + 1, -1)
+        res = accept(logits, drafts_t, num_drafts_t, first_pos_t, sb)
+        tokens, num_emitted = res.tokens, res.num_emitted
+        if self.forced is not None and K:
+            tokens, num_emitted = self.forced.apply(tokens, num_emitted, drafts_t, num_drafts_t, first_pos_t)
+
+        next_drafts = None
+        if self.k:
+            last = (num_emitted - 1)[:, None]
+            seed_hidden = hidden[rows_t.gather(1, last).squeeze(1)]
+            seed_token = tokens.gather(1, last).squeeze(1)
+            P = first_pos_t + num_emitted  # position of the newest token; rows < P are committed
+            table_rows = torch.tensor([b for b, _ in sampling], dtype=torch.int32, device=dev)
+            next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, table_rows, tables, self.k)
+
+        # The step's one device -> host copy.
+        host = [tokens.cpu(), num_emitted.cpu()]
+        if next_drafts is not None:
+            host.append(next_drafts.cpu())
+        want_lp = res.logprobs is not None
+        if want_lp:
+            host += [res.logprobs.cpu(), res.top_ids.cpu(), res.top_logprobs.cpu()]
+        host = [h.tolist() for h in host]
+        out = {}
+        for i, seq in enumerate(seqs):
+            n = host[1][i]
+            lp = None
+            if want_lp:
+                lp_vals, top_ids, top_lps = host[-3], host[-2], host[-1]
+                want = seq.params.logprobs
+                lp = None if want is None else [
+                    (lp_vals[i][j], list(zip(top_ids[i][j][:want], top_lps[i][j][:want]))) for j in range(n)
+                ]
+            out[seq] = StepResult(
+                tokens=host[0][i][:n],
+                next_drafts=host[2][i] if next_drafts is not None else [],
+                logprobs=lp,
+            )
+        return out

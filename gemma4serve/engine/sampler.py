@@ -1,0 +1,322 @@
+"""Device-side sampling and speculative verification (spec GEMMA4.md §12.4 / §12.5).
+
+Everything in the step functions (`uniform`, `process_logits`, `accept`) is batched tensor arithmetic with
+static shapes: no host synchronisation and no per-row Python, so the engine can capture them in CUDA graphs.
+Host-side decisions (which code paths a batch needs) are plain Python values fixed when the batch is built.
+
+Verification and losslessness. Drafts are the drafter's argmax, a deterministic proposal (q = one-hot), so
+the lossless rule is: accept draft d with probability p(d); on rejection emit a sample from p with d removed;
+if all drafts are accepted emit a bonus sample from the last row. We realise it with a Gumbel-max coupling:
+every row draws s_j = argmax(p_j / Exp(1)) -- an exact sample from p_j -- and a draft is accepted iff it equals
+that sample. P(s = d) = p(d), and given s != d, s is distributed as p without d, renormalised: exactly the
+rule above, so greedy and sampled verification share one code path ("longest prefix of drafts equal to the
+row's choice, then one more token"). Because the choice at a position depends only on (seed, position,
+target distribution), a seeded request emits the same tokens with or without speculation, whatever the
+drafts were and whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gemma4serve.sampling_params import SamplingParams
+
+# Stream ids keep independent uses of the same (seed, position) apart.
+STREAM_SAMPLE = 0
+
+_M32 = 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Batch of per-sequence sampling settings
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sequence in the step (B sequences); tensors live on the device."""
+
+    temperature: torch.Tensor  # [B] f32, 0 = greedy
+    top_k: torch.Tensor  # [B] int32, 0 = off
+    top_p: torch.Tensor  # [B] f32, 1 = off
+    min_p: torch.Tensor  # [B] f32, 0 = off
+    seed: torch.Tensor  # [B] int64
+    presence_penalty: torch.Tensor  # [B] f32
+    frequency_penalty: torch.Tensor  # [B] f32
+    repetition_penalty: torch.Tensor  # [B] f32
+    output_tokens: torch.Tensor  # [B, Mo] int64, -1 padded; [B, 0] when no row has a penalty
+    prompt_tokens: torch.Tensor  # [B, Mp] int64, -1 padded; [B, 0] when no row has a repetition penalty
+    # Host-side flags: they pick code paths, so they must not depend on device data.
+    any_penalty: bool
+    all_greedy: bool
+    any_top_k_top_p: bool  # some sampled row uses top-k or top-p (needs a full-vocabulary sort)
+    num_logprobs: int  # the most top-logprobs any row asked for, -1 = no row wants logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        output_tokens: list[list[int]],
+        prompt_tokens: list[list[int]],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Host-side: pack per-request settings into device tensors (one H2D copy per field)."""
+        greedy = [p.temperature == 0.0 for p in params]
+        # Greedy rows skip truncation; neutral values keep that true even if a caller ignores the flags.
+        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        any_freq_presence = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        any_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        any_penalty = any_freq_presence or any_repetition
+        # Token histories can be long: ship them only when a penalty will read them.
+        outs = output_tokens if any_penalty else [[] for _ in params]
+        prompts = prompt_tokens if any_repetition else [[] for _ in params]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+
+        def f32(xs):
+            return torch.tensor(xs, dtype=torch.float32, device=device)
+
+        return cls(
+            temperature=f32([p.temperature for p in params]),
+            top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
+            top_p=f32(top_p),
+            min_p=f32(min_p),
+            seed=torch.tensor([_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            output_tokens=_pad(outs, device),
+            prompt_tokens=_pad(prompts, device),
+            any_penalty=any_penalty,
+            all_greedy=all(greedy),
+            any_top_k_top_p=any(k > 0 or p < 1.0 for k, p in zip(top_k, top_p)),
+            num_logprobs=max(logprobs, default=-1),
+        )
+
+
+def _to_int64(seed: int) -> int:
+    """Any Python int -> the signed int64 with the same low 64 bits."""
+    seed %= 1 << 64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _pad(rows: list[list[int]], device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device).view(
+        len(rows), width
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Counter-based randomness
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2^32 for h in [0, 2^32), without int64 overflow: multiply by c's 16-bit halves."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (h * lo + (((h * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser: a bijection on [0, 2^32) with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 32-bit keys per row from (seed, position, stream), chained through the finaliser."""
+    k = _fmix32((seed & _M32) ^ 0x9E3779B9)
+    k = _fmix32(k ^ ((seed >> 32) & _M32))  # arithmetic shift + mask = the seed's high word
+    k = _fmix32(k ^ (position & _M32))
+    k1 = _fmix32(k ^ (((stream + 1) * 0x27D4EB2F) & _M32))
+    k2 = _fmix32(k1 ^ 0x165667B1)
+    return k1, k2
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int, cols: int | torch.Tensor) -> torch.Tensor:
+    """Uniform fp32 in (0, 1), a pure function of (seed, position, stream, column).
+
+    seed, position: [N] int64. cols: an int C (columns 0..C-1) or an int64 tensor of column ids, [C] or [N, C].
+    Returns [N, C] f32. Values lie on the grid (i + 0.5) / 2^23, so never 0 or 1 (-log stays finite).
+    """
+    col = torch.arange(cols, device=seed.device) if isinstance(cols, int) else cols
+    k1, k2 = _row_keys(seed, position, stream)
+    # The column counter is scrambled by both keys (add, then xor) so rows are not shifted copies of each other.
+    col_mix = _mul32(col & _M32, 0x9E3779B1)
+    h = _fmix32(((col_mix + k1[:, None]) & _M32) ^ k2[:, None])
+    return ((h >> 9).float() + 0.5) * (2.0**-23)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Logits processing: the target distribution
+# --------------------------------------------------------------------------------------------------------------
+
+
+def process_logits(
+    logits: torch.Tensor, sb: SamplingBatch, row_seq: torch.Tensor, row_extra_tokens: torch.Tensor
+) -> torch.Tensor:
+    """Logits of the target distribution p for each row, filtered tokens at -inf.
+
+    logits [R, V] f32; row_seq [R] int64 (the row's sequence in sb); row_extra_tokens [R, J] int64, -1 padded:
+    tokens before this row that are not in sb.output_tokens yet (the drafts d1..dj ahead of verify row j),
+    counted as output tokens. Order: penalties, temperature, top-k, top-p, min-p. Greedy rows get the
+    penalties only (their argmax is the greedy choice). Returns [R, V] f32.
+    """
+    logits = logits.float()
+    if sb.any_penalty:
+        logits = _apply_penalties(logits, sb, row_seq, row_extra_tokens)
+    if sb.all_greedy:
+        return logits
+    temperature = sb.temperature[row_seq]
+    greedy = temperature == 0
+    logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    drop = _min_p_mask(logits, torch.where(greedy, 0.0, sb.min_p[row_seq]))
+    if sb.any_top_k_top_p:
+        top_k = torch.where(greedy, 0, sb.top_k[row_seq])
+        top_p = torch.where(greedy, 1.0, sb.top_p[row_seq])
+        drop |= _top_k_top_p_mask(logits, top_k, top_p)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _apply_penalties(
+    logits: torch.Tensor, sb: SamplingBatch, row_seq: torch.Tensor, extra: torch.Tensor
+) -> torch.Tensor:
+    """vLLM / OpenAI semantics: repetition over prompt + output, then frequency and presence over output.
+
+    Dense per-row tables: the extra memory is bounded by the logits' own size whatever the history lengths.
+    Column V absorbs the -1 padding.
+    """
+    R, V = logits.shape
+    B = sb.output_tokens.shape[0]
+
+    def slot(tokens):  # -1 padding -> the spare column V
+        return torch.where(tokens < 0, V, tokens)
+
+    seq_counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)
+    seq_counts.scatter_add_(1, slot(sb.output_tokens), torch.ones_like(sb.output_tokens, dtype=logits.dtype))
+    in_prompt = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
+    in_prompt.scatter_(1, slot(sb.prompt_tokens), True)
+
+    counts = seq_counts[row_seq]
+    counts.scatter_add_(1, slot(extra), torch.ones_like(extra, dtype=logits.dtype))
+    counts = counts[:, :V]
+    seen = in_prompt[row_seq, :V] | (counts > 0)
+
+    rep = sb.repetition_penalty[row_seq, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    freq = sb.frequency_penalty[row_seq, None]
+    presence = sb.presence_penalty[row_seq, None]
+    return logits - freq * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def _min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop p < min_p * p_max, i.e. logit < max_logit + log(min_p) (log 0 = -inf drops nothing).
+
+    The ratio p / p_max is unchanged by renormalisation, so this equals applying min-p after top-k / top-p.
+    """
+    return logits < logits.amax(-1, keepdim=True) + torch.log(min_p)[:, None]
+
+
+def _top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Tokens to drop for top-k (ties with the k-th logit kept, like HF and vLLM) then top-p.
+
+    top-p keeps the smallest prefix of the top-k-filtered, renormalised distribution whose mass reaches
+    top_p: token i survives when the mass strictly before it is < top_p, so the top token always survives.
+    The stable descending sort breaks ties towards the lowest id.
+    """
+    V = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    k = torch.where(top_k > 0, top_k, V).clamp(1, V).long()
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    drop_sorted = sorted_logits < kth
+    probs = torch.softmax(sorted_logits.masked_fill(drop_sorted, float("-inf")), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    # top_p == 1 means off: float error in the cumsum must not trim the tail.
+    drop_sorted |= (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    return torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Choosing tokens and verifying drafts
+# --------------------------------------------------------------------------------------------------------------
+
+
+def choose(processed: torch.Tensor, sb: SamplingBatch, row_seq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One token per row: argmax for greedy rows, an exact sample from softmax(processed) for the others.
+
+    processed [R, V] f32 from process_logits; position [R] int64 = position of the token being produced
+    (the randomness key). Sampling is the exponential race argmax(p / E), E = -log(u) ~ Exp(1), computed in
+    log space as argmax(logit - log E) (the softmax normaliser does not move the argmax). torch.argmax returns
+    the first maximum, so greedy ties go to the lowest id. Returns [R] int64.
+    """
+    if sb.all_greedy:
+        return processed.argmax(-1)
+    u = uniform(sb.seed[row_seq], position, STREAM_SAMPLE, processed.shape[-1])
+    race = processed - torch.log(-torch.log(u))
+    greedy = (sb.temperature[row_seq] == 0)[:, None]
+    return torch.where(greedy, processed, race).argmax(-1)
+
+
+@dataclass
+class AcceptResult:
+    tokens: torch.Tensor  # [B, K+1] int64: emitted tokens, -1 from num_emitted on
+    num_emitted: torch.Tensor  # [B] int64 in 1 .. num_drafts + 1
+    # Only when sb.num_logprobs >= 0, of the raw model distribution (log_softmax of unprocessed logits);
+    # entries at or after num_emitted are meaningless.
+    logprobs: torch.Tensor | None = None  # [B, K+1] f32, of each emitted token
+    top_ids: torch.Tensor | None = None  # [B, K+1, num_logprobs] int64
+    top_logprobs: torch.Tensor | None = None  # [B, K+1, num_logprobs] f32
+
+
+def accept(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    first_position: torch.Tensor,
+    sb: SamplingBatch,
+) -> AcceptResult:
+    """Verify drafts against the target and pick the tokens to emit (K = 0: plain decode / end of prefill).
+
+    logits [B, K+1, V] f32: row j is the target's output for the input token at position first_position + j
+      (the last committed token for j = 0, draft d_j after), so it predicts the token at
+      first_position + j + 1, following [..., d_1, ..., d_j].
+    drafts [B, K] int64 (d_1..d_K, -1 padded); num_drafts [B] int64 (rows j > num_drafts are padding);
+    first_position [B] int64: position of row 0's input token.
+
+    Row j chooses s_j (see `choose`); the longest prefix of drafts with d_{j+1} == s_j is accepted and
+    s_0..s_n are emitted (n = number accepted): the accepted drafts, then one correction / bonus token.
+    """
+    B, K1, V = logits.shape
+    K = K1 - 1
+    device = logits.device
+    j = torch.arange(K1, device=device)
+    row_seq = torch.arange(B, device=device).repeat_interleave(K1)
+    position = (first_position[:, None] + j + 1).reshape(-1)
+    # Row j's history also holds d_1..d_j, which are not in sb.output_tokens yet.
+    extra = torch.where(torch.arange(K, device=device) < j[:, None], drafts[:, None, :], -1)  # [B, K1, K]
+
+    flat = logits.reshape(B * K1, V)
+    processed = process_logits(flat, sb, row_seq, extra.reshape(B * K1, K))
+    chosen = choose(processed, sb, row_seq, position).view(B, K1)
+
+    # Accepted prefix length: cumprod of "draft matches and is a real draft" along the draft axis.
+    match = (drafts == chosen[:, :K]) & (j[:K] < num_drafts[:, None])
+    num_emitted = match.long().cumprod(dim=1).sum(dim=1) + 1
+    tokens = torch.where(j < num_emitted[:, None], chosen, -1)
+
+    result = AcceptResult(tokens=tokens, num_emitted=num_emitted)
+    if sb.num_logprobs >= 0:
+        raw = torch.log_softmax(flat.float(), dim=-1)
+        result.logprobs = raw.gather(1, chosen.view(-1, 1)).view(B, K1)
+        top_logprobs, top_ids = raw.topk(sb.num_logprobs, dim=-1)
+        result.top_ids = top_ids.view(B, K1, -1)
+        result.top_logprobs = top_logprobs.view(B, K1, -1)
+    return result

@@ -1,0 +1,79 @@
+"""Frozen-KV MTP drafting (spec §12): the k-step draft loop, and the benchmark-only forced acceptance."""
+
+from __future__ import annotations
+
+import torch
+
+from gemma4serve.attention.metadata import AttentionMetadata
+from gemma4serve.config import FULL, SLIDING
+from gemma4serve.engine.sampler import uniform
+from gemma4serve.model.gemma4 import ForwardContext
+
+
+class DraftLoop:
+    """k greedy drafter steps at the constant position P of each sequence.
+
+    Seeded with the target's final-normed hidden state at P-1 and the target's scaled embedding of the token
+    at P; every step reads the same committed target KV (full: rows < P; sliding: the last W_a + 1 rows
+    before P) and never writes any.
+    """
+
+    def __init__(self, state):
+        self.s = state
+
+    @torch.inference_mode()
+    def run(self, token, hidden, P, table_rows, tables, k: int) -> torch.Tensor:
+        s = self.s
+        B = token.shape[0]
+        meta = AttentionMetadata(
+            token_seq=table_rows,
+            kv_end=P.to(torch.int32),
+            page_table=tables,
+            write_slot={},
+            window={SLIDING: s.draft.window, FULL: 0},
+            cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32, device=token.device),
+            max_q_len=1,
+        )
+        ctx = ForwardContext(meta, s.kv, s.attn)
+        drafts = []
+        for _ in range(k):
+            logits, hidden = s.draft.step(s.target.embed(token), hidden, P, ctx)
+            token = logits.argmax(-1)  # first maximum: the lowest id wins ties
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+
+STREAM_FORCED = 7
+
+
+class ForcedAcceptance:
+    """Benchmark only: overrides how many drafts a verify step accepts, after the real verification ran.
+
+    `profile` is either the mean tokens per verify step (bonus included, like vLLM's
+    synthetic_acceptance_length) or per-position acceptance probabilities (non-increasing, e.g.
+    0.84, 0.60, 0.39, 0.27 = 3.1 tokens per step). The emitted tokens are then not the model's.
+    """
+
+    def __init__(self, profile, k: int, device):
+        if isinstance(profile, (int, float)):
+            accepted = float(profile) - 1.0
+            probs = [min(1.0, max(0.0, accepted - i)) for i in range(k)]
+        else:
+            probs = sorted((float(p) for p in profile), reverse=True)[:k]
+            probs += [0.0] * (k - len(probs))
+        self.probs = torch.tensor(probs, dtype=torch.float32, device=device)
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return 1.0 + float(self.probs.sum())
+
+    def apply(self, tokens, num_emitted, drafts, num_drafts, first_position):
+        B, K = drafts.shape
+        u = uniform(torch.zeros_like(first_position), first_position, STREAM_FORCED, 1).view(B, 1)
+        n = (u < self.probs[None, :K]).sum(1)
+        n = torch.minimum(n, num_drafts)
+        j = torch.arange(K + 1, device=drafts.device)
+        padded = torch.cat([drafts, tokens[:, :1]], dim=1)
+        bonus = tokens[:, :1].expand(B, K + 1)
+        out = torch.where(j < n[:, None], padded, torch.where(j == n[:, None], bonus, -1))
+        return out, n + 1
