@@ -34,14 +34,12 @@ class ModelRunner:
             out[kind] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev)
         return out
 
-    @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> dict:
-        """Run the step; returns {sequence: StepResult} for the chunks that produce tokens."""
+    def prepare(self, chunks: list[ScheduledChunk]):
+        """Host -> device: the packed token ids, positions and attention metadata of a step."""
         s, dev, ps = self.s, self.s.device, self.s.page_size
         ids, positions, token_seq, cu = [], [], [], [0]
         for b, ch in enumerate(chunks):
-            seq = ch.seq
-            ids += seq.token_ids[ch.start : ch.start + ch.length] + ch.drafts
+            ids += ch.seq.token_ids[ch.start : ch.start + ch.length] + ch.drafts
             positions += range(ch.start, ch.start + ch.num_query)
             token_seq += [b] * ch.num_query
             cu.append(cu[-1] + ch.num_query)
@@ -49,10 +47,7 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         seq_t = torch.tensor(token_seq, dtype=torch.int32, device=dev)
         tables = self._tables(chunks)
-        page_idx = pos_t // ps
-        write_slot = {
-            kind: tables[kind][seq_t.long(), page_idx].long() * ps + pos_t % ps for kind in tables
-        }
+        write_slot = {kind: t[seq_t.long(), pos_t // ps].long() * ps + pos_t % ps for kind, t in tables.items()}
         meta = AttentionMetadata(
             token_seq=seq_t,
             kv_end=(pos_t + 1).to(torch.int32),
@@ -62,6 +57,14 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             max_q_len=max(ch.num_query for ch in chunks),
         )
+        return ids_t, pos_t, meta, cu
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> dict:
+        """Run the step; returns {sequence: StepResult} for the chunks that produce tokens."""
+        s, dev = self.s, self.s.device
+        ids_t, pos_t, meta, cu = self.prepare(chunks)
+        tables = meta.page_table
         hidden = s.target(ids_t, pos_t, ForwardContext(meta, s.kv, s.attn))
 
         sampling = [(b, ch) for b, ch in enumerate(chunks) if ch.samples]

@@ -1,0 +1,157 @@
+"""The engine in its own thread, for the server: add a request and iterate its outputs; abort by id.
+
+The step loop never waits on HTTP handling and a slow client never stalls other requests: the thread pushes
+each output into the request's asyncio queue with `call_soon_threadsafe` and moves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.engine import LLMEngine
+from gemma4serve.engine.outputs import EngineStats, RequestOutput
+from gemma4serve.sampling_params import SamplingParams
+
+log = logging.getLogger("gemma4serve")
+
+
+class EngineShuttingDown(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs):
+        self.engine = LLMEngine(args)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.model_name = args.served_model_name or args.model
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", ...) | ("abort", rid)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._accepting = True
+        self._stats = self.engine.snapshot()
+        self._thread: threading.Thread | None = None
+
+    # ---- public API (event-loop side) -----------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gemma4serve-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._accepting
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        if not self._accepting:
+            raise EngineShuttingDown("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, loop, q))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnect) or an error: free its pages
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def kv_pool_free(self) -> dict:
+        st = self._stats
+        return {"full": st.full_pages_free, "sliding": st.swa_pages_free}
+
+    def num_unfinished(self) -> int:
+        st = self._stats
+        return st.num_running + st.num_waiting
+
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop admitting, let in-flight requests finish for up to drain_timeout seconds, abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while self._streams and time.monotonic() < deadline and self._thread and self._thread.is_alive():
+            time.sleep(0.05)
+        for rid in list(self._streams):
+            self.abort(rid)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+
+    def _push(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, q = stream
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self._streams.pop(request_id, None)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, prompt, params, loop, q = msg
+                self._streams[rid] = (loop, q)
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except ValueError as e:
+                    self._push(rid, e)
+                    self._streams.pop(rid, None)
+            else:
+                out = self.engine.abort(msg[1])
+                if out is not None:
+                    self._push(msg[1], out)
+                self._streams.pop(msg[1], None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._stats = self.engine.snapshot()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # a bug must not hang every client: fail what is in flight and go on
+                log.exception("engine step failed; aborting in-flight requests")
+                for rid in list(self.engine.requests):
+                    self.engine.abort(rid)
+                    self._push(rid, RuntimeError(f"engine error: {e}"))
+                    self._streams.pop(rid, None)
+                outs = []
+            for out in outs:
+                self._push(out.request_id, out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+            self._stats = self.engine.snapshot()
