@@ -37,6 +37,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.top_k > 2**31 - 1:
+            raise ValueError(f"top_k must be below 2^31, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):

@@ -1,7 +1,7 @@
-"""Reference paged attention: gathers each sequence's visible pages and runs eager attention.
+"""Reference paged attention in plain torch: gathers each query token's visible keys and runs eager attention.
 
-Runs everywhere (it is the CPU path and the oracle for the Triton kernels); it reads the metadata back to
-the host and loops over sequences, so it is never used inside CUDA graphs.
+Runs everywhere (it is the CPU path and the oracle for the Triton kernels). It reads one bound back to the
+host to size the gather, so it is never used inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -34,35 +34,21 @@ class TorchAttention:
         kind: str,
     ) -> torch.Tensor:
         page_size, nkv, hd = k_cache.shape[1:]
-        nh = q.shape[1]
-        group = nh // nkv
+        T, nh = q.shape[:2]
         window = meta.window[kind]
-        table = meta.page_table[kind]
-        cu = meta.cu_seqlens_q.tolist()
-        kv_end = meta.kv_end.tolist()
-        rows = meta.token_seq.tolist()
-        out = torch.empty_like(q)
-        for g in range(len(cu) - 1):
-            r0, r1 = cu[g], cu[g + 1]
-            if r0 == r1:
-                continue
-            ends = kv_end[r0:r1]
-            hi = max(ends)
-            lo = max(0, min(ends) - window) if window else 0
-            pos = torch.arange(lo, hi, device=q.device)
-            pages = table[rows[r0], pos // page_size].long()
-            flat = pages * page_size + pos % page_size
-            keys = k_cache.view(-1, nkv, hd)[flat]  # [S, nkv, hd]
-            vals = v_cache.view(-1, nkv, hd)[flat]
-            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [nh, S, hd]
-            vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
-            qb = q[r0:r1].transpose(0, 1)  # [nh, n, hd]
-            scores = qb @ keys.transpose(1, 2)  # scaling 1.0: q_norm/k_norm replace 1/sqrt(d)
-            end = torch.tensor(ends, device=q.device)[:, None]
-            visible = pos[None, :] < end
-            if window:
-                visible &= pos[None, :] >= end - window
-            scores = scores.masked_fill(~visible[None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out[r0:r1] = (probs @ vals).transpose(0, 1)
-        return out
+        end = meta.kv_end.long()
+        lo = (end - window).clamp(min=0) if window else torch.zeros_like(end)
+        span = int((end - lo).max())
+        pos = lo[:, None] + torch.arange(span, device=q.device)  # [T, S] key positions of each query
+        visible = pos < end[:, None]
+        pos = torch.where(visible, pos, lo[:, None])  # keep the gather in bounds
+        pages = meta.page_table[kind][meta.token_seq.long()[:, None], pos // page_size].long()
+        slots = pages * page_size + pos % page_size
+        keys = k_cache.view(-1, nkv, hd)[slots]  # [T, S, nkv, hd]
+        vals = v_cache.view(-1, nkv, hd)[slots]
+        qg = q.view(T, nkv, nh // nkv, hd)  # GQA: query head j reads KV head j // group
+        scores = torch.einsum("tkgd,tskd->tkgs", qg, keys)  # scaling 1.0: q_norm/k_norm replace 1/sqrt(d)
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.einsum("tkgs,tskd->tkgd", probs, vals)
+        return out.reshape(T, nh, hd)

@@ -1,0 +1,121 @@
+"""Paged-attention bandwidth on the GPU: decode and 5-row verify at the 31B shapes.
+
+    python bench/bench_kernels.py            # the table
+    python bench/bench_kernels.py --sweep    # also try tile configs / split counts per case and print the best
+
+Decode and verify are memory-bound, so the figure of merit is bytes moved / time against the copy bandwidth
+this script measures on the same GPU (a large device-to-device copy: read + write bytes). Bytes moved = the
+K and V rows the queries can see (window-limited for sliding layers) + q read + output written; the split-K
+partials are overhead and are not counted. Times come from triton.testing.do_bench, which flushes L2 before
+every run, so small working sets are not served from cache; "graph" is the same launch replayed from a CUDA
+graph (what the engine does), which removes the host launch cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+from gemma4serve_kernels import attention_config, paged_attention
+
+SHAPES = {  # 31B: 32 query heads
+    "full": dict(nh=32, nkv=4, hd=512, window=0),
+    "sliding": dict(nh=32, nkv=16, hd=256, window=1024),
+}
+PAGE = 16
+DT = torch.bfloat16
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes // 2, dtype=DT, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def build(shape: dict, batch: int, ctx: int, rows: int):
+    """Every sequence has `ctx` committed positions; its `rows` query rows are the last positions."""
+    nh, nkv, hd, window = shape["nh"], shape["nkv"], shape["hd"], shape["window"]
+    pages_per = triton.cdiv(ctx, PAGE)
+    num_pages = 1 + batch * pages_per
+    phys = (torch.randperm(num_pages - 1, device="cuda") + 1).to(torch.int32)
+    table = phys.view(batch, pages_per).contiguous()
+    k_cache = torch.randn(num_pages, PAGE, nkv, hd, device="cuda", dtype=DT)
+    v_cache = torch.randn_like(k_cache)
+    T = batch * rows
+    q = torch.randn(T, nh, hd, device="cuda", dtype=DT) * hd ** -0.5
+    ends = torch.arange(ctx - rows + 1, ctx + 1, dtype=torch.int32, device="cuda").repeat(batch)
+    token_seq = torch.arange(batch, dtype=torch.int32, device="cuda").repeat_interleave(rows)
+    cu = torch.arange(0, T + 1, rows, dtype=torch.int32, device="cuda")
+    visible = min(ctx, window + rows - 1) if window else ctx  # keys one sequence's rows read together
+    nbytes = batch * visible * nkv * hd * 2 * 2 + 2 * q.numel() * 2
+    args = (q, k_cache, v_cache, token_seq, ends, table, cu, rows, window)
+    return args, nbytes
+
+
+def time_case(args, **kw):
+    out = torch.empty_like(args[0])
+    fn = lambda: paged_attention(*args, out=out, **kw)  # noqa: E731
+    fn()
+    ms = do_bench(fn, warmup=25, rep=200)
+    graph_ms = do_bench_cudagraph(fn, rep=200)
+    return ms, graph_ms
+
+
+def sweep(args, hd, group, rows):
+    """Tile configs and split counts around the defaults; returns (best ms, its settings)."""
+    base = attention_config(hd, group, rows)
+    best = None
+    out = torch.empty_like(args[0])
+    split_opts = (dict(), dict(min_split_keys=64), dict(min_split_keys=256), dict(num_splits=1),
+                  dict(num_splits=8, min_split_keys=64), dict(num_splits=32, min_split_keys=32))
+    for block_n, warps, stages, split in itertools.product((16, 32, 64), (4, 8), (2, 3), split_opts):
+        cfg = dict(base, block_n=block_n, num_warps=warps, num_stages=stages)
+        fn = lambda: paged_attention(*args, out=out, config=cfg, **split)  # noqa: E731
+        try:
+            fn()
+        except Exception:  # out of shared memory / registers for this combination
+            continue
+        ms = do_bench(fn, warmup=10, rep=50)
+        if best is None or ms < best[0]:
+            best = (ms, dict(block_n=block_n, num_warps=warps, num_stages=stages, **split))
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also search tile configs / splits per case")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    a = parser.parse_args()
+
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}   measured copy bandwidth: {bw:,.0f} GB/s\n")
+    head = (f"{'layer':8s} {'phase':7s} {'batch':>5s} {'ctx':>6s} {'MB moved':>9s} {'us':>8s} {'GB/s':>7s} "
+            f"{'% copy':>7s} {'graph us':>9s}")
+    print(head + ("   best (sweep)" if a.sweep else ""))
+    print("-" * len(head))
+    for name, shape in SHAPES.items():
+        for phase, rows in (("decode", 1), ("verify", 5)):
+            for batch in map(int, a.batches.split(",")):
+                for ctx in map(int, a.contexts.split(",")):
+                    args, nbytes = build(shape, batch, ctx, rows)
+                    ms, graph_ms = time_case(args)
+                    gbs = nbytes / (ms * 1e-3) / 1e9
+                    line = (f"{name:8s} {phase:7s} {batch:5d} {ctx:6d} {nbytes / 1e6:9.1f} {ms * 1e3:8.1f} "
+                            f"{gbs:7.0f} {100 * gbs / bw:6.1f}% {graph_ms * 1e3:9.1f}")
+                    if a.sweep:
+                        best_ms, cfg = sweep(args, shape["hd"], shape["nh"] // shape["nkv"], rows)
+                        line += f"   {best_ms * 1e3:.1f} us ({100 * nbytes / (best_ms * 1e-3) / 1e9 / bw:.0f}%) {cfg}"
+                    print(line, flush=True)
+                    del args
+                    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""`gemma4serve`: parse the command line (vLLM's spellings), build the engine, serve it over HTTP.
+
+    gemma4serve --model google/gemma-4-31B-it --draft google/gemma-4-31B-it-assistant
+    gemma4serve --demo          # a tiny random Gemma 4 and its assistant: runs anywhere, CPU included
+
+Startup prints the engine's progress (resolve/download, load, KV sizing, graph capture) and ends with exactly
+one line `gemma4serve ready: http://HOST:PORT (model NAME)`. SIGTERM (or Ctrl-C) drains: new requests get
+503, running ones finish for up to --drain-timeout seconds, the rest are aborted, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+
+from gemma4serve.engine.args import EngineArgs
+
+logger = logging.getLogger("gemma4serve")
+
+DEMO_MODEL_NAME = "gemma4serve-demo"
+API_KEY_ENV = "GEMMA4SERVE_API_KEY"
+SHUTDOWN_BACKSTOP_S = 5.0  # after the drain timeout's aborts, how long aborted requests get to end
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Argument types
+
+
+def _token_count(text: str) -> int:
+    """`32768`, `32k` (x1000) or `32K` (x1024), like vLLM's --max-model-len."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a token count like 8192, 8k or 8K, got {text!r}")
+    number, unit = match.groups()
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[unit]
+    return int(float(number) * scale)
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+               "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
+               "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}  # fmt: skip
+
+
+def _byte_size(text: str) -> int:
+    """`17179869184`, `16GiB`, `16G` (both x1024^3) or `16GB` (x1000^3)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 16GiB, 16G or 17179869184, got {text!r}")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def _acceptance(text: str) -> float | list[float]:
+    """`2.5` or a comma list `0.9,0.8,0.6`."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or a comma list of numbers, got {text!r}") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gemma4serve",
+        description="An OpenAI-compatible server for Gemma 4 with MTP speculative decoding.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--model", help="Hugging Face repo id or local directory of the target model.")
+    model.add_argument("--draft", help="Repo id or directory of the MTP assistant (drafter). "
+                                       "Omit to serve without speculation.")
+    model.add_argument("--demo", action="store_true",
+                       help="Serve the built-in tiny random Gemma 4 and its assistant "
+                            "(built on first use; any machine, CPU included).")
+    model.add_argument("--tokenizer", help="Tokenizer directory or repo id (default: the model's).")
+    model.add_argument("--revision", help="Model revision (branch, tag or commit) on the Hub.")
+    model.add_argument("--served-model-name", nargs="+",
+                       help="Name(s) clients put in `model`; the first is the one reported (default: --model).")
+    model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                       help="dummy = random weights of the real shapes (benchmarks).")
+    model.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
+                       help="auto = bfloat16 on CUDA, float32 on CPU.")
+    model.add_argument("--seed", type=int, default=0, help="Seeds dummy weights and requests that give no seed.")
+
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu.")
+    engine.add_argument("--max-model-len", type=_token_count,
+                        help="Context length (prompt + output), e.g. 32768 or 32K "
+                             "(default: the config's, capped by the KV pool).")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="Most sequences in the running batch.")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048, help="Token budget of one engine step.")
+    engine.add_argument("--gpu-memory-utilization", type=_fraction, default=0.90,
+                        help="Fraction of GPU memory for weights + KV cache.")
+    engine.add_argument("--kv-cache-memory", type=_byte_size,
+                        help="Bytes for KV pages, e.g. 20GiB; overrides --gpu-memory-utilization.")
+    engine.add_argument("--kv-cache-tokens", type=int, help=argparse.SUPPRESS)  # test knob: full pool size in tokens
+    engine.add_argument("--block-size", type=int, default=16, help="Tokens per KV page.")
+    engine.add_argument("--num-draft-tokens", "--num-speculative-tokens", dest="num_draft_tokens", type=int, default=4,
+                        help="Draft tokens per step (k); 0 turns MTP off.")
+    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
+    engine.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
+    engine.add_argument("--forced-acceptance", type=_acceptance,
+                        help="BENCHMARK ONLY: force the mean tokens per verify step (a number, or a comma list). "
+                             "Outputs are then NOT the model's.")
+
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0",
+                        help="Address to listen on. 0.0.0.0 = every interface (what Docker needs); "
+                             "127.0.0.1 keeps the server local to this machine.")
+    server.add_argument("--port", type=int, default=8000, help="Port to listen on (0 = any free port).")
+    server.add_argument("--api-key",  # the env default is read in parse_args: --help must not print the key
+                        help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, if set). "
+                             "/health and /metrics stay open.")
+    server.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="On SIGTERM, seconds to let running requests finish before aborting them.")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="No line per HTTP request.")
+    return p
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def engine_args(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model,
+        draft=ns.draft,
+        tokenizer=ns.tokenizer,
+        revision=ns.revision,
+        dtype=_DTYPE_ALIASES.get(ns.dtype, ns.dtype),
+        device=ns.device,
+        load_format="auto" if ns.load_format == "safetensors" else ns.load_format,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        page_size=ns.block_size,
+        num_draft_tokens=ns.num_draft_tokens,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        kv_cache_memory=ns.kv_cache_memory,
+        kv_cache_tokens=ns.kv_cache_tokens,
+        attention_backend=ns.attention_backend,
+        enforce_eager=ns.enforce_eager,
+        seed=ns.seed,
+        forced_acceptance=ns.forced_acceptance,
+        served_model_name=ns.served_model_name[0] if ns.served_model_name else None,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    ns.api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    if ns.demo and (ns.model or ns.draft):
+        parser.error("--demo serves the built-in tiny model; leave out --model and --draft")
+    if not ns.demo and not ns.model:
+        parser.error("--model is required (or --demo for the built-in tiny model)")
+    if ns.port < 0 or ns.port > 65535:
+        parser.error(f"--port must be in 0..65535, got {ns.port}")
+    if ns.drain_timeout < 0:
+        parser.error("--drain-timeout must not be negative")
+    return ns
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Serving
+
+
+class _DropUvicornBanner(logging.Filter):
+    """Uvicorn's own "Uvicorn running on ..." would be a second where-it-listens line; ours is the one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Uvicorn running on")
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("uvicorn.error").addFilter(_DropUvicornBanner())
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(
+    engine,
+    *,
+    host: str,
+    port: int,
+    served_model_name: str | list[str],
+    api_key: str | None = None,
+    drain_timeout: float = 30.0,
+    log_level: str = "info",
+    access_log: bool = True,
+) -> None:
+    """Serve `engine` until SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks; call it from
+    the main thread (signals are delivered there)."""
+    import uvicorn
+
+    from gemma4serve.server.app import build_app
+
+    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, drain_timeout=drain_timeout)
+    state = app.state.gemma4serve
+    names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                bound = self.servers[0].sockets[0].getsockname()[1]
+                print(f"gemma4serve ready: {_url(host, bound)} (model {names[0]})", flush=True)
+
+        def handle_exit(self, sig, frame):
+            # Not super(): uvicorn records the signal and re-raises it after its graceful shutdown, which turns
+            # a clean drain into death by SIGTERM (exit 143). We drain and exit 0, as orchestrators expect.
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting
+                return
+            if not self.should_exit:
+                logger.info("%s: draining (up to %.0fs for running requests)", signal.Signals(sig).name, drain_timeout)
+            state.begin_drain()
+            self.should_exit = True
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=None,  # keep our logging setup
+        access_log=access_log,
+        # The app aborts what still runs after drain_timeout; uvicorn's own cancel is only the backstop.
+        timeout_graceful_shutdown=drain_timeout + SHUTDOWN_BACKSTOP_S,
+        lifespan="on",
+    )
+    try:
+        Server(config).run()
+    finally:
+        state.stop_engine(drain_timeout=0.0)  # no-op after a normal shutdown; stops the engine after a forced exit
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    setup_logging(ns.log_level)
+    if ns.demo:
+        from gemma4serve.tiny import ensure_demo_model
+
+        logger.info("--demo: preparing the tiny random Gemma 4 and its assistant")
+        ns.model, ns.draft = (str(p) for p in ensure_demo_model())
+        ns.served_model_name = ns.served_model_name or [DEMO_MODEL_NAME]
+    args = engine_args(ns)
+    if args.forced_acceptance is not None:
+        logger.warning(
+            "!!! --forced-acceptance %s: BENCHMARK MODE. Acceptance is forced, so the outputs are NOT the "
+            "model's. Never serve users like this. !!!",
+            args.forced_acceptance,
+        )
+    logger.info("starting: model=%s draft=%s device=%s", args.model, args.draft, args.device)
+
+    from gemma4serve.engine.async_engine import AsyncEngine
+
+    try:
+        engine = AsyncEngine(args)
+    except Exception as e:  # bad path, no GPU, out of memory...: one clear line, the traceback at debug
+        logger.error("could not start the engine: %s: %s", type(e).__name__, e, exc_info=ns.log_level == "debug")
+        return 1
+    serve(
+        engine,
+        host=ns.host,
+        port=ns.port,
+        served_model_name=ns.served_model_name or [engine.model_name],
+        api_key=ns.api_key,
+        drain_timeout=ns.drain_timeout,
+        log_level=ns.log_level,
+        access_log=not ns.disable_uvicorn_access_log,
+    )
+    logger.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,695 @@
+"""The HTTP layer: an OpenAI-compatible Starlette app over one engine.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (SSE streaming or one JSON body), GET /v1/models,
+GET /v1/models/{id}, GET /health, GET /metrics, GET /version. Every refusal is OpenAI's error body
+`{"error": {"message", "type", "param", "code"}}` with a 4xx (503 while starting or draining).
+
+Where work runs: templating and tokenization go to the thread pool, /metrics reads `engine.stats()` there
+too; the engine's own work happens on its thread. The event loop only validates, awaits outputs and writes
+bytes. A generation is watched for client disconnect for its whole life (waiting in the queue included):
+on disconnect its task is cancelled, the engine's async generator is closed and the request is aborted,
+so its KV pages go back to the pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.server.metrics import ServerMetrics
+from gemma4serve.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseHeader,
+    TokenStrings,
+    chat_choice,
+    chat_delta_choice,
+    chat_logprobs,
+    check_context_length,
+    completion_choice,
+    completion_logprobs,
+    error_body,
+    parse_request,
+    usage_body,
+)
+
+logger = logging.getLogger("gemma4serve.server")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a 1M-token prompt as JSON is well under this
+# Template variables the request must not override: they are set from the request's own fields.
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "chat_template"}
+
+
+def _dumps(obj) -> bytes:
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from the request (echoed in a message): \u-escape it
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _json(status: int, body: dict, headers: dict | None = None) -> Response:
+    return Response(_dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Server state
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine, the served names, the switches of the server's lifecycle."""
+
+    engine: Any
+    model_names: list[str]
+    api_key: str | None
+    metrics: ServerMetrics
+    token_strings: TokenStrings
+    sampling_defaults: dict
+    drain_timeout: float
+    created: int = field(default_factory=lambda: int(time.time()))
+    ready: bool = False  # the engine thread runs
+    draining: bool = False  # shutting down: refuse new work, let running requests finish
+    inflight: set[str] = field(default_factory=set)  # request ids being generated (touched on the loop only)
+    _engine_stopped: bool = False
+    _stop_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def unavailable(self) -> str | None:
+        """Why new work is refused (503), or None when the server takes requests."""
+        if self.draining:
+            return "The server is shutting down."
+        if not self.ready:
+            return "The engine is not ready yet."
+        if not getattr(self.engine, "ready", True):  # the engine thread died: fail fast, never hang a client
+            return "The engine is not running."
+        return None
+
+    def begin_drain(self) -> None:
+        """Stop admitting requests (503) and fail health checks; safe to call from a signal handler."""
+        self.draining = True
+
+    def abort_inflight(self) -> None:
+        """Abort every running request: the engine ends each with finish_reason "abort", so that streams
+        still close with a final chunk and [DONE]."""
+        for request_id in list(self.inflight):
+            self.engine.abort(request_id)
+
+    async def abort_after_drain_timeout(self) -> None:
+        """Once draining starts, give running requests `drain_timeout` seconds, then abort the rest. Polls:
+        draining is switched on from a signal handler, where touching asyncio objects is not safe."""
+        while not self.draining:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(self.drain_timeout)
+        if self.inflight:
+            logger.warning(
+                "drain timeout (%.0fs): aborting %d running request(s)", self.drain_timeout, len(self.inflight)
+            )
+            self.abort_inflight()
+
+    def stop_engine(self, drain_timeout: float | None = None) -> None:
+        """engine.shutdown(), once, whoever asks first (the app's shutdown, or the CLI after a forced exit)."""
+        with self._stop_lock:
+            if self._engine_stopped:
+                return
+            self._engine_stopped = True
+        self.ready = False
+        self.engine.shutdown(drain_timeout=self.drain_timeout if drain_timeout is None else drain_timeout)
+
+    def resolve_model(self, requested: str | None) -> str:
+        if requested is None:  # vLLM accepts a request without "model"
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise ApiError(
+                404,
+                f"The model `{requested}` does not exist. This server serves: {', '.join(self.model_names)}.",
+                param="model",
+                code="model_not_found",
+            )
+        return requested
+
+    def model_card(self, name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "gemma4serve",
+            "root": self.engine.model_name,
+            "parent": None,
+            "max_model_len": self.engine.max_model_len,
+        }
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.gemma4serve
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Gate: auth and draining for /v1 (pure ASGI, so that it never buffers a stream)
+
+
+class ApiGate:
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+        self._key = state.api_key.encode() if state.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> Response | None:
+        if self._key is not None:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                message = "Incorrect API key provided." if auth else "You didn't provide an API key."
+                return _json(401, error_body(message, code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+        unavailable = self.state.unavailable()
+        if unavailable:
+            return _json(503, error_body(unavailable, type="service_unavailable"))
+        return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Response formats: one per endpoint, same shape, so one generation loop serves both
+
+
+class _Format:
+    """Turns RequestOutputs into stream chunks or one final body. Tracks per-choice state (finish reported,
+    text offsets) across the outputs of one request."""
+
+    def __init__(self, header: ResponseHeader, request, strings: TokenStrings, prompt_len: int):
+        self.header = header
+        self.request = request
+        self.strings = strings
+        self.prompt_len = prompt_len
+        self._finish_sent: set[int] = set()
+        self.completion_tokens = 0  # totals of the latest output, summed over choices
+
+    def usage(self) -> dict:
+        return usage_body(self.prompt_len, self.completion_tokens)
+
+    def count(self, output: RequestOutput) -> None:
+        """Keep the usage current: outputs carry each choice's totals."""
+        self.completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+
+    def step(self, output: RequestOutput) -> list[dict]:
+        self.count(output)
+        chunks = []
+        for c in output.outputs:
+            if c.new_text or c.new_logprobs:
+                chunks.append(self._chunk([self.delta_choice(c)]))
+            if c.finish_reason is not None and c.index not in self._finish_sent:
+                self._finish_sent.add(c.index)
+                chunks.append(self._chunk([self.finish_choice(c)]))
+        return chunks
+
+    def closing(self) -> list[dict]:
+        if self.request.include_usage:
+            return [self._chunk([], self.usage(), final=True)]
+        return []
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None, *, final: bool = False) -> dict:
+        if self.request.continuous_usage and not final:
+            usage = self.usage()
+        return self.envelope(choices, usage, with_usage=self.request.include_usage)
+
+    # Per-endpoint parts
+    def opening(self, n: int) -> list[dict]:
+        raise NotImplementedError
+
+    def envelope(self, choices, usage, *, with_usage) -> dict:
+        raise NotImplementedError
+
+    def delta_choice(self, c: CompletionOutput) -> dict:
+        raise NotImplementedError
+
+    def finish_choice(self, c: CompletionOutput) -> dict:
+        raise NotImplementedError
+
+    def body(self, output: RequestOutput, logprobs: dict[int, list[TokenLogprob]]) -> dict:
+        raise NotImplementedError
+
+
+class _ChatFormat(_Format):
+    def opening(self, n: int) -> list[dict]:
+        # OpenAI's first chunk of each choice carries the role and an empty content.
+        return [self._chunk([chat_delta_choice(i, {"role": "assistant", "content": ""})]) for i in range(n)]
+
+    def envelope(self, choices, usage, *, with_usage) -> dict:
+        return self.header.chat_chunk(choices, usage, with_usage=with_usage)
+
+    def delta_choice(self, c: CompletionOutput) -> dict:
+        logprobs = chat_logprobs(c.new_logprobs, self.strings) if c.new_logprobs is not None else None
+        return chat_delta_choice(c.index, {"content": c.new_text}, logprobs)
+
+    def finish_choice(self, c: CompletionOutput) -> dict:
+        return chat_delta_choice(c.index, {}, None, c.finish_reason, c.stop_reason)
+
+    def body(self, output, logprobs) -> dict:
+        want = self.request.logprobs
+        choices = [
+            chat_choice(
+                c.index,
+                c.text,
+                chat_logprobs(logprobs.get(c.index, []), self.strings) if want else None,
+                c.finish_reason,
+                c.stop_reason,
+            )
+            for c in output.outputs
+        ]
+        return self.header.chat_completion(choices, self.usage())
+
+
+class _CompletionFormat(_Format):
+    def __init__(self, header, request, strings, prompt_len, echo_text: str):
+        super().__init__(header, request, strings, prompt_len)
+        self.echo_text = echo_text  # "" without echo
+        self._offsets: dict[int, int] = {}
+
+    def opening(self, n: int) -> list[dict]:
+        if not self.echo_text:
+            return []
+        return [self._chunk([completion_choice(i, self.echo_text, None, None)]) for i in range(n)]
+
+    def envelope(self, choices, usage, *, with_usage) -> dict:
+        return self.header.completion_chunk(choices, usage, with_usage=with_usage)
+
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict:
+        offset = self._offsets.get(index, len(self.echo_text))
+        body = completion_logprobs(logprobs, self.strings, offset)
+        self._offsets[index] = offset + sum(len(t) for t in body["tokens"])
+        return body
+
+    def delta_choice(self, c: CompletionOutput) -> dict:
+        logprobs = self._logprobs(c.index, c.new_logprobs) if c.new_logprobs is not None else None
+        return completion_choice(c.index, c.new_text, logprobs, None)
+
+    def finish_choice(self, c: CompletionOutput) -> dict:
+        return completion_choice(c.index, "", None, c.finish_reason, c.stop_reason)
+
+    def body(self, output, logprobs) -> dict:
+        want = self.request.logprobs is not None
+        choices = [
+            completion_choice(
+                c.index,
+                self.echo_text + c.text,
+                self._logprobs(c.index, logprobs.get(c.index, [])) if want else None,
+                c.finish_reason,
+                c.stop_reason,
+            )
+            for c in output.outputs
+        ]
+        return self.header.completion(choices, self.usage())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One generation as an ASGI response
+
+
+async def _wait_for_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # nginx: do not buffer the stream
+]
+
+
+class GenerationResponse:
+    """Runs one request on the engine and writes it out, streamed (SSE) or as one JSON body.
+
+    The status is chosen only after the engine accepted the request (its first output): a ValueError from
+    `generate` (prompt too long, ...) is still a 400. Uvicorn's send() silently drops writes to a gone client,
+    so disconnects are watched on receive(), concurrently, for the whole generation."""
+
+    def __init__(self, state: ServerState, fmt: _Format, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams, stream: bool):  # fmt: skip
+        self.state = state
+        self.fmt = fmt
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stream = stream
+        self._started = False  # response headers sent
+        self._engine_finished = False  # the engine sent its finished output (nothing left to abort)
+        self._stopped_short = False  # the engine's generator ended without a finished output
+
+    async def __call__(self, scope, receive, send) -> None:
+        work = asyncio.ensure_future(self._run(send))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                logger.info("request %s: client disconnected, aborting", self.request_id)
+        except asyncio.CancelledError:
+            # uvicorn's graceful-shutdown backstop: the engine did not end this request after the drain abort.
+            logger.warning("request %s: cancelled at shutdown", self.request_id)
+        finally:
+            work.cancel()
+            watch.cancel()
+            await asyncio.gather(work, watch, return_exceptions=True)
+
+    async def _start(self, send, status: int, headers: list) -> None:
+        self._started = True
+        await send({"type": "http.response.start", "status": status,
+                    "headers": headers + [(b"x-request-id", self.request_id.encode())]})  # fmt: skip
+
+    async def _send_json(self, send, status: int, body: dict) -> None:
+        await self._start(send, status, [(b"content-type", b"application/json")])
+        await send({"type": "http.response.body", "body": _dumps(body)})
+
+    async def _run(self, send) -> None:
+        engine = self.state.engine
+        outputs = None
+        self.state.inflight.add(self.request_id)
+        try:
+            try:
+                outputs = engine.generate(self.prompt_ids, self.params, self.request_id)
+                first = await outputs.__anext__()
+            except ValueError as e:  # the engine's word on a user error, before anything ran
+                await self._send_json(send, 400, error_body(str(e)))
+                return
+            if self.stream:
+                await self._stream(send, first, outputs)
+            else:
+                await self._collect(send, first, outputs)
+        except Exception as e:
+            unavailable = None if self._started else self.state.unavailable()
+            if unavailable:  # raced with shutdown: the engine stopped admitting
+                await self._send_json(send, 503, error_body(unavailable, type="service_unavailable"))
+                return
+            logger.exception("request %s failed", self.request_id)
+            body = error_body(f"internal error: {type(e).__name__}: {e}", type="internal_server_error")
+            if not self._started:
+                await self._send_json(send, 500, body)
+            else:  # mid-stream: the status is gone; tell the client in-band, as vLLM does, then end the stream
+                await send({"type": "http.response.body", "body": b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n"})
+        finally:
+            self.state.inflight.discard(self.request_id)
+            if outputs is not None:
+                try:
+                    await outputs.aclose()  # GeneratorExit in the engine's generator: it aborts and frees pages
+                except Exception:
+                    logger.exception("request %s: closing the engine's generator failed", self.request_id)
+            if not self._engine_finished:
+                try:
+                    engine.abort(self.request_id)  # idempotent; covers a generator that did not abort itself
+                except Exception:
+                    logger.exception("request %s: abort failed", self.request_id)
+
+    async def _next(self, outputs, previous: RequestOutput) -> RequestOutput:
+        """The engine's next output. Should the engine stop without a finished one, the request ends as
+        aborted rather than as an error: the client still gets a well-formed end."""
+        output = await anext(outputs, None)
+        if output is None:
+            logger.warning("request %s: the engine stopped without a finished output", self.request_id)
+            self._stopped_short = True
+            return _ended_as_abort(previous)
+        return output
+
+    def _finish(self, output: RequestOutput) -> None:
+        self._engine_finished = output.finished and not self._stopped_short
+        if self._engine_finished:
+            self.state.metrics.observe_finished(output)
+
+    async def _stream(self, send, output: RequestOutput, outputs) -> None:
+        await self._start(send, 200, SSE_HEADERS)
+        events = self.fmt.opening(len(output.outputs))
+        while True:
+            events += self.fmt.step(output)
+            if events:  # one write per engine output: MTP can bring several tokens at once
+                await send({"type": "http.response.body", "body": _sse(events), "more_body": True})
+                events = []
+            if output.finished:
+                break
+            output = await self._next(outputs, output)
+        self._finish(output)
+        tail = _sse(self.fmt.closing()) + b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _collect(self, send, output: RequestOutput, outputs) -> None:
+        logprobs: dict[int, list[TokenLogprob]] = {}
+        while True:
+            for c in output.outputs:
+                if c.new_logprobs:
+                    logprobs.setdefault(c.index, []).extend(c.new_logprobs)
+            self.fmt.count(output)
+            if output.finished:
+                break
+            output = await self._next(outputs, output)
+        self._finish(output)
+        await self._send_json(send, 200, self.fmt.body(output, logprobs))
+
+
+def _ended_as_abort(last: RequestOutput) -> RequestOutput:
+    """A finished copy of `last` (no new tokens) whose unfinished choices end with "abort"."""
+    choices = [
+        CompletionOutput(index=c.index, text=c.text, token_ids=c.token_ids,
+                         finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason)  # fmt: skip
+        for c in last.outputs
+    ]
+    return RequestOutput(last.request_id, last.prompt_token_ids, choices, finished=True, metrics=None)
+
+
+def _sse(events: list[dict]) -> bytes:
+    return b"".join(b"data: " + _dumps(e) + b"\n\n" for e in events)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prompt building (runs in the thread pool: templating and tokenizing long prompts is CPU work)
+
+
+def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
+    # An id outside the embedding table would fault the model (on GPU: a device assert that kills the server).
+    if vocab_size is not None:
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size}).", param=param)
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except (TypeError, UnicodeError) as e:  # JSON allows lone surrogates ("\\ud800"); the tokenizer does not
+        raise ApiError(400, f"The {param} could not be tokenized (invalid Unicode?): {e}", param=param) from e
+
+
+def _render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = RESERVED_TEMPLATE_KWARGS & kwargs.keys()
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {sorted(reserved)}.", param="chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(
+            req.template_messages(), add_generation_prompt=req.add_generation_prompt, tools=req.tools, **kwargs
+        )
+    except Exception as e:  # jinja2's raise_exception ("roles must alternate", ...) and friends: the input's fault
+        raise ApiError(400, f"The chat template rejected these messages: {e}", param="messages") from e
+    ids = _encode(tokenizer, text, "messages")  # the template already wrote <bos>
+    if not ids:
+        raise ApiError(400, "The rendered prompt is empty.", param="messages")
+    return ids
+
+
+def _encode_completion_prompt(tokenizer, req: CompletionRequest) -> tuple[list[int], str]:
+    """(prompt token ids, the text `echo` returns)."""
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        ids = _encode(tokenizer, prompt, "prompt")
+        # Gemma needs <bos> first; HF's tokenizer (and so vLLM) adds it to a text prompt by default.
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if req.add_special_tokens and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids, prompt if req.echo else ""
+    _check_token_ids(prompt, getattr(tokenizer, "vocab_size", None), "prompt")
+    return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False) if req.echo else ""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Routes
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+    body = bytearray()
+    try:
+        async for piece in request.stream():
+            body += piece
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+    except ClientDisconnect:
+        raise ApiError(400, "The client disconnected while sending the request.") from None
+    return bytes(body)
+
+
+async def chat_completions(request: Request):
+    state = _state(request)
+    engine = state.engine
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _read_body(request))
+    model = state.resolve_model(req.model)
+    prompt_ids = await run_in_threadpool(_render_chat, engine.tokenizer, req)
+    max_tokens = check_context_length(len(prompt_ids), req.requested_max_tokens, engine.max_model_len,
+                                      prompt_param="messages")  # fmt: skip
+    params = req.sampling_params(max_tokens=max_tokens, logprobs=req.num_logprobs, defaults=state.sampling_defaults)
+    header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model)
+    fmt = _ChatFormat(header, req, state.token_strings, len(prompt_ids))
+    return GenerationResponse(state, fmt, header.id, prompt_ids, params, req.stream)
+
+
+async def completions(request: Request):
+    state = _state(request)
+    engine = state.engine
+    req: CompletionRequest = parse_request(CompletionRequest, await _read_body(request))
+    model = state.resolve_model(req.model)
+    prompt_ids, echo_text = await run_in_threadpool(_encode_completion_prompt, engine.tokenizer, req)
+    max_tokens = check_context_length(len(prompt_ids), req.max_tokens, engine.max_model_len, prompt_param="prompt")
+    params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs, defaults=state.sampling_defaults)
+    header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model)
+    fmt = _CompletionFormat(header, req, state.token_strings, len(prompt_ids), echo_text)
+    return GenerationResponse(state, fmt, header.id, prompt_ids, params, req.stream)
+
+
+async def list_models(request: Request):
+    state = _state(request)
+    return _json(200, {"object": "list", "data": [state.model_card(name) for name in state.model_names]})
+
+
+async def get_model(request: Request):
+    state = _state(request)
+    name = request.path_params["model"]
+    return _json(200, state.model_card(state.resolve_model(name)))
+
+
+async def health(request: Request):
+    unavailable = _state(request).unavailable()
+    if unavailable:
+        return _json(503, error_body(unavailable, type="service_unavailable"))
+    return _json(200, {"status": "ok"})
+
+
+async def metrics(request: Request):
+    body = await run_in_threadpool(_state(request).metrics.render)  # engine.stats() may take the engine's lock
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request):
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return _json(200, {"version": package_version("gemma4serve")})
+    except PackageNotFoundError:  # running from a source checkout
+        return _json(200, {"version": "unknown"})
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Errors: every refusal in OpenAI's schema
+
+
+_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
+
+
+async def _api_error(request: Request, exc: ApiError):
+    return _json(exc.status, exc.body())
+
+
+async def _http_error(request: Request, exc: HTTPException):
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+    return _json(exc.status_code, error_body(message, type=error_type), headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception):
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _json(500, error_body(f"internal error: {type(exc).__name__}", type="internal_server_error"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def build_app(
+    engine,
+    *,
+    served_model_name: str | list[str],
+    api_key: str | None = None,
+    drain_timeout: float = 30.0,
+) -> Starlette:
+    """The ASGI app over `engine` (an AsyncEngine or anything with its interface).
+
+    The app's startup calls `engine.start()`; its shutdown calls `engine.shutdown(drain_timeout)` off the
+    event loop. `app.state.gemma4serve` is the ServerState: `begin_drain()` (the CLI calls it on SIGTERM)
+    makes /health and new requests 503 and, `drain_timeout` seconds later, aborts what still runs.
+    When the engine offers `default_sampling_params` (a dict, e.g. the checkpoint's generation_config), those
+    fill what a request leaves unset, as vLLM does with a model's generation config.
+    """
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names:
+        raise ValueError("served_model_name must name at least one model")
+    state = ServerState(
+        engine=engine,
+        model_names=names,
+        api_key=api_key or None,
+        metrics=ServerMetrics(engine.stats, names[0]),
+        token_strings=TokenStrings(engine.tokenizer),
+        sampling_defaults=dict(getattr(engine, "default_sampling_params", None) or {}),
+        drain_timeout=drain_timeout,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()  # on the loop: the engine may bind its output queues to it
+        state.ready = True
+        drain_timer = asyncio.create_task(state.abort_after_drain_timeout())
+        try:
+            yield
+        finally:
+            state.begin_drain()
+            drain_timer.cancel()
+            await asyncio.to_thread(state.stop_engine)
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(ApiGate, state=state)],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.gemma4serve = state
+    return app

@@ -1,0 +1,459 @@
+"""OpenAI's wire format: the request bodies we accept, their conversion to SamplingParams, and the response,
+chunk, usage, logprob and error bodies we send.
+
+Requests are validated in pydantic's strict mode: a field of the wrong type (`"max_tokens": "5"`,
+`"stream": "yes"`) is a 400, as on api.openai.com, while unknown fields are ignored, as vLLM does, so that
+clients written for either keep working.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from gemma4serve.engine.outputs import TokenLogprob
+from gemma4serve.sampling_params import SamplingParams
+
+# --------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+class ApiError(Exception):
+    """A request the server refuses, carried to the HTTP layer as OpenAI's error body and a 4xx/5xx status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# pydantic adds the union member it tried to an error's location ("stop", "list[str]"); these are not fields.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param_of(loc: tuple) -> str | None:
+    parts = []
+    for p in loc:
+        if isinstance(p, str) and ("[" in p or p.lower() in _TYPE_TAGS or not p.isidentifier()):
+            break
+        parts.append(str(p))
+    return ".".join(parts) or None
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    err = exc.errors(include_url=False)[0]
+    param = _param_of(err["loc"])
+    if err["type"] == "missing":
+        return ApiError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    message = err["msg"].removeprefix("Value error, ")
+    code = "invalid_value" if err["type"] in ("value_error", "literal_error", "greater_than_equal") else "invalid_type"
+    return ApiError(400, f"Invalid value for '{param}': {message}", param=param, code=code)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Requests
+
+MAX_N = 128  # OpenAI's limit; each choice is a sequence with its own KV pages
+MAX_TOP_K = 2**31 - 1  # the sampler packs top_k into int32: a larger one would fail the whole batch's step
+
+
+# Numbers are finite (NaN or inf temperatures turn into NaN probabilities inside a batch shared with others).
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"content parts of type '{self.type}' are not supported; this server is text-only")
+        if self.text is None:
+            raise ValueError("a content part of type 'text' needs a 'text' string")
+        return self
+
+
+class ChatMessage(BaseModel):
+    # Fields beyond OpenAI's (e.g. `reasoning_content`) are kept: the chat template may read them.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a '{self.role}' message needs 'content'")
+        return self
+
+    def to_template(self) -> dict:
+        """The dict the chat template sees. Text parts are joined into one string (vLLM's "string" content
+        format): the Gemma templates trim a system message's content as a string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extension: usage in every chunk
+
+
+class _GenerationRequest(_Request):
+    """Fields shared by /v1/chat/completions and /v1/completions. None = "not given": the server's default."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Refuse what this server cannot honour rather than silently ignoring it."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true.", param="stream_options")
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by this server.", param="logit_bias")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ApiError(
+                400,
+                f"response_format type '{self.response_format.get('type')}' is not supported; only 'text'.",
+                param="response_format",
+            )
+        if self.top_k is not None and not (-1 <= self.top_k <= MAX_TOP_K):
+            raise ApiError(400, f"top_k must be -1 or 0 (off), or in [1, {MAX_TOP_K}], got {self.top_k}", param="top_k")
+        if self.n > MAX_N:
+            raise ApiError(400, f"n must be at most {MAX_N}, got {self.n}", param="n")
+        if any(s == "" for s in self.stop_strings):
+            raise ApiError(400, "stop strings must not be empty.", param="stop")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
+        """`defaults` (the checkpoint's generation_config, when the engine offers one) fill what the request
+        leaves unset; then SamplingParams' own defaults. Raises ApiError(400) on values no sampler honours."""
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        chosen = {k: v for k, v in (defaults or {}).items() if k in given}
+        chosen.update({k: v for k, v in given.items() if v is not None})
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                seed=self.seed,
+                stop=self.stop_strings,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                n=self.n,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                **chosen,
+            )
+        except ValueError as e:
+            # SamplingParams' messages start with the field's name ("top_p must be in (0, 1], got 0.0").
+            field = str(e).split(" ", 1)[0]
+            raise ApiError(400, str(e), param=field if field in SamplingParams.__dataclass_fields__ else None) from e
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise ApiError(400, "messages must contain at least one message.", param="messages", code="invalid_value")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+        if self.top_logprobs is not None and not (0 <= self.top_logprobs <= 20):
+            raise ApiError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict]:
+        return [m.to_template() for m in self.messages]
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's legacy default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM extension: prepend <bos> to a text prompt
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise ApiError(400, "suffix (insertion) is not supported by this server.", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, "best_of other than n is not supported by this server.", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported.", param="echo")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request: a string or token ids. A batch of prompts is refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > 1:
+                raise ApiError(
+                    400, "batched prompts are not supported; send one prompt per request.", param="prompt"
+                )
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise ApiError(400, "prompt must not be empty.", param="prompt", code="invalid_value")
+        return prompt
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_request(model: type[_Request], body: bytes) -> Any:
+    """Bytes of a request body -> a validated request model, or ApiError(400) that says what is wrong."""
+    try:
+        data = json.loads(body, parse_constant=_no_constants)  # Python's json would take NaN and Infinity
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, "We could not parse the JSON body of your request. The body must be valid JSON.") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    request.check_supported()
+    return request
+
+
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int, *, prompt_param: str) -> int:
+    """The number of tokens to generate (all the room left when the request set none), or ApiError(400) when
+    the prompt or prompt + max_tokens does not fit the context (OpenAI's/vLLM's wording and code)."""
+    if prompt_len >= max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the input, {max_tokens} in the completion). "
+            "Please reduce the length of the input or of the completion (max_tokens).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Responses
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class ResponseHeader:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+    def chat_completion(self, choices: list[dict], usage: dict) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}  # fmt: skip
+
+    def completion(self, choices: list[dict], usage: dict) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}  # fmt: skip
+
+    def chat_chunk(self, choices: list[dict], usage: dict | None = None, *, with_usage: bool = False) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": choices}  # fmt: skip
+        if with_usage:  # OpenAI: with include_usage, every chunk carries "usage" (null until the last)
+            chunk["usage"] = usage
+        return chunk
+
+    def completion_chunk(self, choices: list[dict], usage: dict | None = None, *, with_usage: bool = False) -> dict:
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                 "choices": choices}  # fmt: skip
+        if with_usage:
+            chunk["usage"] = usage
+        return chunk
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason, stop_reason) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def chat_delta_choice(index: int, delta: dict, logprobs: dict | None = None, finish_reason=None, stop_reason=None):
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason, stop_reason=None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Logprobs
+
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) and logprob > _LOGPROB_FLOOR else _LOGPROB_FLOOR
+
+
+class TokenStrings:
+    """Token id -> (text, UTF-8 bytes) as OpenAI's logprobs show a token. A byte-fallback piece (`<0xE2>`)
+    shows its one raw byte, so that clients can reassemble multi-byte characters from `bytes`."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            piece = getattr(self._tokenizer, "id_to_token", lambda _: None)(token_id)
+            match = _BYTE_PIECE.match(piece) if piece else None
+            if match:
+                raw = bytes([int(match.group(1), 16)])
+                hit = (raw.decode("utf-8", errors="replace"), list(raw))
+            else:
+                text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+                hit = (text, list(text.encode("utf-8")))
+            self._cache[token_id] = hit
+        return hit
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings) -> dict:
+    """`choices[].logprobs` of a chat completion: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text, raw = strings(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": raw}
+
+    content = []
+    for lp in logprobs:
+        item = entry(lp.token_id, lp.logprob)
+        item["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings, text_offset: int) -> dict:
+    """`choices[].logprobs` of a legacy completion. `top_logprobs` also holds the sampled token (OpenAI: "up
+    to logprobs+1 elements"); `text_offset` counts characters from the start of this choice's text."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for lp in logprobs:
+        text, _ = strings(lp.token_id)
+        tokens.append(text)
+        token_logprobs.append(_finite(lp.logprob))
+        top = {strings(t)[0]: _finite(v) for t, v in lp.top}
+        top.setdefault(text, _finite(lp.logprob))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -1,0 +1,24 @@
+"""gemma4serve's Triton kernels (installed as `gemma4serve_kernels`; the folder is `kernels/`).
+
+All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
+"""
+
+from .activation import gelu_tanh_mul
+from .kv_write import kv_write
+from .moe import moe_align, moe_experts, moe_route
+from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_residual_add_scale, rmsnorm_rope
+from .paged_attention import attention_config, paged_attention
+
+__all__ = [
+    "attention_config",
+    "gelu_tanh_mul",
+    "kv_write",
+    "moe_align",
+    "moe_experts",
+    "moe_route",
+    "paged_attention",
+    "rms_norm",
+    "rmsnorm_residual_add",
+    "rmsnorm_residual_add_scale",
+    "rmsnorm_rope",
+]

@@ -1,0 +1,58 @@
+"""Helpers shared by the kernels: interpreter detection, exact rounding, launch sizing."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Under TRITON_INTERPRET=1 (the CPU test path) bf16 arithmetic and bf16 tl.dot operate on raw bit patterns, and
+# fp32 -> bf16 casts truncate. Kernels therefore do all math in fp32 after loading, feed fp32 operands to tl.dot
+# when interpreting, and round with `round_to` below (bit exact RTNE on both paths).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """fp32 dot operands: always when interpreting; for fp32 tensors also on GPU (with ieee precision, no tf32)."""
+    return INTERPRET or dtype == torch.float32
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """Round fp32 `x` to DTYPE (round to nearest even) and keep it in fp32.
+
+    Emulates one rounding point of the torch reference (a bf16 op's output) inside an fp32 computation; bf16 is
+    done with integer ops because the interpreter's cast truncates. On GPU it is three integer ops.
+    """
+    if DTYPE == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a small stand-in on CPU, where only the interpreter runs)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def row_warps(block: int) -> int:
+    """Warps for a kernel that holds one `block`-wide row tile."""
+    return 1 if block <= 256 else 4 if block <= 2048 else 8

@@ -1,0 +1,231 @@
+"""Paged attention over the shared layout of `gemma4serve/attention/metadata.py`, one kernel for every phase.
+
+Prefill/extend chunks, single-token decode, k+1-row causal verification and the drafter's query-only reads all
+go through `paged_attention`: query token t (of page-table row `token_seq[t]`) attends to the keys at positions
+[max(0, kv_end[t] - window), kv_end[t]) read through the page table. Gemma 4 numerics: scaling 1.0, no
+softcap, GQA with contiguous head groups, softmax in fp32 (online, exp2 domain), output in q's dtype.
+
+Work split. A program owns one KV head of one sequence group (rows cu_seqlens_q[g]:cu_seqlens_q[g+1]), a
+block of BLOCK_T consecutive query tokens of that group and all GROUP query heads that share the KV head, so
+every K/V tile is read once for BLOCK_T * GROUP query rows (the rows of the tl.dot). The KV range of the block
+[min start, max end) is split across NUM_SPLITS programs (flash-decoding) when the grid would otherwise be too
+small to fill the GPU (batch-1 decode of a long context); a second kernel merges the partial results through
+their log-sum-exp. The grid depends only on host ints (groups, max_q_len, heads, splits): the loop bounds come
+from the metadata tensors, so there is no host synchronisation and the launch can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, dot_in_fp32, next_pow2, round_to, sm_count
+
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
+
+
+@triton.jit(do_not_specialize=["window"])  # one compiled variant for the target's W and the drafter's W_a + 1
+def _attn_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+    token_seq_ptr, kv_end_ptr, table_ptr, cu_ptr,
+    window, num_q_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_table,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    g = tl.program_id(0)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    row0 = tl.load(cu_ptr + g) + tl.program_id(1) * BLOCK_T
+    row_end = tl.load(cu_ptr + g + 1)
+    if row0 >= row_end:
+        return
+
+    # Rows of the dot: token-major, GROUP_P head slots per token (padding slots and tokens are masked).
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = row0 + offs_m // GROUP_P
+    slot = offs_m % GROUP_P
+    row_ok = (offs_m // GROUP_P < BLOCK_T) & (tok < row_end) & (slot < GROUP)
+    tok = tl.where(row_ok, tok, row0).to(tl.int64)
+    head = kvh * GROUP + tl.where(row_ok, slot, 0)
+    end = tl.load(kv_end_ptr + tok)
+    start = tl.where(window > 0, tl.maximum(end - window, 0), 0)
+    hi = tl.max(tl.where(row_ok, end, 0), axis=0)
+    lo = tl.min(tl.where(row_ok, start, hi), axis=0)
+
+    # This program's share of the key blocks (absolute BLOCK_N-aligned tiles covering [lo, hi)).
+    first = lo // BLOCK_N
+    n_blocks = tl.cdiv(hi, BLOCK_N) - first
+    per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), MIN_BLOCKS)
+    b_lo = first + split * per_split
+    b_hi = tl.minimum(b_lo + per_split, first + n_blocks)
+
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    table_row = table_ptr + tl.load(token_seq_ptr + row0).to(tl.int64) * stride_table
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for b in range(b_lo, b_hi):
+        pos = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Keys outside [lo, hi) are neither looked up nor loaded: their table entries may be the null page
+        # (freed sliding pages) or lie past the end of the table row.
+        kv_ok = (pos >= lo) & (pos < hi)
+        page = tl.load(table_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+        in_page = pos % PAGE
+        k = tl.load(k_ptr + (page * stride_kp + in_page * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=kv_ok[:, None], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = (pos[None, :] < end[:, None]) & (pos[None, :] >= start[:, None])
+        s = tl.where(visible, s * LOG2E, float("-inf"))  # scaling 1.0 (q_norm/k_norm replace 1/sqrt(d))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            pv = tl.dot(round_to(p, v_ptr.dtype.element_ty), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v_ptr.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has = l_i > 0.0  # a row with no visible key yields zeros, like the reference's empty softmax
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        o = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o, round_to(out, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # Partials [T, num_q_heads, NUM_SPLITS, (HEAD_DIM)]: every split writes its lse (-inf when empty), the
+        # normalised output only where it saw a key; the merge reads outputs only where lse is finite.
+        part = (tok * num_q_heads + head) * NUM_SPLITS + split
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=(row_ok & has)[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr, num_q_heads, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, HEAD_DIM)
+    part = (t * num_q_heads + h) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    seen = lse > float("-inf")
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=seen[:, None], other=0.0)
+    den = tl.sum(w, axis=0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+    DT: tl.constexpr = o_ptr.dtype.element_ty
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + d, round_to(out, DT).to(DT))
+
+
+def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
+    """Tile shapes by head dim and phase. Starting points to tune on the GPU (bench/bench_kernels.py).
+
+    The fp32 accumulator holds BLOCK_M x head_dim values, so wide heads get fewer rows per program.
+    """
+    group_p = next_pow2(group)
+    max_rows = 64 if head_dim <= 256 else 32
+    block_t = max(1, min(next_pow2(max_q_len), max_rows // group_p))
+    block_m = max(16, block_t * group_p)
+    return dict(
+        block_t=block_t,
+        block_m=block_m,
+        block_n=64 if head_dim <= 256 else 32,
+        # enough threads that the accumulator stays around 64 fp32 registers per thread
+        num_warps=8 if head_dim >= 512 or block_m * head_dim >= 16384 else 4,
+        num_stages=3 if max_q_len <= 8 else 2,
+    )
+
+
+def choose_splits(programs: int, device: torch.device, max_splits: int = 64) -> int:
+    """Enough KV splits for about two waves of programs; 1 when the batch already fills the GPU."""
+    target = 2 * sm_count(device)
+    if programs >= target:
+        return 1
+    return min(max_splits, next_pow2(triton.cdiv(target, programs)))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, nh, hd]
+    k_cache: torch.Tensor,  # [num_pages, page_size, nkv, hd]
+    v_cache: torch.Tensor,
+    token_seq: torch.Tensor,  # [T] int32
+    kv_end: torch.Tensor,  # [T] int32
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    cu_seqlens_q: torch.Tensor,  # [G+1] int32
+    max_q_len: int,
+    window: int,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    min_split_keys: int = 128,
+    config: dict | None = None,
+) -> torch.Tensor:
+    T, nh, hd = q.shape
+    page_size, nkv = k_cache.shape[1], k_cache.shape[2]
+    assert nh % nkv == 0 and hd >= 16 and hd & (hd - 1) == 0, "head_dim must be a power of two >= 16"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert page_table.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    G = cu_seqlens_q.shape[0] - 1
+    if T == 0 or G == 0:
+        return out
+    group = nh // nkv
+    cfg = attention_config(hd, group, max_q_len)
+    if q.dtype == torch.float32 and not INTERPRET:
+        cfg.update(block_n=16, num_stages=1)  # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
+    if config:
+        cfg.update(config)
+        if "block_m" not in config:
+            cfg["block_m"] = max(16, cfg["block_t"] * next_pow2(group))
+    assert cfg["block_m"] >= cfg["block_t"] * next_pow2(group)
+    q_blocks = triton.cdiv(max(1, max_q_len), cfg["block_t"])
+    if num_splits is None:
+        num_splits = choose_splits(G * q_blocks * nkv, q.device)
+    if num_splits > 1:
+        part_o = torch.empty(T, nh, num_splits, hd, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # never touched
+    _attn_kernel[(G, q_blocks, nkv * num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        token_seq, kv_end, page_table, cu_seqlens_q,
+        int(window), nh,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0),
+        GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=hd, PAGE=page_size,
+        BLOCK_T=cfg["block_t"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        NUM_SPLITS=num_splits, MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
+        DOT_FP32=dot_in_fp32(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _merge_kernel[(T, nh)](
+            part_o, part_lse, out, nh, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_P=next_pow2(num_splits), HEAD_DIM=hd,
+            num_warps=4 if hd <= 256 else 8,
+        )
+    return out

@@ -1,0 +1,41 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+class TinyCheckpoints:
+    """Builds each tiny checkpoint once per test session (gemma4serve.tiny), on first use."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._built: dict[tuple, Path] = {}
+
+    def get(self, variant: str, release_format: bool = True, shards: int = 1) -> Path:
+        from gemma4serve.tiny import write_tiny_checkpoint
+
+        key = ("target", variant, release_format, shards)
+        if key not in self._built:
+            name = f"{variant}-{'release' if release_format else 'text'}-{shards}shard"
+            self._built[key] = write_tiny_checkpoint(
+                self.root / name, variant, release_format=release_format, shards=shards
+            )
+        return self._built[key]
+
+    def get_assistant(self, variant: str) -> Path:
+        from gemma4serve.tiny import write_tiny_assistant
+
+        key = ("assistant", variant)
+        if key not in self._built:
+            self._built[key] = write_tiny_assistant(self.root / f"{variant}-assistant", variant)
+        return self._built[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> TinyCheckpoints:
+    """`tiny_checkpoints.get(variant, release_format=True, shards=1) -> Path` and
+    `tiny_checkpoints.get_assistant(variant) -> Path`, for variant in ("dense", "moe", "ple")."""
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny-ckpts"))

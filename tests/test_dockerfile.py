@@ -1,0 +1,137 @@
+"""Static checks of the Dockerfile's promises (no Docker engine here to build it): CUDA base, the README's
+install command, a non-root user, the HF cache volume, the port, a health check on /health, the entrypoint."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+README = ROOT / "README.md"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        name, _, args = full.partition(" ")
+        out.append((name.upper(), args.strip()))
+    return out
+
+
+def args_of(name: str) -> list[str]:
+    return [a for n, a in instructions() if n == name]
+
+
+def normalized_pip_install(command: str) -> list[str] | None:
+    """`python -m pip install ".[x]"` -> ["pip", "install", ".[x]"]; None when it is not a pip install."""
+    words = shlex.split(command)
+    while words and words[0] in ("$", "python", "python3", "-m", "sudo"):
+        words = words[1:]
+    return words if words[:2] == ["pip", "install"] else None
+
+
+def dockerfile_package_install() -> list[str]:
+    installs = []
+    for run in args_of("RUN"):
+        for part in re.split(r"&&|;", run):
+            words = normalized_pip_install(part.strip())
+            if words and any(w.startswith(".") for w in words[2:]):
+                installs.append(words)
+    assert len(installs) == 1, f"expected one `pip install .[...]` of the package, found {installs}"
+    return installs[0]
+
+
+def test_cuda_base_image():
+    (base,) = args_of("FROM")
+    assert "nvidia/cuda" in base or "pytorch" in base, base
+
+
+def test_installs_the_package_with_its_gpu_extras():
+    words = dockerfile_package_install()
+    (target,) = [w for w in words[2:] if w.startswith(".")]
+    extras = re.fullmatch(r"\.\[([\w,-]+)\]", target)
+    assert extras, f"install the package with its GPU extras, e.g. .[flashinfer]; got {target}"
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras.group(1).split(",")) <= set(declared), f"extras {extras.group(1)} not in pyproject"
+
+
+def test_install_command_equals_the_readme():
+    if not README.exists():
+        pytest.skip("README.md not written yet: nothing to compare the install command with")
+    in_code, readme_installs = False, []
+    for line in README.read_text().splitlines():
+        if line.strip().startswith("```"):
+            in_code = not in_code
+        elif in_code:
+            words = normalized_pip_install(line.strip()) if line.strip() else None
+            if words:
+                readme_installs.append(words)
+    assert readme_installs, "README.md shows no `pip install` command in a code block"
+    assert dockerfile_package_install() in readme_installs, (
+        f"the Dockerfile installs with {shlex.join(dockerfile_package_install())!r}; the README says "
+        f"{[shlex.join(w) for w in readme_installs]}"
+    )
+
+
+def test_runs_as_non_root_after_installing():
+    names = [n for n, _ in instructions()]
+    users = args_of("USER")
+    assert users, "no USER: the container would run as root"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0"), users[-1]
+    last_user = len(names) - 1 - names[::-1].index("USER")
+    last_run = len(names) - 1 - names[::-1].index("RUN")
+    assert last_user > last_run, "USER must come after the last RUN (the install steps need root, serving does not)"
+
+
+def test_hf_cache_volume():
+    envs = " ".join(args_of("ENV"))
+    assert re.search(r"\bHF_HOME=/cache/huggingface\b", envs), envs
+    volumes = " ".join(args_of("VOLUME"))
+    assert "/cache/huggingface" in volumes
+
+
+def test_exposes_8000_and_checks_health():
+    assert any("8000" in a.split() for a in args_of("EXPOSE"))
+    (check,) = args_of("HEALTHCHECK")
+    assert "/health" in check and ":8000/" in check and "NONE" not in check.split()
+
+
+def test_entrypoint_is_the_console_script():
+    (entrypoint,) = args_of("ENTRYPOINT")
+    assert json.loads(entrypoint) == ["gemma4serve"], "exec form, so that SIGTERM reaches the server (drain, exit 0)"
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["gemma4serve"] == "gemma4serve.cli:main"
+    (cmd,) = args_of("CMD")
+    assert isinstance(json.loads(cmd), list)
+
+
+def test_dockerignore_keeps_what_the_build_copies():
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]  # fmt: skip
+    assert ".git" in patterns
+    for copy in args_of("COPY"):
+        *sources, _dest = shlex.split(copy)
+        for source in sources:
+            assert not any(fnmatch.fnmatch(source, p) for p in patterns), f".dockerignore drops COPY source {source}"
+            if source == "README.md" and not README.exists():
+                continue  # written by the docs; test_install_command_equals_the_readme skips meanwhile
+            assert (ROOT / source).exists(), f"COPY source {source} is missing"

@@ -1,0 +1,621 @@
+"""The engine end to end on the tiny dense checkpoint: CPU, fp32, MTP drafter on (k=3).
+
+The oracle for a batch is the same engine running one request alone: greedy and seeded requests must come out
+identical whatever else shares their steps (chunked prefill, preemption, aborts, other sampling settings),
+because the sampler's randomness is keyed by (seed, position). Every run also checks the streaming contract:
+the deltas of a request, concatenated, are exactly its final tokens and text (nothing emitted twice or lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import gemma4serve.engine.runner as runner_module
+from gemma4serve.detokenizer import IncrementalDetokenizer
+from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.async_engine import AsyncEngine
+from gemma4serve.engine.engine import LLMEngine
+from gemma4serve.engine.outputs import RequestOutput
+from gemma4serve.sampling_params import SamplingParams
+
+K = 3  # draft tokens per step
+EOS = {1, 106, 50}  # the tiny checkpoints' generation_config, as in the released IT models
+VOCAB = 512
+BYTE_TOKENS = range(107, 363)  # <0x00>..<0xFF> in the tiny tokenizer
+MAX_STEPS = 5000  # a run that needs more is stuck: fail rather than hang
+
+# The main engine: a full pool of 64 pages of 4 tokens that 64 growing requests cannot share (preemption, also
+# of sequences that are decoding), and a 48-token budget that long prompts need several steps for (chunked
+# prefill). max_model_len is above what the pool holds, so the "does not fit the KV cache" check is reachable.
+MAIN = dict(kv_cache_tokens=256, page_size=4, max_num_batched_tokens=48, max_num_seqs=64, max_model_len=1024)
+
+_ids = itertools.count()
+
+
+def engine_args(tiny_checkpoints, **kw) -> EngineArgs:
+    return EngineArgs(
+        model=str(tiny_checkpoints.get("dense")), draft=str(tiny_checkpoints.get_assistant("dense")),
+        device="cpu", dtype="float32", num_draft_tokens=K, **kw,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are far too small to split across threads; with two threads on a busy 2-core
+    machine the OpenMP hand-offs make every step 10-30x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoints) -> LLMEngine:
+    return LLMEngine(engine_args(tiny_checkpoints, **MAIN))
+
+
+@pytest.fixture(scope="module")
+def forced(tiny_checkpoints) -> LLMEngine:
+    """Every draft accepted: after the prefill each step emits k+1 = 4 tokens, so a step regularly runs past a
+    stop condition and must be cut. (The tokens are the drafter's, not the model's: fine for stop logic.)"""
+    return LLMEngine(engine_args(tiny_checkpoints, forced_acceptance=float(K + 1), kv_cache_tokens=2048,
+                                 max_model_len=64, max_num_batched_tokens=256))  # fmt: skip
+
+
+@pytest.fixture(params=["mtp", "forced"])
+def any_engine(request, engine, forced) -> LLMEngine:
+    return engine if request.param == "mtp" else forced
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+
+
+def all_free(engine: LLMEngine) -> dict:
+    """The free counts of an idle engine: every page of both pools (page 0, the null page, is never handed out)."""
+    return {"full": engine.kv.full.capacity, "sliding": engine.kv.sliding.capacity}
+
+
+@dataclass
+class Run:
+    final: dict[str, RequestOutput] = field(default_factory=dict)
+    deltas: dict[tuple, list[list[int]]] = field(default_factory=dict)  # (rid, choice) -> new_token_ids per output
+    text_deltas: dict[tuple, list[str]] = field(default_factory=dict)
+    logprobs: dict[tuple, list] = field(default_factory=dict)  # (rid, choice) -> TokenLogprob per token
+    steps: int = 0
+
+    def record(self, out: RequestOutput) -> None:
+        for c in out.outputs:
+            if c.new_token_ids or c.new_text:
+                self.deltas.setdefault((out.request_id, c.index), []).append(list(c.new_token_ids))
+                self.text_deltas.setdefault((out.request_id, c.index), []).append(c.new_text)
+            if c.new_logprobs is not None:
+                assert [lp.token_id for lp in c.new_logprobs] == c.new_token_ids
+                self.logprobs.setdefault((out.request_id, c.index), []).extend(c.new_logprobs)
+        if out.finished:
+            assert out.request_id not in self.final, f"{out.request_id} finished twice"
+            self.final[out.request_id] = out
+
+    def check_streams(self) -> None:
+        """Streamed deltas concatenated == the final tokens and text: no token emitted twice, none lost."""
+        for rid, out in self.final.items():
+            for c in out.outputs:
+                key = (rid, c.index)
+                assert sum(self.deltas.get(key, []), []) == c.token_ids, key
+                assert "".join(self.text_deltas.get(key, [])) == c.text, key
+
+
+def step(engine: LLMEngine, run: Run) -> list[RequestOutput]:
+    outs = engine.step()
+    run.steps += 1
+    assert run.steps < MAX_STEPS, "the engine stopped making progress"
+    for out in outs:
+        run.record(out)
+    return outs
+
+
+def run_requests(engine: LLMEngine, requests: dict, on_step=None) -> Run:
+    """Add {rid: (prompt, params)}, step until idle; `on_step(run, outputs)` is called after every step."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    run = Run()
+    while engine.has_unfinished():
+        outs = step(engine, run)
+        if on_step is not None:
+            on_step(run, outs)
+    run.check_streams()
+    return run
+
+
+def solo(engine: LLMEngine, prompt, params: SamplingParams) -> tuple[RequestOutput, Run]:
+    rid = f"solo-{next(_ids)}"
+    run = run_requests(engine, {rid: (prompt, params)})
+    return run.final[rid], run
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def prompt_of(length: int, salt: int) -> list[int]:
+    rng = random.Random(salt)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def choices(out: RequestOutput) -> list[tuple]:
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+
+
+# ---- 64 concurrent requests ------------------------------------------------------------------------------
+
+
+def mixed_requests(n: int) -> list[tuple[list[int], SamplingParams, bool]]:
+    """(prompt, params, reproducible) for n requests of mixed prompt lengths and sampling settings."""
+    rng = random.Random(1234)
+    settings = [
+        lambda s, m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True),
+        lambda s, m: SamplingParams(temperature=0.0, max_tokens=m),  # may stop on EOS
+        lambda s, m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2,
+                                    repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
+        lambda s, m: SamplingParams(temperature=0.8, top_k=20, seed=s, max_tokens=m, ignore_eos=True),
+        lambda s, m: SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=m, ignore_eos=True, logprobs=3),
+        lambda s, m: SamplingParams(temperature=1.3, min_p=0.05, seed=s, max_tokens=m, ignore_eos=True),
+        lambda s, m: SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02, frequency_penalty=0.5,
+                                    repetition_penalty=1.1, seed=s, max_tokens=m, ignore_eos=True),
+        lambda s, m: SamplingParams(temperature=1.0, n=2, seed=s, max_tokens=m, ignore_eos=True),
+        lambda s, m: SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True),  # unseeded
+        lambda s, m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, stop_token_ids=[200, 300]),
+        lambda s, m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, stop=["a", " t"]),
+    ]  # fmt: skip
+    out = []
+    for i in range(n):
+        # Lengths around the windows (target 8, drafter 12), and beyond the 48-token step budget.
+        length = rng.choice([1, 3, 8, 9, 13, 20, 33, 65, 100, 150])
+        params = settings[i % len(settings)](1000 + i, rng.choice([3, 5, 8, 10, 16, 24]))
+        out.append((prompt_of(length, i), params, params.greedy or params.seed is not None))
+    return out
+
+
+def test_64_concurrent_mixed_requests(engine):
+    assert engine.kv_pool_free() == all_free(engine)
+    reqs = mixed_requests(64)
+    assert max(len(p) for p, _, _ in reqs) > engine.scheduler.max_num_batched_tokens  # chunked prefill needed
+    solos = {i: solo(engine, p, sp) for i, (p, sp, repro) in enumerate(reqs) if repro}
+    preempted_before = engine.scheduler.num_preemptions
+    assert engine.kv_pool_free() == all_free(engine)
+
+    seen = set()
+
+    def on_step(run, outs):  # what the scenario is meant to exercise
+        sched = engine.scheduler
+        if any(0 < s.num_computed < s.num_prompt for s in sched.running):
+            seen.add("chunked prefill")
+        if any(s.output_ids for s in sched.waiting):
+            seen.add("preempted while decoding")  # it must recompute its prompt and its outputs
+
+    run = run_requests(engine, {f"mix-{i}": (p, sp) for i, (p, sp, _) in enumerate(reqs)}, on_step)
+
+    assert seen == {"chunked prefill", "preempted while decoding"}
+    assert engine.scheduler.num_preemptions > preempted_before, "the pool was meant to be too small for all 64"
+    assert engine.snapshot().num_preemptions == engine.scheduler.num_preemptions
+    assert engine.kv_pool_free() == all_free(engine)
+    assert len(run.final) == 64
+    for i, (prompt, sp, repro) in enumerate(reqs):
+        out = run.final[f"mix-{i}"]
+        assert out.prompt_token_ids == prompt
+        assert len(out.outputs) == sp.n
+        for c in out.outputs:
+            assert c.finish_reason in ("length", "stop"), (i, c)
+            if sp.ignore_eos and not sp.stop_token_ids and not sp.stop:
+                assert len(c.token_ids) == sp.max_tokens and c.finish_reason == "length", i
+            assert 1 <= len(c.token_ids) <= sp.max_tokens
+        if repro:
+            assert choices(out) == choices(solos[i][0]), f"request {i} ({sp}) differs from its solo run"
+        if sp.logprobs is not None:
+            lps = run.logprobs[(f"mix-{i}", 0)]
+            assert len(lps) == len(out.token_ids) and all(len(lp.top) == sp.logprobs for lp in lps)
+            if repro:  # the same tokens, and the same values up to batch-shape rounding
+                ref = solos[i][1].logprobs[(solos[i][0].request_id, 0)]
+                assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in ref], abs=1e-4)
+
+
+# ---- aborts ---------------------------------------------------------------------------------------------
+
+
+def held_pages(engine: LLMEngine, rid: str) -> dict:
+    seqs = engine.requests[rid].seqs
+    return {
+        "full": sum(len(s.pages.full) for s in seqs),
+        "sliding": sum(1 for s in seqs for p in s.pages.sliding if p),
+    }
+
+
+def abort_and_check(engine: LLMEngine, run: Run, rid: str) -> RequestOutput:
+    """Abort between steps: the output says "abort" and exactly the request's pages return to the pools."""
+    held = held_pages(engine, rid)
+    free = engine.kv_pool_free()
+    out = engine.abort(rid)
+    assert out is not None and out.finished
+    assert [c.finish_reason for c in out.outputs] == ["abort"] * len(out.outputs)
+    after = engine.kv_pool_free()
+    assert {k: after[k] - free[k] for k in after} == held
+    assert engine.abort(rid) is None  # gone: a second abort is a no-op
+    assert rid not in engine.requests
+    run.record(out)
+    return out
+
+
+def test_abort_mid_prefill_mid_decode_mid_draft(engine):
+    assert engine.kv_pool_free() == all_free(engine)
+    keep = {
+        "keep-greedy": (prompt_of(30, 11), greedy(10)),
+        "keep-long": (prompt_of(90, 12), greedy(6)),
+        "keep-seeded": (prompt_of(9, 13), SamplingParams(temperature=1.0, top_k=40, seed=3, max_tokens=10, ignore_eos=True)),
+        "keep-n2": (prompt_of(15, 14), SamplingParams(temperature=0.9, n=2, seed=4, max_tokens=8, ignore_eos=True)),
+        "keep-penalty": (prompt_of(20, 15), greedy(10, repetition_penalty=1.5, frequency_penalty=1.0)),
+    }  # fmt: skip
+    solos = {rid: solo(engine, p, sp)[0] for rid, (p, sp) in keep.items()}
+    victims = {
+        "prefill": (prompt_of(200, 21), greedy(8)),  # 200 prompt tokens at <= 48 a step
+        "decode": (prompt_of(10, 22), SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=40, ignore_eos=True)),
+        "draft": (prompt_of(12, 23), greedy(40)),
+    }
+    aborted = {}
+
+    def on_step(run, outs):
+        touched = {o.request_id for o in outs}
+        reqs = engine.requests
+        if "prefill" in reqs and "prefill" not in aborted:
+            seq = reqs["prefill"].seqs[0]
+            if 0 < seq.num_computed < seq.num_prompt:  # part of the prompt is in the cache, part is not
+                aborted["prefill"] = abort_and_check(engine, run, "prefill")
+        if "decode" in reqs and "decode" not in aborted:
+            if all(len(s.output_ids) >= 2 for s in reqs["decode"].seqs):
+                aborted["decode"] = abort_and_check(engine, run, "decode")
+        if "draft" in reqs and "draft" not in aborted:
+            seq = reqs["draft"].seqs[0]
+            if "draft" in touched and seq.drafts and len(seq.output_ids) >= 3:  # this step just drafted
+                aborted["draft"] = abort_and_check(engine, run, "draft")
+
+    # One more that never gets scheduled: aborted while it waits.
+    engine.add_request("waiting", prompt_of(5, 24), greedy(4))
+    out = abort_and_check(engine, Run(), "waiting")
+    assert out.outputs[0].token_ids == []
+
+    run = run_requests(engine, {**keep, **victims}, on_step)
+
+    assert set(aborted) == set(victims), "every abort point was reached"
+    assert aborted["prefill"].outputs[0].token_ids == []
+    assert all(0 < len(c.token_ids) < 40 for name in ("decode", "draft") for c in aborted[name].outputs)
+    for rid, ref in solos.items():
+        assert choices(run.final[rid]) == choices(ref), rid
+    assert engine.kv_pool_free() == all_free(engine)
+    assert not engine.has_unfinished() and not engine.scheduler.has_work()
+
+
+# ---- stop conditions ----------------------------------------------------------------------------------
+
+
+def reference(engine: LLMEngine, prompt, max_tokens: int):
+    """A stop-free greedy run: (token ids, tokens of each step, text after each token)."""
+    out, run = solo(engine, prompt, greedy(max_tokens))
+    steps = run.deltas[(out.request_id, 0)]
+    detok = IncrementalDetokenizer(engine.tokenizer)
+    texts = []
+    for t in out.token_ids:
+        detok.push([t])
+        texts.append(detok.text)
+    return out.token_ids, steps, texts
+
+
+def overshoots(engine: LLMEngine, steps: list[list[int]]) -> set[int]:
+    """Indices j whose step also emitted token j+1: stopping at j must drop the rest of that step.
+    On the forced-acceptance engine, the positions a stop test must use (else every position qualifies)."""
+    if engine.runner.forced is None:
+        return set(range(sum(map(len, steps))))
+    assert max(map(len, steps)) == K + 1, "forced acceptance should emit k+1 tokens per step"
+    out, j = set(), 0
+    for d in steps:
+        out.update(range(j, j + len(d) - 1))
+        j += len(d)
+    return out
+
+
+def test_eos_ids_stop_unless_ignore_eos(any_engine):
+    eng = any_engine
+    assert eng.eos_ids == EOS
+    prompts = {f"eos-{i}": prompt_of(6, 500 + i) for i in range(64)}
+    run = run_requests(eng, {rid: (p, greedy(24)) for rid, p in prompts.items()})
+    assert all(len(o.token_ids) == 24 for o in run.final.values())  # ignore_eos: EOS does not end them
+    hits = [(rid, next(j for j, t in enumerate(o.token_ids) if t in EOS))
+            for rid, o in run.final.items() if EOS & set(o.token_ids)]  # fmt: skip
+    assert hits, "no greedy output met an EOS id; try more prompts"
+    for rid, j in hits[:3]:
+        ids = run.final[rid].token_ids
+        out, _ = solo(eng, prompts[rid], SamplingParams(temperature=0.0, max_tokens=24))
+        assert out.token_ids == ids[: j + 1]
+        assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", ids[j])
+
+
+def test_stop_token_ids_cut_the_step(any_engine):
+    eng = any_engine
+    prompt = prompt_of(10, 77)
+    ids, steps, _ = reference(eng, prompt, 16)
+    mid = overshoots(eng, steps)
+    j = next(j for j in range(1, len(ids)) if ids[j] not in ids[:j] and j in mid)
+    out, _ = solo(eng, prompt, greedy(16, stop_token_ids=[ids[j]]))
+    assert out.token_ids == ids[: j + 1]  # ends at the stop token; what its step drafted after it is gone
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", ids[j])
+    assert out.text == solo(eng, prompt, greedy(j))[0].text  # the stop token's own text is not output
+
+
+def test_stop_string_across_tokens(any_engine):
+    eng = any_engine
+    prompt = prompt_of(10, 78)
+    ids, steps, texts = reference(eng, prompt, 24)
+    mid = overshoots(eng, steps)
+    # A 2-character stop string whose first character is token j's last and whose second is token j+1's first,
+    # that does not occur earlier in the text; token j+1 completes it.
+    for j in range(1, len(ids) - 1):
+        a, b = texts[j - 1], texts[j]
+        if len(b) > len(a) and len(texts[j + 1]) > len(b) and j + 1 in mid:
+            stop = b[-1] + texts[j + 1][len(b)]
+            if stop.isprintable() and "\ufffd" not in stop and texts[j + 1].find(stop) == len(b) - 1:
+                break
+    else:
+        pytest.fail("no token boundary to put a stop string across")
+
+    out, _ = solo(eng, prompt, greedy(24, stop=[stop]))
+    assert out.token_ids == ids[: j + 2]
+    assert out.text == b[:-1]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
+    out, _ = solo(eng, prompt, greedy(24, stop=["never printed", stop], include_stop_str_in_output=True))
+    assert out.token_ids == ids[: j + 2] and out.text == b[:-1] + stop
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 7])
+def test_max_tokens_exactly(any_engine, max_tokens):
+    prompt = prompt_of(10, 79)
+    ids, _, _ = reference(any_engine, prompt, 12)
+    out, _ = solo(any_engine, prompt, greedy(max_tokens))
+    assert len(out.token_ids) == max_tokens
+    if any_engine.runner.forced is None:  # forced acceptance emits drafts, which depend on the room left
+        assert out.token_ids == ids[:max_tokens]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("length", None)
+
+
+@pytest.mark.parametrize("prompt_len", [55, 60, 63])
+def test_context_length_ends_generation(forced, prompt_len):
+    assert forced.max_model_len == 64
+    out, _ = solo(forced, prompt_of(prompt_len, 80), SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    assert len(out.token_ids) == 64 - prompt_len
+    assert out.outputs[0].finish_reason == "length"
+    assert forced.kv_pool_free() == all_free(forced)
+
+
+# ---- multi-byte characters ----------------------------------------------------------------------------------
+
+
+def test_multibyte_output_streams_whole_characters(engine, monkeypatch):
+    """Force the engine to emit a text whose CJK and emoji characters are byte-fallback tokens (one per step,
+    as drafts are rejected): no delta may carry a U+FFFD or half a character, and a stop string made of one
+    multi-byte character ends the output at the byte token that completes it."""
+    tok = engine.tokenizer
+    text = "日本語 😀 café — ok"
+    script = tok.encode(text)
+    assert sum(t in BYTE_TOKENS for t in script) >= 12
+    prompt = "emoji 🎉 and 漢字 in the prompt"  # the prompt goes through byte fallback too
+    n_prompt = len(tok.encode(prompt))
+    real_accept = runner_module.accept
+
+    def scripted_accept(logits, drafts, num_drafts, first_position, sb):
+        # Run the real verification, then replace each emitted token by the script's token for its position.
+        res = real_accept(logits, drafts, num_drafts, first_position, sb)
+        pos = first_position[:, None] + torch.arange(1, res.tokens.shape[1] + 1) - n_prompt
+        forced_tokens = torch.tensor(script)[pos.clamp(0, len(script) - 1)]
+        res.tokens = torch.where(res.tokens >= 0, forced_tokens, res.tokens)
+        return res
+
+    monkeypatch.setattr(runner_module, "accept", scripted_accept)
+    out, run = solo(engine, prompt, greedy(len(script)))
+    assert out.token_ids == script
+    assert out.text == text == tok.decode(out.token_ids)
+    released = ""
+    for delta in run.text_deltas[(out.request_id, 0)]:
+        assert "\ufffd" not in delta
+        released += delta
+        assert text.startswith(released)
+
+    emoji_end = len(tok.encode("日本語 😀")) - 1
+    out, _ = solo(engine, prompt, greedy(len(script), stop=["😀"]))
+    assert out.token_ids == script[: emoji_end + 1]
+    assert out.text == "日本語 " and out.outputs[0].stop_reason == "😀"
+    assert engine.kv_pool_free() == all_free(engine)
+
+
+def test_detokenizer_byte_tokens(engine):
+    tok = engine.tokenizer
+    text = "語😀é"
+    ids = [tok.token_to_id(f"<0x{b:02X}>") for b in text.encode()]
+    d = IncrementalDetokenizer(tok)
+    assert [d.push([i])[0] for i in ids] == ["", "", "語", "", "", "", "😀", "", "é"]
+    # Generation ending inside a character: only that character becomes U+FFFD, at the end.
+    d = IncrementalDetokenizer(tok)
+    assert "".join(d.push([i])[0] for i in ids[:-1]) == "語😀"
+    assert d.flush() == "\ufffd"
+    # A stop string inside a run of byte tokens.
+    d = IncrementalDetokenizer(tok, stop=["😀"])
+    pieces = [d.push([i]) for i in ids[:7]]
+    assert pieces[-1] == ("", "😀") and d.text == "語"
+
+
+# ---- seeds --------------------------------------------------------------------------------------------------
+
+
+def sampled(seed, **kw) -> SamplingParams:
+    # Temperature 1.5 on the tiny model's spread logits: flat enough that different seeds part quickly.
+    return SamplingParams(temperature=1.5, seed=seed, max_tokens=8, ignore_eos=True, **kw)
+
+
+def test_seeds_reproduce_across_runs_and_batches(engine):
+    prompt = prompt_of(12, 42)
+    alone = solo(engine, prompt, sampled(7))[0].token_ids
+    assert solo(engine, prompt, sampled(7))[0].token_ids == alone
+    run = run_requests(engine, {
+        "a": (prompt, sampled(7)),
+        "b": (prompt, sampled(7)),
+        "c": (prompt, sampled(8)),
+        "d": (prompt, sampled(9)),
+        "e": (prompt_of(70, 1), greedy(8)),
+        "f": (prompt_of(5, 2), SamplingParams(temperature=1.0, top_p=0.8, max_tokens=12, ignore_eos=True)),
+    })  # fmt: skip
+    tokens = {rid: out.token_ids for rid, out in run.final.items()}
+    assert tokens["a"] == tokens["b"] == alone
+    assert len({tuple(tokens[r]) for r in "acd"}) == 3, "different seeds should sample different tokens"
+    n2 = solo(engine, prompt, sampled(7, n=2))[0]
+    assert n2.outputs[0].token_ids != n2.outputs[1].token_ids  # each choice gets its own seed
+    # Without a seed every run draws a fresh one.
+    unseeded = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True)
+    assert solo(engine, prompt, unseeded)[0].token_ids != solo(engine, prompt, unseeded)[0].token_ids
+
+
+def test_speculation_is_lossless(tiny_checkpoints, engine):
+    """Greedy and seeded outputs do not depend on whether the drafter runs (spec §12: the choice at a position
+    depends only on the seed, the position and the target distribution)."""
+    args = engine_args(tiny_checkpoints, **MAIN)
+    args.draft, args.num_draft_tokens = None, 0
+    plain = LLMEngine(args)
+    reqs = {
+        "g": (prompt_of(25, 5), greedy(12)),
+        "p": (prompt_of(60, 6), greedy(10, presence_penalty=1.0, repetition_penalty=1.2)),
+        "s": (prompt_of(9, 7), SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)),
+        "n": (prompt_of(14, 8), SamplingParams(temperature=1.2, min_p=0.05, n=2, seed=12, max_tokens=12, ignore_eos=True)),
+    }  # fmt: skip
+    with_mtp = run_requests(engine, reqs)
+    without = run_requests(plain, reqs)
+    assert with_mtp.final and engine.snapshot().spec_num_steps > 0
+    for rid in reqs:
+        assert choices(with_mtp.final[rid]) == choices(without.final[rid]), rid
+
+
+# ---- input validation ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_tokens=0), "max_tokens must be at least 1"),
+        (dict(temperature=-0.5), "temperature must be non-negative"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p must be in"),
+        (dict(top_p=1.5), "top_p must be in"),
+        (dict(min_p=1.5), "min_p must be in"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be positive"),
+        (dict(logprobs=21), "logprobs must be in"),
+        (dict(n=0), "n must be at least 1"),
+    ],
+)
+def test_bad_sampling_values(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    # Fields changed after construction are checked again when the request is added.
+    params = SamplingParams()
+    for k, v in kwargs.items():
+        setattr(params, k, v)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(f"bad-{next(_ids)}", [5, 6, 7], params)
+    assert not engine.has_unfinished() and engine.kv_pool_free() == all_free(engine)
+
+
+@pytest.mark.parametrize(
+    "prompt, max_tokens, message",
+    [
+        ([], 4, "the prompt is empty"),
+        ("", 4, "the prompt is empty"),
+        ([5] * 1024, 4, "maximum context length is 1024 tokens; the prompt has 1024"),
+        ([5] * 2000, None, "maximum context length is 1024 tokens; the prompt has 2000"),
+        ([5] * 1000, 100, r"1000 prompt tokens \+ 100 max_tokens"),
+        ([5, VOCAB, 6], 4, f"token id {VOCAB} is outside the vocabulary"),
+        ([5, -1], 4, "token id -1 is outside the vocabulary"),
+        ([5] * 10, 400, "KV cache"),  # fits max_model_len (1024) but not the 256-token pool
+        ([5] * 10, None, "KV cache"),
+    ],
+)
+def test_bad_prompts(engine, prompt, max_tokens, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(f"bad-{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens))
+    assert not engine.has_unfinished() and not engine.scheduler.has_work()
+    assert engine.kv_pool_free() == all_free(engine)
+
+
+def test_duplicate_request_id(engine):
+    engine.add_request("dup", [5, 6], greedy(2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [7, 8], greedy(2))
+    run = Run()
+    while engine.has_unfinished():
+        step(engine, run)
+    assert run.final["dup"].prompt_token_ids == [5, 6]  # the first request is untouched
+    assert engine.kv_pool_free() == all_free(engine)
+
+
+# ---- AsyncEngine --------------------------------------------------------------------------------------------
+
+
+def test_async_engine_concurrent_consumers(tiny_checkpoints, engine):
+    prompts = [prompt_of(n, 900 + n) for n in (4, 17, 40, 75)]
+    params = greedy(6)
+    expected = [solo(engine, p, params)[0].token_ids for p in prompts]  # same config, run alone
+    ae = AsyncEngine(engine_args(tiny_checkpoints, **MAIN))
+    initial = ae.engine.kv_pool_free()
+    assert initial == all_free(ae.engine)
+    ae.start()
+
+    async def consume(i):
+        streamed, final = [], None
+        async for out in ae.generate(prompts[i], params, f"async-{i}"):
+            streamed += out.outputs[0].new_token_ids
+            final = out
+        return streamed, final
+
+    async def quitter():
+        # Long enough that it cannot finish on its own before the test ends.
+        async for out in ae.generate(prompt_of(8, 1), greedy(200), "quitter"):
+            assert not out.finished
+            break  # leaving the loop closes the generator, which aborts the request
+
+    async def bad():
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            async for _ in ae.generate([], params, "bad"):
+                pass
+
+    async def main():
+        results = await asyncio.gather(*(consume(i) for i in range(len(prompts))), quitter(), bad())
+        # The quitter's abort reaches the engine thread asynchronously: wait for the pools to fill up again.
+        for _ in range(200):
+            if ae.num_unfinished() == 0 and ae.kv_pool_free() == initial:
+                break
+            await asyncio.sleep(0.05)
+        return results
+
+    try:
+        results = asyncio.run(main())
+        for (streamed, final), want in zip(results, expected):
+            assert final.finished and final.token_ids == streamed == want
+        assert ae.num_unfinished() == 0
+        assert ae.kv_pool_free() == initial
+        # The quitter was aborted, not run to its length: only the full consumers finished.
+        assert ae.stats().requests_finished.get("length") == len(prompts)
+    finally:
+        done = threading.Event()
+        threading.Thread(target=lambda: (ae.shutdown(drain_timeout=5), done.set()), daemon=True).start()
+        assert done.wait(30), "shutdown() did not return"
+    assert not ae._thread.is_alive()

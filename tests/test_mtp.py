@@ -1,0 +1,241 @@
+"""Frozen-KV MTP against transformers 5.17: the drafter's tokens, greedy equality, lossless sampling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gemma4serve import LLM, SamplingParams
+from gemma4serve.config import ConfigError
+from gemma4serve.engine.engine import LLMEngine
+from tests.hf_oracle import hf_greedy, load_hf_assistant, load_hf_target, text_model
+from tests.test_model_parity import prompt_of
+
+VARIANTS = ["dense", "moe", "ple"]
+
+
+@torch.no_grad()
+def hf_drafts(hf, asst, tokens: list[int], k: int) -> list[int]:
+    """k calls of HF's assistant forward for context tokens[:-1] and the token at P = len - 1, fed the clean
+    K/V slices of spec §12.2: full rows 0..P-1, sliding the last W_a + 1 of them."""
+    tm = text_model(hf)
+    P = len(tokens) - 1
+    out = tm(input_ids=torch.tensor([tokens[:P]]), return_shared_kv_states=True, use_cache=False)
+    w = asst.config.text_config.sliding_window + 1
+    kv = {
+        "full_attention": out.shared_kv_states["full_attention"],
+        "sliding_attention": tuple(t[:, :, -w:] for t in out.shared_kv_states["sliding_attention"]),
+    }
+    hidden = out.last_hidden_state[:, -1:]
+    tok = torch.tensor([[tokens[-1]]])
+    drafts = []
+    for _ in range(k):
+        x = torch.cat([tm.embed_tokens(tok), hidden], dim=-1)
+        step = asst(inputs_embeds=x, position_ids=torch.tensor([[P]]), shared_kv_states=kv)
+        tok = step.logits[:, -1:].argmax(-1)
+        hidden = step.last_hidden_state[:, -1:]
+        drafts.append(tok.item())
+    return drafts
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def setup(request, tiny_checkpoints):
+    variant = request.param
+    target = tiny_checkpoints.get(variant)
+    assistant = tiny_checkpoints.get_assistant(variant)
+    return variant, target, assistant, load_hf_target(target), load_hf_assistant(assistant)
+
+
+def test_draft_tokens_match_hf_assistant(setup):
+    variant, target, assistant, hf, asst = setup
+    k = 4
+    eng = LLMEngine_for(target, assistant, k)
+    w = max(eng.cfg.sliding_window, asst.config.text_config.sliding_window)
+    prompt = prompt_of(2 * w + 7, seed=3)  # longer than both windows
+    eng.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        running = [s for s in eng.scheduler.running if s.request_id == "r"]
+        if running and running[0].drafts:
+            seq = running[0]
+            assert seq.drafts == hf_drafts(hf, asst, seq.token_ids, k), f"after {seq.num_tokens} tokens"
+            checked += 1
+    assert checked >= 3  # after prefill and after several verify steps
+
+
+def LLMEngine_for(target, assistant, k, **kw) -> LLMEngine:
+    from gemma4serve.engine.args import EngineArgs
+
+    args = EngineArgs(model=str(target), draft=str(assistant) if assistant else None, device="cpu", dtype="float32",
+                      num_draft_tokens=k, max_num_seqs=16, max_num_batched_tokens=256, **kw)
+    return LLMEngine(args)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_with_drafter_equals_without_and_hf(setup, k):
+    variant, target, assistant, hf, _ = setup
+    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=k,
+               max_num_batched_tokens=48)
+    plain = LLM(str(target), device="cpu", dtype="float32")
+    prompts = [prompt_of(n, seed=n) for n in (2, 11, 37)]
+    sp = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
+    free0 = spec.engine.kv_pool_free()
+    with_draft = [o.token_ids for o in spec.generate(prompts, sp)]
+    without = [o.token_ids for o in plain.generate(prompts, sp)]
+    assert with_draft == without
+    assert with_draft[2] == hf_greedy(hf, prompts[2], 33)
+    assert spec.engine.kv_pool_free() == free0
+    st = spec.engine.snapshot()
+    assert st.spec_num_steps > 0 and st.spec_drafted_tokens > 0
+
+
+def oracle_drafts(engine: LLMEngine, prompts, outputs, k: int, wrong_every: int):
+    """Replace the drafter's proposals with the known continuation, corrupting some positions, so that every
+    acceptance length 0..k occurs. Only the proposals change: verification and commit run as in production.
+    Returns a function that restores the engine."""
+    original = engine._commit
+    reference = {tuple(p): o for p, o in zip(prompts, outputs)}
+
+    def commit(req, seq, drafts, result):
+        original(req, seq, drafts, result)
+        ref = reference[tuple(seq.token_ids[: seq.num_prompt])]
+        done = len(seq.output_ids)
+        proposal = ref[done: done + k]
+        proposal = [(t + 1) % engine.cfg.vocab_size if (done + i) % wrong_every == 0 else t
+                    for i, t in enumerate(proposal)]
+        proposal += [0] * (k - len(proposal))
+        seq.drafts = proposal
+
+    engine._commit = commit
+    return lambda: setattr(engine, "_commit", original)
+
+
+@pytest.mark.parametrize("k", [3, 6])
+def test_greedy_with_accepted_drafts(setup, k):
+    """Greedy output stays exact when drafts are (partly) accepted: multi-token commits, sliding pages freed
+    across them, rejected rows overwritten."""
+    variant, target, assistant, _, _ = setup
+    plain = LLM(str(target), device="cpu", dtype="float32")
+    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=k,
+               max_num_batched_tokens=64)
+    prompts = [prompt_of(n, seed=50 + n) for n in (3, 25, 40)]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, sp)]
+    eng = spec.engine
+    oracle_drafts(eng, prompts, ref, k, wrong_every=k + 2)
+    free0 = eng.kv_pool_free()
+    got = [o.token_ids for o in spec.generate(prompts, sp)]
+    assert got == ref
+    st = eng.snapshot()
+    assert st.spec_accepted_tokens > st.spec_num_steps  # more than one accepted draft per step on average
+    assert st.spec_accepted_per_position[k - 1] > 0  # full acceptance happened
+    assert st.spec_accepted_per_position[0] < st.spec_num_steps  # and so did rejection at the first draft
+    assert eng.kv_pool_free() == free0
+
+
+def test_seeded_sampling_is_identical_with_and_without_drafts(setup):
+    """Verification chooses each token as the sample keyed by (seed, position), so accepting drafts never
+    changes what a seeded request emits."""
+    variant, target, assistant, _, _ = setup
+    plain = LLM(str(target), device="cpu", dtype="float32")
+    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=3)
+    prompts = [prompt_of(n, seed=n) for n in (4, 19)]
+    settings = [
+        SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.0, top_k=5, seed=12, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.2, top_p=0.7, min_p=0.05, seed=13, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, seed=14,
+                       ignore_eos=True),
+    ]
+    for sp in settings:
+        ref = [o.token_ids for o in plain.generate(prompts, sp)]
+        restore = oracle_drafts(spec.engine, prompts, ref, 3, wrong_every=4)
+        try:
+            got = [o.token_ids for o in spec.generate(prompts, sp)]
+        finally:
+            restore()
+        assert got == ref, sp
+
+
+def _chi2_pvalue(observed: list[int], expected: list[float]) -> float:
+    from scipy.stats import chisquare
+
+    total = sum(expected)
+    return chisquare(observed, [e * sum(observed) / total for e in expected]).pvalue
+
+
+@pytest.mark.parametrize("setting", ["temperature", "top_k", "top_p"])
+def test_sampling_with_drafter_has_the_target_distribution(tiny_checkpoints, setting):
+    """Chi-square: the first three tokens sampled with MTP (drafts partly accepted) follow the target's own
+    distribution p(t1) p(t2|t1) p(t3|t1,t2), computed from HF's logits with the same processing."""
+    target = tiny_checkpoints.get("dense")
+    assistant = tiny_checkpoints.get_assistant("dense")
+    hf = load_hf_target(target)
+    params = {
+        "temperature": dict(temperature=0.35),
+        "top_k": dict(temperature=1.0, top_k=2),
+        "top_p": dict(temperature=0.6, top_p=0.6),
+    }[setting]
+    prompt = prompt_of(9, seed=77)
+
+    def dist(ctx):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ctx])).logits[0, -1].float() / params["temperature"]
+        p = torch.softmax(logits, -1)
+        if "top_k" in params:
+            kth = p.topk(params["top_k"]).values[-1]
+            p = torch.where(p >= kth, p, 0)
+        if "top_p" in params:
+            sp, idx = p.sort(descending=True)
+            keep = (sp.cumsum(0) - sp) < params["top_p"]
+            p = torch.zeros_like(p).scatter(0, idx, torch.where(keep, sp, 0))
+        return p / p.sum()
+
+    # Analytic joint over the (pruned) support of three tokens.
+    joint = {}
+    p1 = dist(prompt)
+    for a in torch.nonzero(p1 > 1e-4).flatten().tolist():
+        p2 = dist(prompt + [a])
+        for b in torch.nonzero(p2 > 1e-4).flatten().tolist():
+            p3 = dist(prompt + [a, b])
+            for c in torch.nonzero(p3 > 1e-4).flatten().tolist():
+                joint[(a, b, c)] = (p1[a] * p2[b] * p3[c]).item()
+    cells = sorted(joint, key=joint.get, reverse=True)[:12]
+    N = 2000
+    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=2,
+               max_num_seqs=256, max_num_batched_tokens=2048)
+    # Drafts: the target's greedy path, so that they are often but not always accepted.
+    greedy = hf_greedy(hf, prompt, 3)
+    eng = spec.engine
+    orig = eng._commit
+
+    def commit(req, seq, drafts, result):
+        orig(req, seq, drafts, result)
+        done = len(seq.output_ids)
+        seq.drafts = (greedy[done:] + [greedy[-1]] * 2)[:2]
+
+    eng._commit = commit
+    out = spec.generate([prompt], SamplingParams(n=N, max_tokens=3, seed=2024, ignore_eos=True, **params))[0]
+    counts = {c: 0 for c in cells}
+    other = 0
+    for choice in out.outputs:
+        key = tuple(choice.token_ids)
+        if key in counts:
+            counts[key] += 1
+        else:
+            other += 1
+    expected = [joint[c] * N for c in cells] + [N * (1 - sum(joint[c] for c in cells))]
+    observed = [counts[c] for c in cells] + [other]
+    if expected[-1] < 5:  # merge a negligible remainder into the last cell to keep the test valid
+        expected[-2] += expected.pop()
+        observed[-2] += observed.pop()
+    assert eng.snapshot().spec_accepted_tokens > 0
+    assert _chi2_pvalue(observed, expected) > 1e-3, (observed, [round(e) for e in expected])
+
+
+def test_mismatched_drafter_is_refused(tiny_checkpoints):
+    with pytest.raises(ConfigError, match="does not fit"):
+        LLM(str(tiny_checkpoints.get("dense")), draft=str(tiny_checkpoints.get_assistant("ple")), device="cpu")

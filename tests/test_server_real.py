@@ -1,0 +1,216 @@
+"""The real server: `python -m gemma4serve.cli` as a subprocess on a loopback port, serving the tiny demo
+Gemma 4 with its MTP assistant on CPU, talked to by the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from fake_engine import ServerProcess, metric, sse_data
+
+try:
+    import gemma4serve.engine.async_engine  # noqa: F401
+
+    ENGINE_MISSING = None
+except ImportError as e:
+    ENGINE_MISSING = f"gemma4serve.engine.async_engine cannot be imported yet ({e})"
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(ENGINE_MISSING is not None, reason=ENGINE_MISSING or ""),
+]
+
+MODEL = "tiny"
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "Tell me a story about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory):
+    from gemma4serve.tiny import ensure_demo_model
+
+    root = tmp_path_factory.mktemp("demo-cache")
+    target, assistant = ensure_demo_model(root)
+    return root, target, assistant
+
+
+def start_server(target, assistant, *extra: str) -> ServerProcess:
+    return ServerProcess(
+        ["-m", "gemma4serve.cli", "--model", str(target), "--draft", str(assistant), "--device", "cpu",
+         "--host", "127.0.0.1", "--port", "0", "--served-model-name", MODEL, "--max-model-len", "1024",
+         "--num-draft-tokens", "3", "--disable-uvicorn-access-log", *extra],
+        ready_timeout=240,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(demo_root):
+    _, target, assistant = demo_root
+    with start_server(target, assistant) as proc:
+        yield proc
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def free_pages(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {pool: metric(text, "gemma4serve:kv_cache_free_pages", pool=pool) for pool in ("full", "sliding")}
+
+
+def wait_for_free_pages(server, expected: dict, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (now := free_pages(server)) != expected:
+        assert time.monotonic() < deadline, f"KV pages not returned: {now} != {expected}"
+        time.sleep(0.2)
+
+
+def test_ready_line_health_and_models(server, client):
+    assert len(server.ready_lines()) == 1
+    assert server.ready_lines()[0] == f"gemma4serve ready: {server.url} (model {MODEL})"
+    assert not any("Uvicorn running on" in line for line in server.lines)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_chat_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL, messages=HI, max_tokens=40, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        full.choices[0].finish_reason]  # fmt: skip
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    u = full.usage
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens and 1 <= u.completion_tokens <= 40
+
+
+def test_greedy_completion_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=40, temperature=0)
+    full = client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert streamed == full.choices[0].text
+
+
+def test_usage_adds_up_over_n_choices(client):
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=12, n=3, seed=1,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 36
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 36
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=12, n=3, seed=1, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))  # fmt: skip
+    assert chunks[-1].usage.model_dump() == r.usage.model_dump()
+
+
+def test_logprobs_shapes(client):
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, logprobs=True, top_logprobs=3,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    r = client.completions.create(model=MODEL, prompt="a", max_tokens=5, logprobs=2, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+
+
+@pytest.mark.parametrize(
+    "path,body,status",
+    [
+        (CHAT, b'{"messages": [', 400),
+        (CHAT, {"model": "gpt-4o", "messages": HI}, 404),
+        (CHAT, {"messages": []}, 400),
+        (CHAT, {"messages": [{"role": "user", "content": "word " * 1200}]}, 400),
+        (CHAT, {"messages": HI, "max_tokens": 5000}, 400),
+        (CHAT, {"messages": HI, "temperature": -1}, 400),
+        ("/v1/completions", {"prompt": [5, 512]}, 400),  # the demo vocab has 512 ids
+        ("/v1/completions", {"prompt": ["a", "b"]}, 400),
+        (CHAT, {"messages": HI, "top_k": 2**40}, 400),  # would overflow the sampler's int32 and fail the batch
+        (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),  # not encodable
+        (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', 400),
+    ],
+)
+def test_bad_requests(server, path, body, status):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, headers={"content-type": "application/json"}, timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_disconnect_mid_stream_returns_kv_pages(server):
+    baseline = free_pages(server)
+    body = {"model": MODEL, "messages": HI, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + CHAT, json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(10):
+            next(lines)
+        held = free_pages(server)
+        assert held["full"] < baseline["full"], "the stream should hold KV pages while it runs"
+    wait_for_free_pages(server, baseline)
+
+
+def test_spec_decode_metrics_move(server, client):
+    before = httpx.get(server.url + "/metrics").text
+    client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20, extra_body={"ignore_eos": True})
+    after = httpx.get(server.url + "/metrics").text
+
+    def delta(name: str) -> float:
+        return metric(after, "gemma4serve:" + name) - metric(before, "gemma4serve:" + name)
+
+    assert delta("spec_decode_num_drafts_total") > 0  # the drafter is on
+    assert delta("spec_decode_num_draft_tokens_total") > 0
+    assert delta("generation_tokens_total") >= 20
+    assert delta("e2e_request_latency_seconds_count") == 1
+
+
+def test_100_concurrent_streams(server):
+    baseline = free_pages(server)
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"story {i}"}], max_tokens=16, stream=True
+        )
+        text, finish = "", None
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+        return text, finish
+
+    async def run():
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=128), timeout=120)
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", http_client=http, max_retries=0) as c:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(100))), 240)
+
+    results = asyncio.run(run())
+    assert len(results) == 100 and all(finish in ("stop", "length") for _, finish in results)
+    wait_for_free_pages(server, baseline)
+
+
+def test_demo_flag_and_sigterm_exits_0(demo_root):
+    root, _, _ = demo_root
+    proc = ServerProcess(
+        ["-m", "gemma4serve.cli", "--demo", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
+         "--drain-timeout", "20"],
+        ready_timeout=240, env={"GEMMA4SERVE_CACHE": str(root)},
+    )  # fmt: skip
+    with proc:
+        assert proc.ready_lines()[0].endswith("(model gemma4serve-demo)")
+        body = {"model": "gemma4serve-demo", "messages": HI, "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proc.url + CHAT, json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.signal(signal.SIGTERM)
+            payloads = sse_data([first, *lines])  # the running stream finishes
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0

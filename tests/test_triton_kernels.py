@@ -1,0 +1,309 @@
+"""The Triton kernels against the torch reference, at tiny shapes.
+
+Without CUDA they run under the Triton interpreter (TRITON_INTERPRET=1, which must be set before the kernels
+are imported); with CUDA the same tests run compiled on the GPU. The real-shape bf16 checks and CUDA graphs
+live in tests/gpu/.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+from gemma4serve.attention.metadata import AttentionMetadata  # noqa: E402
+from gemma4serve.attention.torch_backend import TorchAttention, write_kv  # noqa: E402
+from gemma4serve.attention.triton_backend import TritonAttention  # noqa: E402
+from gemma4serve.config import RopeSpec  # noqa: E402
+from gemma4serve.model.layers import (  # noqa: E402
+    Experts,
+    Router,
+    apply_rope,
+    gelu_tanh,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from gemma4serve_kernels import (  # noqa: E402
+    gelu_tanh_mul,
+    kv_write,
+    moe_align,
+    moe_experts,
+    moe_route,
+    paged_attention,
+)
+from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
+from gemma4serve_kernels import rmsnorm_residual_add, rmsnorm_rope  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KIND = "attn"
+
+
+# ---------------------------------------------------------------------------------------------- paged layout
+def build_paged_batch(seqs, *, nh, nkv, hd, page_size, window, dtype, device=DEV, seed=0, extra_pages=3):
+    """A packed batch over a randomly paged KV pool.
+
+    seqs: list of (cache_len, kv_ends): the sequence has K/V for positions [0, cache_len) in the pool, and one
+    query row per entry of kv_ends (consecutive tokens of that sequence, one cu_seqlens group). Physical pages
+    are shuffled, page-table rows are permuted against the group order, and logical pages wholly below the
+    sequence's lowest visible key are reset to the null page 0, which is filled with NaN: any read of it, or of
+    a key outside the window, poisons the output.
+    """
+    g = torch.Generator().manual_seed(seed)
+    B = len(seqs)
+    pages_per = [-(-L // page_size) for L, _ in seqs]
+    max_pages = max(pages_per) + 2
+    num_pages = 1 + sum(pages_per) + extra_pages
+    phys = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    row_of_group = torch.randperm(B, generator=g).tolist()
+    table = torch.zeros(B, max_pages, dtype=torch.int32)
+    for i, ((L, ends), n) in enumerate(zip(seqs, pages_per)):
+        low = max(0, min(ends) - window) if window else 0
+        for lp in range(n):
+            table[row_of_group[i], lp] = phys.pop() if (lp + 1) * page_size > low else 0
+    gd = torch.Generator(device).manual_seed(seed)  # the bulky tensors are drawn on the device
+    k_cache = torch.randn(num_pages, page_size, nkv, hd, generator=gd, device=device).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, nkv, hd, generator=gd, device=device).to(dtype)
+    k_cache[0] = float("nan")
+    v_cache[0] = float("nan")
+    token_seq, kv_end, cu = [], [], [0]
+    for i, (_, ends) in enumerate(seqs):
+        token_seq += [row_of_group[i]] * len(ends)
+        kv_end += list(ends)
+        cu.append(cu[-1] + len(ends))
+    T = cu[-1]
+    q = torch.randn(T, nh, hd, generator=gd, device=device).to(dtype)
+    i32 = dict(dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        token_seq=torch.tensor(token_seq, **i32),
+        kv_end=torch.tensor(kv_end, **i32),
+        page_table={KIND: table.to(device)},
+        write_slot={},
+        window={KIND: window},
+        cu_seqlens_q=torch.tensor(cu, **i32),
+        max_q_len=max(len(e) for _, e in seqs),
+    )
+    return q, k_cache, v_cache, meta
+
+
+def mixed_phases(window):
+    """Every phase in one batch: a prefill chunk starting mid-sequence, decode, a 5-row verify, a drafter row
+    (kv_end = committed length P < the rows already in the pool) and a fresh prefill from position 0."""
+    return [
+        (40, list(range(29, 41))),  # prefill chunk: positions 28..39
+        (23, [23]),  # decode at position 22
+        (37, list(range(33, 38))),  # verify: last token + 4 drafts, positions 32..36
+        (31, [28]),  # drafter-style: rows 28..30 hold rejected drafts, invisible
+        (9, list(range(1, 10))),  # first chunk of a prompt
+    ]
+
+
+def reference_attention(q, k_cache, v_cache, meta, dtype=None):
+    if dtype is not None:
+        q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    return TorchAttention().forward(q, k_cache, v_cache, meta, KIND)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("window", [0, 8, 100])  # full, a window shorter than the contexts, one longer
+@pytest.mark.parametrize("nh,nkv,hd,page_size", [(4, 2, 16, 16), (8, 1, 32, 4), (6, 2, 16, 8)])
+def test_attention_mixed_phases_fp32(window, nh, nkv, hd, page_size):
+    q, kc, vc, meta = build_paged_batch(mixed_phases(window), nh=nh, nkv=nkv, hd=hd, page_size=page_size,
+                                        window=window, dtype=torch.float32, seed=window + hd)
+    ref = reference_attention(q, kc, vc, meta)
+    out = TritonAttention().forward(q, kc, vc, meta, KIND)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("num_splits,block_t", [(1, 1), (3, 1), (8, 4)])
+def test_attention_splits_and_query_blocks(num_splits, block_t):
+    """Small key tiles so that contexts span many tiles; the KV range split over 3/8 programs (some empty) and
+    the query rows of a group split over several programs."""
+    window = 12
+    q, kc, vc, meta = build_paged_batch(mixed_phases(window), nh=4, nkv=2, hd=16, page_size=4, window=window,
+                                        dtype=torch.float32, seed=7)
+    ref = reference_attention(q, kc, vc, meta)
+    out = paged_attention(q, kc, vc, meta.token_seq, meta.kv_end, meta.page_table[KIND], meta.cu_seqlens_q,
+                          meta.max_q_len, window, num_splits=num_splits, min_split_keys=1,
+                          config=dict(block_t=block_t, block_m=16, block_n=16))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_attention_drafter_batch():
+    """The drafter's reads: one row per sequence at kv_end = P, window W_a + 1, stale rows beyond P in the pool."""
+    W_a = 6
+    seqs = [(30, [25]), (12, [12]), (7, [5]), (50, [47])]
+    q, kc, vc, meta = build_paged_batch(seqs, nh=8, nkv=2, hd=32, page_size=4, window=W_a + 1,
+                                        dtype=torch.float32, seed=3)
+    ref = reference_attention(q, kc, vc, meta)
+    out = paged_attention(q, kc, vc, meta.token_seq, meta.kv_end, meta.page_table[KIND], meta.cu_seqlens_q,
+                          1, W_a + 1, num_splits=2, min_split_keys=1, config=dict(block_n=16))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_half_precision(dtype):
+    window = 8
+    q, kc, vc, meta = build_paged_batch(mixed_phases(window), nh=4, nkv=2, hd=32, page_size=16, window=window,
+                                        dtype=dtype, seed=11)
+    ref32 = reference_attention(q, kc, vc, meta, torch.float32)
+    out = paged_attention(q, kc, vc, meta.token_seq, meta.kv_end, meta.page_table[KIND], meta.cu_seqlens_q,
+                          meta.max_q_len, window, num_splits=2, min_split_keys=1, config=dict(block_n=16))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref32, atol=2e-2, rtol=2e-2)
+
+
+def test_attention_empty_view_is_zero():
+    """A row that sees no key (kv_end 0; never scheduled in practice) gives zeros rather than NaN, and does
+    not disturb the other rows."""
+    q, kc, vc, meta = build_paged_batch([(4, [0]), (4, [3])], nh=2, nkv=1, hd=16, page_size=4, window=0,
+                                        dtype=torch.float32)
+    out = TritonAttention().forward(q, kc, vc, meta, KIND)
+    assert torch.all(out[0] == 0)
+    torch.testing.assert_close(out[1], reference_attention(q, kc, vc, meta)[1], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write(dtype):
+    g = torch.Generator().manual_seed(0)
+    num_pages, page_size, nkv, hd, T = 6, 4, 2, 16, 7
+    k_cache = torch.randn(num_pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
+    v_cache = torch.randn(num_pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
+    k = torch.randn(T, nkv, hd, generator=g).to(dtype).to(DEV)
+    v = torch.randn(T, nkv, hd, generator=g).to(dtype).to(DEV)
+    slots = torch.tensor([5, 17, -1, 4, 23, -1, 9], dtype=torch.int64, device=DEV)
+    kr, vr = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    write_kv(kr, vr, k[keep], v[keep], slots[keep])
+    kv_write(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, kr) and torch.equal(v_cache, vr)
+
+
+# ---------------------------------------------------------------------------------------------- norms / act
+def _assert_rounding_close(out, ref):
+    """Same rounding points as the reference; only fp32 reduction order and transcendental ulps differ, so at
+    most a rare 1-ulp flip of the model dtype (ignoring values that are ~0, e.g. the GELU's negative tail where
+    the tanh formula cancels in both implementations)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        return
+    ulp = 2.0 ** -7 if ref.dtype == torch.bfloat16 else 2.0 ** -10
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-5, rtol=ulp)
+    significant = ref.float().abs() > 1e-3
+    assert (out != ref)[significant].float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm(dtype, with_weight):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 3, 40, generator=g) * 3).to(dtype).to(DEV)
+    w = (torch.rand(40, generator=g) * 2).to(dtype).to(DEV) if with_weight else None
+    _assert_rounding_close(k_rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_scalar", [False, True])
+def test_rmsnorm_residual_add(dtype, with_scalar):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 48, generator=g) * 4).to(dtype).to(DEV)
+    h = (torch.randn(6, 48, generator=g) * 9).to(dtype).to(DEV)
+    w = (torch.rand(48, generator=g) * 2).to(dtype).to(DEV)
+    scalar = torch.tensor([0.37], dtype=dtype, device=DEV) if with_scalar else None
+    ref = x + rms_norm(h, w, 1e-6)
+    if with_scalar:
+        ref = ref * scalar
+    _assert_rounding_close(rmsnorm_residual_add(x, h, w, 1e-6, scalar), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd,rotated_pairs,theta", [(32, 16, 1e4), (32, 4, 1e6)])  # default / proportional
+def test_rmsnorm_rope(dtype, hd, rotated_pairs, theta):
+    g = torch.Generator().manual_seed(3)
+    T, heads = 5, 3
+    x = (torch.randn(T, heads, hd, generator=g) * 2).to(dtype).to(DEV)
+    w = (torch.rand(hd, generator=g) * 2).to(dtype).to(DEV)
+    inv = rope_inv_freq(RopeSpec(theta=theta, head_dim=hd, rotated_pairs=rotated_pairs))
+    cos, sin = rope_cos_sin(inv, torch.tensor([0, 3, 17, 250, 4097]), dtype)
+    cos, sin = cos.to(DEV), sin.to(DEV)
+    _assert_rounding_close(rmsnorm_rope(x, w, cos, sin, 1e-6), apply_rope(rms_norm(x, w, 1e-6), cos, sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul(dtype):
+    g = torch.Generator().manual_seed(4)
+    gu = (torch.randn(7, 2 * 24, generator=g) * 3).to(dtype).to(DEV)
+    gate, up = gu.chunk(2, dim=-1)
+    _assert_rounding_close(gelu_tanh_mul(gu), gelu_tanh(gate) * up)
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+def _moe_cfg(E=8, k=3, H=32, inter=16):
+    return SimpleNamespace(num_experts=E, top_k_experts=k, hidden_size=H, moe_intermediate_size=inter,
+                           rms_norm_eps=1e-6)
+
+
+def test_moe_route_matches_router():
+    cfg = _moe_cfg(E=12, k=4)
+    g = torch.Generator().manual_seed(5)
+    router = Router(cfg)
+    with torch.no_grad():
+        router.proj.weight.copy_(torch.randn(cfg.num_experts, cfg.hidden_size, generator=g))
+        router.scale.copy_(torch.rand(cfg.hidden_size, generator=g) * 2)
+        router.per_expert_scale.copy_(torch.rand(cfg.num_experts, generator=g) * 2)
+    router = router.to(DEV)
+    r = torch.randn(9, cfg.hidden_size, generator=g).to(DEV)
+    with torch.no_grad():
+        ref_w, ref_i = router(r)
+        logits = router.proj(rms_norm(r, None, cfg.rms_norm_eps) * router.scale * router.root_size)
+        w, ids = moe_route(logits, router.per_expert_scale, cfg.top_k_experts)
+    assert torch.equal(ids.long(), ref_i)
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+
+
+def test_moe_align_blocks():
+    E, k, bm = 8, 3, 16
+    ids = torch.randint(0, E, (37, k), generator=torch.Generator().manual_seed(6)).to(DEV)
+    ids[:5] = 2  # one crowded expert spanning several blocks
+    sorted_pairs, owner = moe_align(ids, E, bm)
+    sp, ow, flat = sorted_pairs.cpu(), owner.cpu(), ids.reshape(-1).cpu()
+    n = flat.numel()
+    used = sp[: int((ow < E).sum()) * bm]
+    real = used[used < n]
+    assert sorted(real.tolist()) == list(range(n))  # every pair exactly once
+    for b in range(int((ow < E).sum())):
+        rows = sp[b * bm:(b + 1) * bm]
+        rows = rows[rows < n]
+        assert torch.all(flat[rows] == ow[b])
+    assert torch.all(ow[int((ow < E).sum()):] >= E)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 11])
+def test_moe_experts_match_reference(dtype, T):
+    cfg = _moe_cfg()
+    g = torch.Generator().manual_seed(8)
+    experts = Experts(cfg)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.3)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.3)
+    experts = experts.to(dtype).to(DEV)
+    x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype).to(DEV)
+    logits = torch.randn(T, cfg.num_experts, generator=g).to(DEV)
+    weights, ids = moe_route(logits, torch.rand(cfg.num_experts, generator=g).to(DEV) + 0.5, cfg.top_k_experts)
+    with torch.no_grad():
+        ref = experts(x, weights, ids.long())
+    out = moe_experts(x, experts.gate_up_proj.data, experts.down_proj.data, weights, ids,
+                      config=dict(block_n=16, block_k=16))
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:  # same rounding points; fp32 accumulation order differs inside the GEMMs
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
