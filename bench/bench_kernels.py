@@ -1,7 +1,7 @@
 """Paged-attention bandwidth on the GPU: decode and 5-row verify at the 31B shapes.
 
     python bench/bench_kernels.py            # the table
-    python bench/bench_kernels.py --sweep    # also try tile configs / split counts per case and print the best
+    python bench/bench_kernels.py --sweep --layers full --batches 1   # also search configs (slow: limit it)
 
 Decode and verify are memory-bound, so the figure of merit is bytes moved / time against the copy bandwidth
 this script measures on the same GPU (a large device-to-device copy: read + write bytes). Bytes moved = the
@@ -91,6 +91,8 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also search tile configs / splits per case")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--layers", default="full,sliding")
+    parser.add_argument("--phases", default="decode,verify")
     a = parser.parse_args()
 
     torch.manual_seed(0)
@@ -100,8 +102,10 @@ def main():
             f"{'% copy':>7s} {'graph us':>9s}")
     print(head + ("   best (sweep)" if a.sweep else ""))
     print("-" * len(head))
-    for name, shape in SHAPES.items():
-        for phase, rows in (("decode", 1), ("verify", 5)):
+    for name in a.layers.split(","):
+        shape = SHAPES[name]
+        for phase in a.phases.split(","):
+            rows = {"decode": 1, "verify": 5}[phase]
             for batch in map(int, a.batches.split(",")):
                 for ctx in map(int, a.contexts.split(",")):
                     args, nbytes = build(shape, batch, ctx, rows)

@@ -103,11 +103,12 @@ def _attn_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    has = l_i > 0.0  # a row with no visible key yields zeros, like the reference's empty softmax
+    has = l_i > 0.0  # a row with no visible key (never scheduled) yields zeros, not NaN
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
         o = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o, round_to(out, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        DT: tl.constexpr = o_ptr.dtype.element_ty
+        tl.store(o, round_to(out, DT).to(DT), mask=row_ok[:, None])
     else:
         # Partials [T, num_q_heads, NUM_SPLITS, (HEAD_DIM)]: every split writes its lse (-inf when empty), the
         # normalised output only where it saw a key; the merge reads outputs only where lse is finite.

@@ -70,7 +70,7 @@ def _load(module, path: Path | None, args: EngineArgs, device, dtype, what: str)
     else:
         raise ConfigError(f"load_format {args.load_format!r} is not supported (auto, dummy)")
     n = sum(p.numel() for p in module.parameters())
-    log.info("%s: %.3fB parameters loaded in %.1fs", what, n / 1e9, time.monotonic() - t0)
+    log.info("%s: %.1fM parameters loaded in %.1fs", what, n / 1e6, time.monotonic() - t0)
 
 
 def make_attention_backend(name: str, device: torch.device):
