@@ -67,13 +67,17 @@ def time_case(args, **kw):
 
 
 def sweep(args, hd, group, rows):
-    """Tile configs and split counts around the defaults; returns (best ms, its settings)."""
+    """Tile configs and split counts around the defaults; returns (best ms, its settings).
+
+    The K/V loads are indirect (through the page table), so the software pipeliner spends one stage on the
+    page ids: with triton 3.9, num_stages 2-4 keep one K/V tile in flight ahead of the math and 5 keeps two
+    (more shared memory, fewer resident programs); check on the GPU's triton."""
     base = attention_config(hd, group, rows)
     best = None
     out = torch.empty_like(args[0])
     split_opts = (dict(), dict(min_split_keys=64), dict(min_split_keys=256), dict(num_splits=1),
                   dict(num_splits=8, min_split_keys=64), dict(num_splits=32, min_split_keys=32))
-    for block_n, warps, stages, split in itertools.product((16, 32, 64), (4, 8), (2, 3), split_opts):
+    for block_n, warps, stages, split in itertools.product((16, 32, 64), (4, 8), (3, 5), split_opts):
         cfg = dict(base, block_n=block_n, num_warps=warps, num_stages=stages)
         fn = lambda: paged_attention(*args, out=out, config=cfg, **split)  # noqa: E731
         try:

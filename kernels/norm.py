@@ -14,16 +14,20 @@ from ._common import next_pow2, round_to, row_warps
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, n, stride_x, stride_o, eps,
+def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, n, inner, stride_x0, stride_x1, stride_o, eps,
                      HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    # Row r of the output is x[r // inner, r % inner, :]: per-head views of a fused projection output
+    # ([T, heads, hd] with a wide token stride) are normed in place of a copy.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x_row = x_ptr + (row // inner) * stride_x0 + (row % inner) * stride_x1
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
     y = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / n + eps)
     if HAS_W:
         y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * stride_o + offs, round_to(y, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty), mask=mask)
+    DT: tl.constexpr = o_ptr.dtype.element_ty
+    tl.store(o_ptr + row * stride_o + offs, round_to(y, DT).to(DT), mask=mask)
 
 
 @triton.jit
@@ -79,15 +83,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading shape); weight None = the scale-free v_norm / router norm."""
-    x2 = _rows(x)
-    n = x2.shape[1]
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
+    if x.dim() == 3 and x.stride(-1) == 1:  # [T, heads, hd], possibly a strided view: no copy
+        x3 = x
+    else:
+        x3 = _rows(x).unsqueeze(1)
+    outer, inner, n = x3.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if outer * inner:
         block = next_pow2(n)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight if weight is not None else x2, out, n, x2.stride(0), out.stride(0), eps,
+        _rms_norm_kernel[(outer * inner,)](
+            x3, weight if weight is not None else x3, out, n, inner, x3.stride(0), x3.stride(1), n, eps,
             HAS_W=weight is not None, BLOCK=block, num_warps=row_warps(block))
-    return out.view(x.shape)
+    return out
 
 
 def rmsnorm_residual_add(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,

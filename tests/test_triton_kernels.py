@@ -187,6 +187,19 @@ def test_kv_write(dtype):
 
 
 # ---------------------------------------------------------------------------------------------- norms / act
+def on_cpu(fn, *args):
+    """Run a torch reference on CPU copies of its tensor arguments and bring the result back to DEV.
+
+    On CUDA, layers.py itself dispatches to these kernels (gemma4serve/model/fused.py), so a reference computed
+    on the GPU would compare a kernel with itself; on CPU the reference ops always run."""
+    cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    with torch.no_grad():
+        out = fn(*cpu)
+    if isinstance(out, tuple):
+        return tuple(o.to(DEV) for o in out)
+    return out.to(DEV)
+
+
 def _assert_rounding_close(out, ref):
     """Same rounding points as the reference; only fp32 reduction order and transcendental ulps differ, so at
     most a rare 1-ulp flip of the model dtype (ignoring values that are ~0, e.g. the GELU's negative tail where
@@ -207,7 +220,27 @@ def test_rms_norm(dtype, with_weight):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(5, 3, 40, generator=g) * 3).to(dtype).to(DEV)
     w = (torch.rand(40, generator=g) * 2).to(dtype).to(DEV) if with_weight else None
-    _assert_rounding_close(k_rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    _assert_rounding_close(k_rms_norm(x, w, 1e-6), on_cpu(rms_norm, x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_of_strided_head_views(dtype):
+    """Per-head views into a fused q|k|v projection output ([T, heads, hd] with a wide token stride)."""
+    g = torch.Generator().manual_seed(9)
+    T, hd = 4, 32
+    fused = (torch.randn(T, 7 * hd, generator=g) * 3).to(dtype).to(DEV)
+    k_view = fused[:, 4 * hd:6 * hd].view(T, 2, hd)
+    v_view = fused[:, 5 * hd:7 * hd].view(T, 2, hd)
+    w = (torch.rand(hd, generator=g) * 2).to(dtype).to(DEV)
+    _assert_rounding_close(k_rms_norm(v_view, None, 1e-6), on_cpu(rms_norm, v_view, None, 1e-6))
+    inv = rope_inv_freq(RopeSpec(theta=1e4, head_dim=hd, rotated_pairs=hd // 2))
+    cos, sin = (c.to(DEV) for c in rope_cos_sin(inv, torch.arange(T) * 5, dtype))
+    _assert_rounding_close(rmsnorm_rope(k_view, w, cos, sin, 1e-6), on_cpu(_norm_rope_ref, k_view, w, cos, sin))
+
+
+def _residual_ref(x, h, w, scalar):
+    out = x + rms_norm(h, w, 1e-6)
+    return out if scalar is None else out * scalar
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -218,10 +251,11 @@ def test_rmsnorm_residual_add(dtype, with_scalar):
     h = (torch.randn(6, 48, generator=g) * 9).to(dtype).to(DEV)
     w = (torch.rand(48, generator=g) * 2).to(dtype).to(DEV)
     scalar = torch.tensor([0.37], dtype=dtype, device=DEV) if with_scalar else None
-    ref = x + rms_norm(h, w, 1e-6)
-    if with_scalar:
-        ref = ref * scalar
-    _assert_rounding_close(rmsnorm_residual_add(x, h, w, 1e-6, scalar), ref)
+    _assert_rounding_close(rmsnorm_residual_add(x, h, w, 1e-6, scalar), on_cpu(_residual_ref, x, h, w, scalar))
+
+
+def _norm_rope_ref(x, w, cos, sin):
+    return apply_rope(rms_norm(x, w, 1e-6), cos, sin)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -234,15 +268,19 @@ def test_rmsnorm_rope(dtype, hd, rotated_pairs, theta):
     inv = rope_inv_freq(RopeSpec(theta=theta, head_dim=hd, rotated_pairs=rotated_pairs))
     cos, sin = rope_cos_sin(inv, torch.tensor([0, 3, 17, 250, 4097]), dtype)
     cos, sin = cos.to(DEV), sin.to(DEV)
-    _assert_rounding_close(rmsnorm_rope(x, w, cos, sin, 1e-6), apply_rope(rms_norm(x, w, 1e-6), cos, sin))
+    _assert_rounding_close(rmsnorm_rope(x, w, cos, sin, 1e-6), on_cpu(_norm_rope_ref, x, w, cos, sin))
+
+
+def _gelu_mul_ref(gu):
+    gate, up = gu.chunk(2, dim=-1)
+    return gelu_tanh(gate) * up
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_tanh_mul(dtype):
     g = torch.Generator().manual_seed(4)
     gu = (torch.randn(7, 2 * 24, generator=g) * 3).to(dtype).to(DEV)
-    gate, up = gu.chunk(2, dim=-1)
-    _assert_rounding_close(gelu_tanh_mul(gu), gelu_tanh(gate) * up)
+    _assert_rounding_close(gelu_tanh_mul(gu), on_cpu(_gelu_mul_ref, gu))
 
 
 # ---------------------------------------------------------------------------------------------- MoE
@@ -254,19 +292,17 @@ def _moe_cfg(E=8, k=3, H=32, inter=16):
 def test_moe_route_matches_router():
     cfg = _moe_cfg(E=12, k=4)
     g = torch.Generator().manual_seed(5)
-    router = Router(cfg)
+    router = Router(cfg)  # stays on CPU: the reference
     with torch.no_grad():
         router.proj.weight.copy_(torch.randn(cfg.num_experts, cfg.hidden_size, generator=g))
         router.scale.copy_(torch.rand(cfg.hidden_size, generator=g) * 2)
         router.per_expert_scale.copy_(torch.rand(cfg.num_experts, generator=g) * 2)
-    router = router.to(DEV)
-    r = torch.randn(9, cfg.hidden_size, generator=g).to(DEV)
-    with torch.no_grad():
+        r = torch.randn(9, cfg.hidden_size, generator=g)
         ref_w, ref_i = router(r)
         logits = router.proj(rms_norm(r, None, cfg.rms_norm_eps) * router.scale * router.root_size)
-        w, ids = moe_route(logits, router.per_expert_scale, cfg.top_k_experts)
-    assert torch.equal(ids.long(), ref_i)
-    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+    w, ids = moe_route(logits.to(DEV), router.per_expert_scale.detach().to(DEV), cfg.top_k_experts)
+    assert torch.equal(ids.long().cpu(), ref_i)
+    torch.testing.assert_close(w.cpu(), ref_w, atol=1e-6, rtol=1e-5)
 
 
 def test_moe_align_blocks():
@@ -291,18 +327,18 @@ def test_moe_align_blocks():
 def test_moe_experts_match_reference(dtype, T):
     cfg = _moe_cfg()
     g = torch.Generator().manual_seed(8)
-    experts = Experts(cfg)
+    experts = Experts(cfg)  # stays on CPU: the reference
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.3)
         experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.3)
-    experts = experts.to(dtype).to(DEV)
-    x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype).to(DEV)
-    logits = torch.randn(T, cfg.num_experts, generator=g).to(DEV)
-    weights, ids = moe_route(logits, torch.rand(cfg.num_experts, generator=g).to(DEV) + 0.5, cfg.top_k_experts)
-    with torch.no_grad():
-        ref = experts(x, weights, ids.long())
-    out = moe_experts(x, experts.gate_up_proj.data, experts.down_proj.data, weights, ids,
-                      config=dict(block_n=16, block_k=16))
+    experts = experts.to(dtype)
+    x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype)
+    logits = torch.randn(T, cfg.num_experts, generator=g)
+    weights, ids = moe_route(logits.to(DEV), (torch.rand(cfg.num_experts, generator=g) + 0.5).to(DEV),
+                             cfg.top_k_experts)
+    ref = on_cpu(experts, x, weights, ids.long())
+    out = moe_experts(x.to(DEV), experts.gate_up_proj.detach().to(DEV), experts.down_proj.detach().to(DEV),
+                      weights, ids, config=dict(block_n=16, block_k=16))
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     else:  # same rounding points; fp32 accumulation order differs inside the GEMMs

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import load_models
 from gemma4serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from gemma4serve.engine.runner import ModelRunner
@@ -71,7 +72,11 @@ class LLMEngine:
                 "the model's output", forced.mean_tokens_per_step,
             )
         self.num_draft_tokens = k
-        self.runner = ModelRunner(self.state, k, forced)
+        graphs = None
+        if self.state.device.type == "cuda" and not args.enforce_eager and self.state.attn.name != "torch":
+            graphs = CudaGraphs(self.state, args.max_num_seqs, self.max_model_len, k)
+            graphs.capture()
+        self.runner = ModelRunner(self.state, k, forced, graphs)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._arrivals = 0

@@ -14,16 +14,19 @@ from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.sampler import SamplingBatch, accept
 from gemma4serve.engine.sequence import ScheduledChunk, StepResult
 from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
+from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import ModelState
 from gemma4serve.model.gemma4 import ForwardContext
 
 
 class ModelRunner:
-    def __init__(self, state: ModelState, num_draft_tokens: int, forced: ForcedAcceptance | None = None):
+    def __init__(self, state: ModelState, num_draft_tokens: int, forced: ForcedAcceptance | None = None,
+                 graphs: CudaGraphs | None = None):
         self.s = state
         self.k = num_draft_tokens if state.draft is not None else 0
         self.draft_loop = DraftLoop(state) if self.k else None
         self.forced = forced
+        self.graphs = graphs
 
     def _tables(self, chunks: list[ScheduledChunk]) -> dict:
         dev = self.s.device
@@ -63,9 +66,15 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> dict:
         """Run the step; returns {sequence: StepResult} for the chunks that produce tokens."""
         s, dev = self.s, self.s.device
-        ids_t, pos_t, meta, cu = self.prepare(chunks)
-        tables = meta.page_table
-        hidden = s.target(ids_t, pos_t, ForwardContext(meta, s.kv, s.attn))
+        graphed = self.graphs is not None and self.graphs.can_run(chunks)
+        if graphed:
+            hidden, all_logits = self.graphs.run_target(chunks)
+            q = chunks[0].num_query
+            cu = list(range(0, len(chunks) * q + 1, q))
+        else:
+            ids_t, pos_t, meta, cu = self.prepare(chunks)
+            tables = meta.page_table
+            hidden = s.target(ids_t, pos_t, ForwardContext(meta, s.kv, s.attn))
 
         sampling = [(b, ch) for b, ch in enumerate(chunks) if ch.samples]
         if not sampling:
@@ -89,7 +98,9 @@ class ModelRunner:
             [q.params for q in seqs], [q.seed for q in seqs], [q.output_ids for q in seqs],
             [q.token_ids[: q.num_prompt] for q in seqs], dev,
         )
-        logits = s.target.logits(hidden[rows_t.view(-1)]).float().view(len(sampling), K + 1, -1)
+        flat_rows = rows_t.view(-1)
+        logits = all_logits[flat_rows] if graphed else s.target.logits(hidden[flat_rows])
+        logits = logits.float().view(len(sampling), K + 1, -1)
         res = accept(logits, drafts_t, num_drafts_t, first_pos_t, sb)
         tokens, num_emitted = res.tokens, res.num_emitted
         if self.forced is not None and K:
@@ -102,7 +113,10 @@ class ModelRunner:
             seed_token = tokens.gather(1, last).squeeze(1)
             P = first_pos_t + num_emitted  # position of the newest token; rows < P are committed
             table_rows = torch.tensor([b for b, _ in sampling], dtype=torch.int32, device=dev)
-            next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, table_rows, tables, self.k)
+            if graphed:
+                next_drafts = self.graphs.run_draft(seed_token, seed_hidden, P, table_rows)
+            else:
+                next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, table_rows, tables, self.k)
 
         # The step's one device -> host copy.
         host = [tokens.cpu(), num_emitted.cpu()]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from gemma4serve.config import AssistantConfig, TextConfig
+from gemma4serve.model import fused
 from gemma4serve.model.gemma4 import DecoderLayer, ForwardContext, Rotary
 from gemma4serve.model.layers import RMSNorm
 
@@ -61,6 +62,8 @@ class Gemma4Assistant(nn.Module):
         self.rotary = Rotary(self.cfg.text, device)
         for layer in self.model.layers:
             layer.self_attn.kv_layer = target_cfg.store_layer(layer.spec.kind)
+            if torch.device(device).type == "cuda" and fused.kernels() is not None:
+                layer.fuse()
 
     @property
     def window(self) -> int:

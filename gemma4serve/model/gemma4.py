@@ -10,12 +10,14 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gemma4serve.attention.metadata import AttentionMetadata
 from gemma4serve.config import LayerSpec, TextConfig
 from gemma4serve.kv.cache import KVCache
-from gemma4serve.model.layers import MLP, Experts, RMSNorm, Router, apply_rope, gelu_tanh, rms_norm, rope_cos_sin, rope_inv_freq
+from gemma4serve.model import fused
+from gemma4serve.model.layers import MLP, Experts, RMSNorm, Router, gelu_tanh, norm_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
@@ -39,16 +41,33 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, hidden_size, bias=False)
+        self.qkv: torch.Tensor | None = None  # q, k (and v) projections as one GEMM, after fuse()
+
+    def fuse(self) -> None:
+        if not self.spec.kv_shared:
+            self.qkv = fused.concat_weights(*(p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None))
+
+    def _project(self, h: torch.Tensor):
+        if self.qkv is None:
+            q = self.q_proj(h)
+            if self.spec.kv_shared:
+                return q, None, None
+            k = self.k_proj(h)
+            return q, k, (k if self.v_proj is None else self.v_proj(h))
+        out = F.linear(h, self.qkv)
+        nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+        k = out[:, nq : nq + nk]
+        return out[:, :nq], k, (k if self.v_proj is None else out[:, nq + nk :])
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T, hd, kind = h.shape[0], self.spec.head_dim, self.spec.kind
-        q = apply_rope(self.q_norm(self.q_proj(h).view(T, -1, hd)), cos, sin)
+        raw_q, raw_k, raw_v = self._project(h)
+        q = norm_rope(raw_q.view(T, -1, hd), self.q_norm.weight, self.eps, cos, sin)
         k_cache, v_cache = ctx.kv.layer(self.kv_layer)
         if not self.spec.kv_shared:
-            raw_k = self.k_proj(h).view(T, -1, hd)
-            raw_v = raw_k if self.v_proj is None else self.v_proj(h).view(T, -1, hd)
-            k = apply_rope(self.k_norm(raw_k), cos, sin)
-            v = rms_norm(raw_v, None, self.eps)  # v_norm: no learned scale, no rotation (k_eq_v included)
+            k = norm_rope(raw_k.view(T, -1, hd), self.k_norm.weight, self.eps, cos, sin)
+            # v_norm: no learned scale, no rotation (k_eq_v: V is the normed raw k_proj output)
+            v = rms_norm(raw_v.view(T, -1, hd), None, self.eps)
             ctx.attn.write(k_cache, v_cache, k, v, ctx.meta.write_slot[kind])
         out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
         return self.o_proj(out.reshape(T, -1))
@@ -79,20 +98,31 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(cfg.ple_dim, H, bias=False)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
+    def fuse(self) -> None:
+        self.self_attn.fuse()
+        self.mlp.fuse()
+
+    def _add_norm(self, x, h, norm: RMSNorm, scale: torch.Tensor | None = None):
+        """x + RMSNorm(h) (then * scale), one launch on CUDA."""
+        if (k := fused.on(x)) is not None:
+            return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale)
+        x = x + norm(h)
+        return x if scale is None else x * scale
+
     def forward(self, x, cos, sin, ctx: ForwardContext, ple: torch.Tensor | None = None) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        x = x + self.post_attention_layernorm(h)
+        x = self._add_norm(x, h, self.post_attention_layernorm)
         residual = x
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.moe:
             weights, experts = self.router(residual)
             moe_out = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
-        x = residual + self.post_feedforward_layernorm(h)
-        if self.ple:
-            g = gelu_tanh(self.per_layer_input_gate(x)) * ple
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return x * self.layer_scalar  # scales the whole residual stream, after PLE
+        if not self.ple:  # layer_scalar scales the whole residual stream, after PLE when there is one
+            return self._add_norm(residual, h, self.post_feedforward_layernorm, self.layer_scalar)
+        x = self._add_norm(residual, h, self.post_feedforward_layernorm)
+        g = gelu_tanh(self.per_layer_input_gate(x)) * ple
+        return self._add_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm, self.layer_scalar)
 
 
 class Rotary:
@@ -128,8 +158,11 @@ class Gemma4Model(nn.Module):
         self.optional_weights: set[str] = set()
 
     def bind(self, device) -> None:
-        """Set up what is not a weight (RoPE tables) on the device the weights live on."""
+        """Set up what is not a weight (RoPE tables, fused projections) on the device the weights live on."""
         self.rotary = Rotary(self.cfg, device)
+        if torch.device(device).type == "cuda" and fused.kernels() is not None:
+            for layer in self.layers:
+                layer.fuse()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The scaled embedding E[ids] * dtype(sqrt(H)); the drafter embeds its tokens with it too."""

@@ -7,10 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gemma4serve.config import RopeSpec, TextConfig
+from gemma4serve.model import fused
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Gemma 4 RMSNorm: fp32 inside, `pow(., -0.5)`, scale by w (not 1 + w), cast back."""
+    if (k := fused.on(x)) is not None:
+        return k.rms_norm(x, weight, eps)
     y = x.float()
     y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
@@ -38,8 +41,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.up_proj = nn.Linear(hidden, width, bias=False)
         self.down_proj = nn.Linear(width, hidden, bias=False)
+        self.gate_up: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = fused.concat_weights(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and (k := fused.on(x)) is not None:
+            return self.down_proj(k.gelu_tanh_mul(F.linear(x, self.gate_up)))
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -57,6 +66,9 @@ class Router(nn.Module):
 
     def forward(self, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = rms_norm(residual, None, self.eps) * self.scale * self.root_size
+        if (k := fused.on(z)) is not None:  # softmax, top-k, renormalise and scale in one launch
+            weights, experts = k.moe_route(self.proj(z), self.per_expert_scale, self.top_k)
+            return weights, experts
         probs = torch.softmax(self.proj(z), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
@@ -73,6 +85,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if (k := fused.on(x)) is not None:  # grouped expert GEMMs, no host sync
+            return k.moe_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
         T, K = experts.shape
         flat = experts.reshape(-1)
         # Sort the (token, slot) pairs by expert so each expert runs one GEMM over its tokens.
@@ -107,6 +121,13 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     theta = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([theta, theta], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """apply_rope(rms_norm(x; weight)) for the per-head q/k norms, one launch on CUDA."""
+    if (k := fused.on(x)) is not None:
+        return k.rmsnorm_rope(x, weight, cos, sin, eps)
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

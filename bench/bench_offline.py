@@ -1,0 +1,451 @@
+#!/usr/bin/env python
+"""Offline throughput of the engine, stepped directly: random prompts, exactly --output-len greedy tokens each.
+
+At each --concurrency level it keeps that many requests in flight (a new one is added as soon as one finishes)
+and timestamps every step. Per request: TTFT (add -> first token), TPOT (mean time per output token after the
+first), and ITL (the gap between two deliveries of a request, spread over the tokens delivered together: with
+MTP several tokens land at once). Next to the measured TPOT it prints the decode-step bandwidth roofline
+(DESIGN §6): the bytes one verify step must read (target weights, k drafter passes, KV) over the memory
+bandwidth, divided by the measured tokens per step.
+
+    # CPU, seconds: a tiny random checkpoint
+    python bench/bench_offline.py --tiny --input-len 64 --output-len 32 --concurrency 1 4 --hf-baseline
+    # GPU: the real 31B shapes with random weights
+    python bench/bench_offline.py --model configs/gemma-4-31B-it --draft configs/gemma-4-31B-it-assistant \\
+        --load-format dummy --input-len 1000 --output-len 256 --concurrency 1 8 32 --forced-acceptance 3.1
+
+--hf-baseline also times transformers' `generate` (concurrency 1, with and without the assistant) on the very
+same weights: our modules' tensors are handed to the HF modules (their state-dict names match), not copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import random
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from gemma4serve.config import FULL, SLIDING  # noqa: E402
+from gemma4serve.engine.args import EngineArgs  # noqa: E402
+from gemma4serve.engine.engine import LLMEngine  # noqa: E402
+from gemma4serve.sampling_params import SamplingParams  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="target checkpoint: a path, a hub id, or configs/<name> with --load-format dummy")
+    p.add_argument("--draft", help="the MTP assistant checkpoint (omit, or --num-draft-tokens 0, for no MTP)")
+    p.add_argument("--tiny", nargs="?", const="dense", metavar="VARIANT",
+                   help="build a tiny random checkpoint (dense | moe | ple; default dense) with its assistant and use it")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--input-len", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--num-prompts", type=int, help="requests per concurrency level (default: 4 x concurrency, at least 8)")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--forced-acceptance", type=float, nargs="+",
+                   help="benchmark mode: mean tokens per verify step (e.g. 3.1) or per-position acceptance rates")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured with a copy)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run before each level")
+    p.add_argument("--hf-baseline", action="store_true", help="also time transformers generate at concurrency 1")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not args.model and not args.tiny:
+        p.error("give --model (or --tiny)")
+    if min(args.concurrency) < 1 or args.input_len < 1 or args.output_len < 1:
+        p.error("--concurrency, --input-len and --output-len must be positive")
+    return args
+
+
+# ---- measuring ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    added: float
+    events: list = field(default_factory=list)  # (time, tokens delivered) per step that delivered any
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.events)
+
+    @property
+    def ttft(self) -> float:
+        return self.events[0][0] - self.added
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.num_tokens
+        return (self.events[-1][0] - self.events[0][0]) / (n - 1) if n > 1 else None
+
+    def itls(self) -> list[float]:
+        out = []
+        for (t0, _), (t1, n) in zip(self.events, self.events[1:]):
+            out += [(t1 - t0) / n] * n
+        return out
+
+
+@dataclass
+class Level:
+    concurrency: int
+    reqs: list[Req]
+    elapsed: float
+    input_tokens: int
+    output_tokens: int
+    accepted_len: float  # tokens per verify step, bonus included (1.0 without MTP)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    i = (len(xs) - 1) * q / 100
+    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def run_level(engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int, tag: str) -> Level:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    before = engine.snapshot()
+    pending = list(enumerate(prompts))[::-1]
+    inflight: dict[str, Req] = {}
+    done: list[Req] = []
+    start = time.perf_counter()
+    while pending or inflight:
+        while pending and len(inflight) < concurrency:
+            i, prompt = pending.pop()
+            rid = f"{tag}-{i}"
+            inflight[rid] = Req(added=time.perf_counter())
+            engine.add_request(rid, prompt, params)
+        outs = engine.step()  # returns after the step's device -> host copy: the tokens exist now
+        now = time.perf_counter()
+        for out in outs:
+            req = inflight[out.request_id]
+            n = len(out.outputs[0].new_token_ids)
+            if n:
+                req.events.append((now, n))
+            if out.finished:
+                assert req.num_tokens == output_len, (out.request_id, req.num_tokens, out.outputs[0].finish_reason)
+                done.append(inflight.pop(out.request_id))
+    elapsed = time.perf_counter() - start
+    after = engine.snapshot()
+    steps = after.spec_num_steps - before.spec_num_steps
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    return Level(
+        concurrency, done, elapsed, sum(map(len, prompts)), len(prompts) * output_len,
+        1.0 + accepted / steps if steps else 1.0,
+    )  # fmt: skip
+
+
+# ---- the roofline --------------------------------------------------------------------------------------------
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def weight_bytes_per_step(module: torch.nn.Module, tokens: int, skip=(), cfg=None) -> float:
+    """Bytes of `module`'s weights one forward over `tokens` tokens reads. Tables that are only gathered from
+    (`skip`) do not count; MoE experts count for the expected number of distinct experts the tokens route to
+    (uniform routing: E * (1 - (1 - top_k / E) ** tokens))."""
+    total, seen = 0.0, set()
+    for name, t in module.named_parameters():
+        if id(t) in seen or any(s in name for s in skip):
+            continue
+        seen.add(id(t))
+        if cfg is not None and cfg.moe and ".experts." in name:
+            E, top = cfg.num_experts, cfg.top_k_experts
+            total += _nbytes(t) * (1 - (1 - top / E) ** tokens)
+        else:
+            total += _nbytes(t)
+    return total
+
+
+def kv_bytes_per_token_row(layers, elt: int) -> dict:
+    """KV bytes per cached row that one pass over `layers` reads, per attention type (K and V, every layer)."""
+    out = {SLIDING: 0, FULL: 0}
+    for l in layers:
+        out[l.kind] += 2 * l.num_kv_heads * l.head_dim * elt
+    return out
+
+
+@dataclass
+class Roofline:
+    target: float  # bytes per verify step
+    draft: float  # k drafter passes
+    kv: float
+    bandwidth: float  # bytes / s
+
+    @property
+    def total(self) -> float:
+        return self.target + self.draft + self.kv
+
+    @property
+    def step_s(self) -> float:
+        return self.total / self.bandwidth
+
+
+def roofline(engine: LLMEngine, concurrency: int, context: int, bandwidth: float) -> Roofline:
+    """One decode step of `concurrency` sequences at `context` cached tokens: a k+1-token verify over the
+    target, then k drafter passes (each reading the target's last sliding and full layer KV)."""
+    s, k = engine.state, engine.num_draft_tokens
+    cfg = s.target.cfg
+    elt = torch.finfo(s.dtype).bits // 8
+    target = weight_bytes_per_step(s.target, concurrency * (k + 1), skip=("embed_tokens_per_layer",), cfg=cfg)
+    rows = {FULL: context, SLIDING: min(context, cfg.sliding_window)}
+    per_row = kv_bytes_per_token_row(cfg.layers, elt)
+    kv = concurrency * sum(per_row[kind] * rows[kind] for kind in rows)
+    draft = 0.0
+    if s.draft is not None and k:
+        d = s.draft
+        if d.masked_embedding is not None:  # centroid head: only the selected clusters' rows of the table
+            V, C = cfg.vocab_size, d.cfg.num_centroids
+            rows_read = min(V, concurrency * d.cfg.centroid_top_k * V // C)
+            head = rows_read * d.cfg.text.hidden_size * elt
+            draft_w = weight_bytes_per_step(d, concurrency, skip=("model.embed_tokens",)) + head
+        else:
+            draft_w = weight_bytes_per_step(d, concurrency)
+        d_rows = {FULL: context, SLIDING: min(context, d.window)}
+        d_per_row = kv_bytes_per_token_row(d.cfg.text.layers, elt)
+        d_kv = concurrency * sum(d_per_row[kind] * d_rows[kind] for kind in d_rows)
+        draft = k * (draft_w + d_kv)
+    return Roofline(target, draft, kv, bandwidth)
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (each byte read once and written once)."""
+    n = (1 << 30 if device.type == "cuda" else 1 << 28) // 4
+    a = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    reps = 10 if device.type == "cuda" else 3
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dt = time.perf_counter() - t0
+    del a, b
+    return 2 * n * 4 * reps / dt
+
+
+# ---- the transformers baseline ----------------------------------------------------------------------------------
+
+
+def to_hf(module: torch.nn.Module, cls, config, prefix: str, device: torch.device):
+    """An HF model whose parameters *are* our module's tensors (no copy, so a 31B fits twice on no GPU).
+
+    Built on the meta device; load_state_dict(assign=True) adopts our tensors. Buffers HF computes in __init__
+    (RoPE inverse frequencies, the embedding scale) are not in any state dict: rebuild those on the device.
+    """
+    with torch.device("meta"):
+        hf = cls(config)
+    state = {prefix + k: v for k, v in module.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"state dict names differ from {cls.__name__}: missing {missing}, unexpected {unexpected}")
+    if "lm_head.weight" in missing:  # tied to the input embedding
+        hf.lm_head.weight = hf.get_input_embeddings().weight
+    for name, mod in list(hf.named_modules()):
+        if not any(b.is_meta for b in mod.buffers(recurse=False)):
+            continue
+        if type(mod).__name__.endswith("RotaryEmbedding"):
+            parent, _, child = name.rpartition(".")
+            with torch.device(device):
+                setattr(hf.get_submodule(parent) if parent else hf, child, type(mod)(mod.config))
+        elif hasattr(mod, "scalar_embed_scale"):
+            mod.embed_scale = torch.tensor(mod.scalar_embed_scale, device=device)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"{cls.__name__}: tensors left on the meta device: {left[:5]}")
+    return hf.eval()
+
+
+@torch.inference_mode()
+def hf_generate_timed(hf, prompt: list[int], n: int, assistant=None, device=None) -> tuple[float, float, list[int]]:
+    """(TTFT, TPOT, tokens) of HF greedy generate: TTFT from a 1-token run, TPOT from the n-token run."""
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt], device=device)
+
+    def gen(m):
+        # No EOS: exactly m tokens, like ignore_eos (min_new_tokens would alter the logits instead).
+        gc_ = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        # An explicit mask: HF would otherwise mask out every prompt token that equals the pad id.
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc_, assistant_model=assistant)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+
+    gen(min(n, 4))  # warm-up
+    t1, _ = gen(1)
+    tn, tokens = gen(n)
+    return t1, (tn - t1) / max(1, n - 1), tokens
+
+
+def hf_baseline(engine: LLMEngine, prompt: list[int], output_len: int) -> list[tuple[str, float, float, list[int]]]:
+    """transformers 5.17 generate on our weights, concurrency 1, without and with the assistant."""
+    import transformers
+    from transformers import AutoConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM
+
+    s, k = engine.state, engine.num_draft_tokens
+    target_dir, draft_dir, device, dtype = s.target_dir, s.draft_dir, s.device, s.dtype
+    target, draft = s.target, s.draft
+    # Give the KV pool's memory back: HF keeps its own cache.
+    engine.state = engine.runner = engine.scheduler = engine.kv = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    tcfg = AutoConfig.from_pretrained(target_dir).get_text_config()
+    tcfg._attn_implementation = "sdpa"
+    tcfg.dtype = dtype
+    hf = to_hf(target, Gemma4ForCausalLM, tcfg, "model.", device)
+    rows = [(f"transformers {transformers.__version__} generate", *hf_generate_timed(hf, prompt, output_len, device=device))]
+    if draft is not None and k:
+        dcfg = AutoConfig.from_pretrained(draft_dir)
+        dcfg._attn_implementation = "sdpa"
+        dcfg.get_text_config()._attn_implementation = "sdpa"
+        asst = to_hf(draft, Gemma4AssistantForCausalLM, dcfg, "", device)
+        # generate(num_assistant_tokens=...) has no effect in 5.17: the assistant's own config decides, and its
+        # default schedule would adapt k; keep it fixed at ours.
+        asst.generation_config.num_assistant_tokens = k
+        asst.generation_config.num_assistant_tokens_schedule = "constant"
+        rows.append((f"  + assistant_model (k={k})", *hf_generate_timed(hf, prompt, output_len, asst, device)))
+    return rows
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return f"{p.name} ({p.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads), torch {torch.__version__}"
+
+
+def build_tiny(variant: str) -> tuple[str, str]:
+    from gemma4serve.tiny import write_tiny_assistant, write_tiny_checkpoint
+
+    root = Path(tempfile.mkdtemp(prefix="g4s-bench-"))
+    return (str(write_tiny_checkpoint(root / "target", variant)), str(write_tiny_assistant(root / "assistant", variant)))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    print("command:", shlex.join([sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]))
+    model, draft = args.model, args.draft
+    if args.tiny:
+        tiny_model, tiny_draft = build_tiny(args.tiny)
+        model, draft = model or tiny_model, draft or tiny_draft
+    forced = args.forced_acceptance
+    if forced is not None and len(forced) == 1:
+        forced = forced[0]
+    k = args.num_draft_tokens if draft else 0
+    max_conc = max(args.concurrency)
+    eargs = EngineArgs(
+        model=model, draft=draft if k else None, device=args.device, dtype=args.dtype, load_format=args.load_format,
+        max_model_len=args.input_len + args.output_len + 1, max_num_seqs=max_conc, num_draft_tokens=k,
+        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager, forced_acceptance=forced, seed=args.seed,
+        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
+    )  # fmt: skip
+    engine = LLMEngine(eargs)
+    s = engine.state
+    print("device:", device_name(s.device))
+    n_t = sum(p.numel() for p in s.target.parameters())
+    n_d = sum(p.numel() for p in s.draft.parameters()) if s.draft is not None else 0
+    print(f"model: {model} ({n_t / 1e9:.3f}B, {s.dtype}), draft: {draft if k else None} ({n_d / 1e9:.3f}B), k={k}, "
+          f"forced acceptance: {forced}, weights: {args.load_format}")  # fmt: skip
+    print(f"KV pool: {engine.kv.full.capacity} full + {engine.kv.sliding.capacity} sliding pages of {s.page_size}, "
+          f"max_model_len {engine.max_model_len}, max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}")
+    if args.bandwidth_gbps:
+        bw, bw_src = args.bandwidth_gbps * 1e9, "given"
+    else:
+        bw, bw_src = measure_bandwidth(s.device), "measured by a device copy"
+    print(f"bandwidth for the roofline: {bw / 1e9:.0f} GB/s ({bw_src})")
+
+    V = s.target.cfg.vocab_size
+    rng = random.Random(args.seed)
+    cols = ("conc", "reqs", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+            "ITL p50", "ITL p99", "acc len", "roof TPOT", "% roof")  # fmt: skip
+    widths = [max(len(c), 7) for c in cols]
+    print(f"\ninput {args.input_len} tokens, output {args.output_len} tokens (greedy, ignore_eos); times in ms; "
+          "acc len = tokens per verify step incl. bonus; roof TPOT = roofline step time / acc len")
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)), flush=True)
+    levels, rooflines = [], []
+    for c in args.concurrency:
+        n = args.num_prompts or max(8, 4 * c)
+        prompts = [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(n)]
+        if not args.no_warmup:  # first-use costs (allocator, kernels, graphs) stay out of the numbers
+            run_level(engine, prompts[:c], c, min(args.output_len, 4), f"warm{c}")
+        lv = run_level(engine, prompts, c, args.output_len, f"c{c}")
+        rf = roofline(engine, c, args.input_len + args.output_len // 2, bw)
+        levels.append(lv)
+        rooflines.append(rf)
+        ms = lambda xs, q: percentile(xs, q) * 1e3  # noqa: E731
+        ttft = [r.ttft for r in lv.reqs]
+        tpot = [r.tpot for r in lv.reqs if r.tpot is not None]
+        itl = [x for r in lv.reqs for x in r.itls()]
+        roof_tpot = rf.step_s / lv.accepted_len
+        mean_tpot = sum(tpot) / len(tpot) if tpot else float("nan")
+        row = (c, len(lv.reqs), lv.output_tokens / lv.elapsed, (lv.input_tokens + lv.output_tokens) / lv.elapsed,
+               ms(ttft, 50), ms(ttft, 99), ms(tpot, 50), ms(tpot, 99), ms(itl, 50), ms(itl, 99), lv.accepted_len,
+               roof_tpot * 1e3, 100 * roof_tpot / mean_tpot)  # fmt: skip
+        print("  ".join((f"{v:.2f}" if isinstance(v, float) else str(v)).rjust(w) for v, w in zip(row, widths)), flush=True)
+
+    print("\ndecode-step roofline (one verify of k+1 tokens + k drafter passes, context input + output/2):")
+    for lv, rf in zip(levels, rooflines):
+        print(f"  conc {lv.concurrency:>3}: {rf.total / 1e9:8.3f} GB/step = target {rf.target / 1e9:.3f} + "
+              f"drafter {rf.draft / 1e9:.3f} + KV {rf.kv / 1e9:.3f} -> {rf.step_s * 1e3:.3f} ms/step at {bw / 1e9:.0f} GB/s")
+
+    if args.hf_baseline:
+        print("\nbaseline at concurrency 1 (same weights, same prompt, greedy, exactly output-len tokens):")
+        ours = next((lv for lv in levels if lv.concurrency == 1), None)
+        prompt = [rng.randrange(V) for _ in range(args.input_len)]
+        ref = None
+        if forced is None:  # our tokens for the same prompt, to show that the weights really are the same
+            engine.add_request("hf-ref", prompt, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True))
+            while engine.has_unfinished():
+                for out in engine.step():
+                    ref = out.token_ids if out.finished else ref
+        s = None  # hf_baseline frees the engine's KV pool: hold no reference to it
+        rows = hf_baseline(engine, prompt, args.output_len)
+        print(f"  {'':42} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>8}  same tokens as ours")
+        for name, ttft, tpot, tokens in rows:
+            same = "n/a (forced acceptance)" if ref is None else ("yes" if tokens == ref else
+                   f"first {next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(ref))} of {len(ref)}")  # fmt: skip
+            print(f"  {name:42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}  {same}")
+        if ours is not None:
+            tp = [r.tpot for r in ours.reqs if r.tpot is not None]
+            ttft = percentile([r.ttft for r in ours.reqs], 50)
+            tpot = sum(tp) / len(tp)
+            print(f"  {'gemma4serve (this run, conc 1, mean TPOT)':42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

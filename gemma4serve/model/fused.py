@@ -1,0 +1,40 @@
+"""The fused Triton kernels the model uses on CUDA (gemma4serve_kernels), or None where they cannot run.
+
+The torch ops in layers.py are the reference; the kernels keep the same rounding points. Set
+GEMMA4SERVE_DISABLE_FUSED=1 to run the reference ops on CUDA too (for comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+
+@cache
+def kernels():
+    if os.environ.get("GEMMA4SERVE_DISABLE_FUSED") == "1" or not torch.cuda.is_available():
+        return None
+    try:
+        import gemma4serve_kernels
+    except ImportError:
+        return None
+    return gemma4serve_kernels
+
+
+def on(x: torch.Tensor):
+    """The kernel module if x lives where the kernels run, else None."""
+    return kernels() if x.is_cuda else None
+
+
+def concat_weights(*linears) -> torch.Tensor:
+    """One weight for several projections of the same input (one GEMM instead of several); the original
+    parameters become views into it, so names and the state dict are unchanged and no memory is duplicated."""
+    fused = torch.cat([l.weight for l in linears], dim=0)
+    start = 0
+    for l in linears:
+        n = l.weight.shape[0]
+        l.weight = torch.nn.Parameter(fused[start : start + n], requires_grad=False)
+        start += n
+    return fused

@@ -1,0 +1,70 @@
+"""bench/bench_offline.py end to end on a tiny checkpoint (CPU, seconds): it runs and prints its tables."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COLUMNS = ["conc", "reqs", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+           "ITL p50", "ITL p99", "acc len", "roof TPOT", "% roof"]  # fmt: skip
+
+
+def run_bench(*args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_offline.py"), "--tiny", "--device", "cpu", *args],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def table(out: str) -> dict[int, dict[str, float]]:
+    """The results table: {concurrency: {column: value}}."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["conc", "reqs"])
+    rows = {}
+    for line in lines[start + 1 :]:
+        cells = line.split()
+        if not cells or not cells[0].isdigit():
+            break
+        assert len(cells) == len(COLUMNS), line
+        rows[int(cells[0])] = dict(zip(COLUMNS, map(float, cells)))
+    return rows
+
+
+def test_bench_prints_a_row_per_concurrency():
+    out = run_bench("--input-len", "24", "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
+                    "--num-draft-tokens", "3", "--forced-acceptance", "3.1", "--bandwidth-gbps", "50")  # fmt: skip
+    first = out.splitlines()[0]
+    assert first.startswith("command: ") and "--forced-acceptance 3.1" in first
+    assert "device: CPU" in out
+    assert "bandwidth for the roofline: 50 GB/s (given)" in out
+    rows = table(out)
+    assert set(rows) == {1, 3}
+    for c, row in rows.items():
+        assert row["reqs"] == 3
+        assert row["out tok/s"] > 0 and row["tot tok/s"] > row["out tok/s"]
+        assert 0 < row["TTFT p50"] <= row["TTFT p99"]
+        assert 0 < row["TPOT p50"] <= row["TPOT p99"]
+        assert row["roof TPOT"] > 0
+        # Forced acceptance of 3.1 tokens per step (the last steps have less room, so a little lower).
+        assert 2.0 < row["acc len"] <= 4.0
+    assert out.count("GB/step") == 2
+
+
+def test_bench_hf_baseline_on_the_same_weights():
+    pytest.importorskip("transformers")
+    out = run_bench("--input-len", "20", "--output-len", "8", "--concurrency", "1", "--num-prompts", "2",
+                    "--num-draft-tokens", "2", "--hf-baseline")  # fmt: skip
+    assert set(table(out)) == {1}
+    hf_rows = [line for line in out.splitlines() if line.strip().startswith(("transformers", "+ assistant_model"))]
+    assert len(hf_rows) == 2, out
+    # Greedy on the same weights: HF generates our tokens exactly, with and without the assistant.
+    assert all(line.rstrip().endswith("yes") for line in hf_rows), out
+    assert "gemma4serve (this run" in out
