@@ -43,18 +43,20 @@ from gemma4serve.sampling_params import SamplingParams  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", help="target checkpoint: a path, a hub id, or configs/<name> with --load-format dummy")
     p.add_argument("--draft", help="the MTP assistant checkpoint (omit, or --num-draft-tokens 0, for no MTP)")
     p.add_argument("--tiny", nargs="?", const="dense", metavar="VARIANT",
-                   help="build a tiny random checkpoint (dense | moe | ple; default dense) with its assistant and use it")
+                   help="build and use a tiny random checkpoint (dense | moe | ple; default dense) and its assistant")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--num-prompts", type=int, help="requests per concurrency level (default: 4 x concurrency, at least 8)")
+    p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)")
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--forced-acceptance", type=float, nargs="+",
                    help="benchmark mode: mean tokens per verify step (e.g. 3.1) or per-position acceptance rates")
@@ -62,13 +64,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured with a copy)")
+    p.add_argument("--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run before each level")
     p.add_argument("--hf-baseline", action="store_true", help="also time transformers generate at concurrency 1")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if not args.model and not args.tiny:
-        p.error("give --model (or --tiny)")
+    if bool(args.model) == bool(args.tiny) or (args.tiny and args.draft):
+        p.error("give --model (and optionally --draft), or --tiny")
     if min(args.concurrency) < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--concurrency, --input-len and --output-len must be positive")
     return args
@@ -252,7 +254,7 @@ def measure_bandwidth(device: torch.device) -> float:
 
 
 def to_hf(module: torch.nn.Module, cls, config, prefix: str, device: torch.device):
-    """An HF model whose parameters *are* our module's tensors (no copy, so a 31B fits twice on no GPU).
+    """An HF model whose parameters *are* our module's tensors (no copy: two 31Bs would not fit on an 80 GB GPU).
 
     Built on the meta device; load_state_dict(assign=True) adopts our tensors. Buffers HF computes in __init__
     (RoPE inverse frequencies, the embedding scale) are not in any state dict: rebuild those on the device.
@@ -289,12 +291,12 @@ def hf_generate_timed(hf, prompt: list[int], n: int, assistant=None, device=None
 
     def gen(m):
         # No EOS: exactly m tokens, like ignore_eos (min_new_tokens would alter the logits instead).
-        gc_ = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)
+        config = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         # An explicit mask: HF would otherwise mask out every prompt token that equals the pad id.
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc_, assistant_model=assistant)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, assistant_model=assistant)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0, out[0, len(prompt):].tolist()
@@ -306,12 +308,13 @@ def hf_generate_timed(hf, prompt: list[int], n: int, assistant=None, device=None
 
 
 def hf_baseline(engine: LLMEngine, prompt: list[int], output_len: int) -> list[tuple[str, float, float, list[int]]]:
-    """transformers 5.17 generate on our weights, concurrency 1, without and with the assistant."""
+    """transformers 5.17 generate on our weights, concurrency 1, without and with the assistant.
+    It consumes the engine: the KV pool is freed for HF's own cache."""
     import transformers
     from transformers import AutoConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
     s, k = engine.state, engine.num_draft_tokens
-    target_dir, draft_dir, device, dtype = s.target_dir, s.draft_dir, s.device, s.dtype
+    target_dir, draft_dir, device = s.target_dir, s.draft_dir, s.device
     target, draft = s.target, s.draft
     # Give the KV pool's memory back: HF keeps its own cache.
     engine.state = engine.runner = engine.scheduler = engine.kv = None
@@ -321,9 +324,9 @@ def hf_baseline(engine: LLMEngine, prompt: list[int], output_len: int) -> list[t
 
     tcfg = AutoConfig.from_pretrained(target_dir).get_text_config()
     tcfg._attn_implementation = "sdpa"
-    tcfg.dtype = dtype
     hf = to_hf(target, Gemma4ForCausalLM, tcfg, "model.", device)
-    rows = [(f"transformers {transformers.__version__} generate", *hf_generate_timed(hf, prompt, output_len, device=device))]
+    name = f"transformers {transformers.__version__} generate"
+    rows = [(name, *hf_generate_timed(hf, prompt, output_len, device=device))]
     if draft is not None and k:
         dcfg = AutoConfig.from_pretrained(draft_dir)
         dcfg._attn_implementation = "sdpa"
@@ -344,59 +347,86 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         return f"{p.name} ({p.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}"
-    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads), torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    return f"CPU {cpu} ({torch.get_num_threads()} threads), torch {torch.__version__}"
 
 
 def build_tiny(variant: str) -> tuple[str, str]:
     from gemma4serve.tiny import write_tiny_assistant, write_tiny_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="g4s-bench-"))
-    return (str(write_tiny_checkpoint(root / "target", variant)), str(write_tiny_assistant(root / "assistant", variant)))
+    return str(write_tiny_checkpoint(root / "target", variant)), str(write_tiny_assistant(root / "assistant", variant))
+
+
+COLUMNS = ("conc", "reqs", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+           "ITL p50", "ITL p99", "acc len", "roof TPOT", "% roof")  # fmt: skip
+WIDTHS = [max(len(c), 7) for c in COLUMNS]
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def table_row(lv: Level, rf: Roofline) -> str:
+    def ms(xs, q):
+        return percentile(xs, q) * 1e3
+
+    ttft = [r.ttft for r in lv.reqs]
+    tpot = [r.tpot for r in lv.reqs if r.tpot is not None]
+    itl = [x for r in lv.reqs for x in r.itls()]
+    roof_tpot = rf.step_s / lv.accepted_len  # a step serves every sequence acc-len tokens
+    total = lv.input_tokens + lv.output_tokens
+    row = (lv.concurrency, len(lv.reqs), lv.output_tokens / lv.elapsed, total / lv.elapsed,
+           ms(ttft, 50), ms(ttft, 99), ms(tpot, 50), ms(tpot, 99), ms(itl, 50), ms(itl, 99),
+           lv.accepted_len, roof_tpot * 1e3, 100 * roof_tpot / mean(tpot))  # fmt: skip
+    return "  ".join((f"{v:.2f}" if isinstance(v, float) else str(v)).rjust(w) for v, w in zip(row, WIDTHS))
+
+
+def greedy_tokens(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
+    engine.add_request("reference", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    tokens = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens = out.token_ids
+    return tokens
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     print("command:", shlex.join([sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]))
-    model, draft = args.model, args.draft
-    if args.tiny:
-        tiny_model, tiny_draft = build_tiny(args.tiny)
-        model, draft = model or tiny_model, draft or tiny_draft
+    model, draft = build_tiny(args.tiny) if args.tiny else (args.model, args.draft)
     forced = args.forced_acceptance
     if forced is not None and len(forced) == 1:
         forced = forced[0]
     k = args.num_draft_tokens if draft else 0
-    max_conc = max(args.concurrency)
-    eargs = EngineArgs(
+    engine = LLMEngine(EngineArgs(
         model=model, draft=draft if k else None, device=args.device, dtype=args.dtype, load_format=args.load_format,
-        max_model_len=args.input_len + args.output_len + 1, max_num_seqs=max_conc, num_draft_tokens=k,
+        max_model_len=args.input_len + args.output_len + 1, max_num_seqs=max(args.concurrency), num_draft_tokens=k,
         gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, forced_acceptance=forced, seed=args.seed,
         **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
-    )  # fmt: skip
-    engine = LLMEngine(eargs)
-    s = engine.state
-    print("device:", device_name(s.device))
-    n_t = sum(p.numel() for p in s.target.parameters())
-    n_d = sum(p.numel() for p in s.draft.parameters()) if s.draft is not None else 0
-    print(f"model: {model} ({n_t / 1e9:.3f}B, {s.dtype}), draft: {draft if k else None} ({n_d / 1e9:.3f}B), k={k}, "
+    ))  # fmt: skip
+    st = engine.state
+    n_t = sum(p.numel() for p in st.target.parameters())
+    n_d = sum(p.numel() for p in st.draft.parameters()) if st.draft is not None else 0
+    print("device:", device_name(st.device))
+    print(f"model: {model} ({n_t / 1e9:.3f}B, {st.dtype}), draft: {draft if k else None} ({n_d / 1e9:.3f}B), k={k}, "
           f"forced acceptance: {forced}, weights: {args.load_format}")  # fmt: skip
-    print(f"KV pool: {engine.kv.full.capacity} full + {engine.kv.sliding.capacity} sliding pages of {s.page_size}, "
+    print(f"KV pool: {engine.kv.full.capacity} full + {engine.kv.sliding.capacity} sliding pages of {st.page_size}, "
           f"max_model_len {engine.max_model_len}, max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}")
     if args.bandwidth_gbps:
         bw, bw_src = args.bandwidth_gbps * 1e9, "given"
     else:
-        bw, bw_src = measure_bandwidth(s.device), "measured by a device copy"
+        bw, bw_src = measure_bandwidth(st.device), "measured by a device copy"
     print(f"bandwidth for the roofline: {bw / 1e9:.0f} GB/s ({bw_src})")
+    V = st.target.cfg.vocab_size
+    del st  # --hf-baseline frees the engine's KV pool: keep no reference to it
 
-    V = s.target.cfg.vocab_size
     rng = random.Random(args.seed)
-    cols = ("conc", "reqs", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-            "ITL p50", "ITL p99", "acc len", "roof TPOT", "% roof")  # fmt: skip
-    widths = [max(len(c), 7) for c in cols]
     print(f"\ninput {args.input_len} tokens, output {args.output_len} tokens (greedy, ignore_eos); times in ms; "
           "acc len = tokens per verify step incl. bonus; roof TPOT = roofline step time / acc len")
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)), flush=True)
-    levels, rooflines = [], []
+    print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
+    levels = []
     for c in args.concurrency:
         n = args.num_prompts or max(8, 4 * c)
         prompts = [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(n)]
@@ -404,46 +434,33 @@ def main(argv=None) -> None:
             run_level(engine, prompts[:c], c, min(args.output_len, 4), f"warm{c}")
         lv = run_level(engine, prompts, c, args.output_len, f"c{c}")
         rf = roofline(engine, c, args.input_len + args.output_len // 2, bw)
-        levels.append(lv)
-        rooflines.append(rf)
-        ms = lambda xs, q: percentile(xs, q) * 1e3  # noqa: E731
-        ttft = [r.ttft for r in lv.reqs]
-        tpot = [r.tpot for r in lv.reqs if r.tpot is not None]
-        itl = [x for r in lv.reqs for x in r.itls()]
-        roof_tpot = rf.step_s / lv.accepted_len
-        mean_tpot = sum(tpot) / len(tpot) if tpot else float("nan")
-        row = (c, len(lv.reqs), lv.output_tokens / lv.elapsed, (lv.input_tokens + lv.output_tokens) / lv.elapsed,
-               ms(ttft, 50), ms(ttft, 99), ms(tpot, 50), ms(tpot, 99), ms(itl, 50), ms(itl, 99), lv.accepted_len,
-               roof_tpot * 1e3, 100 * roof_tpot / mean_tpot)  # fmt: skip
-        print("  ".join((f"{v:.2f}" if isinstance(v, float) else str(v)).rjust(w) for v, w in zip(row, widths)), flush=True)
+        levels.append((lv, rf))
+        print(table_row(lv, rf), flush=True)
 
     print("\ndecode-step roofline (one verify of k+1 tokens + k drafter passes, context input + output/2):")
-    for lv, rf in zip(levels, rooflines):
-        print(f"  conc {lv.concurrency:>3}: {rf.total / 1e9:8.3f} GB/step = target {rf.target / 1e9:.3f} + "
-              f"drafter {rf.draft / 1e9:.3f} + KV {rf.kv / 1e9:.3f} -> {rf.step_s * 1e3:.3f} ms/step at {bw / 1e9:.0f} GB/s")
+    for lv, rf in levels:
+        print(f"  conc {lv.concurrency:>3}: {rf.total / 1e9:8.3f} GB/step = target {rf.target / 1e9:.3f} + drafter "
+              f"{rf.draft / 1e9:.3f} + KV {rf.kv / 1e9:.3f} -> {rf.step_s * 1e3:.3f} ms/step at {bw / 1e9:.0f} GB/s")
 
     if args.hf_baseline:
         print("\nbaseline at concurrency 1 (same weights, same prompt, greedy, exactly output-len tokens):")
-        ours = next((lv for lv in levels if lv.concurrency == 1), None)
         prompt = [rng.randrange(V) for _ in range(args.input_len)]
-        ref = None
-        if forced is None:  # our tokens for the same prompt, to show that the weights really are the same
-            engine.add_request("hf-ref", prompt, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True))
-            while engine.has_unfinished():
-                for out in engine.step():
-                    ref = out.token_ids if out.finished else ref
-        s = None  # hf_baseline frees the engine's KV pool: hold no reference to it
-        rows = hf_baseline(engine, prompt, args.output_len)
+        # Our tokens for the same prompt show that HF really runs the same weights (forced acceptance: not ours).
+        ref = greedy_tokens(engine, prompt, args.output_len) if forced is None else None
         print(f"  {'':42} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>8}  same tokens as ours")
-        for name, ttft, tpot, tokens in rows:
-            same = "n/a (forced acceptance)" if ref is None else ("yes" if tokens == ref else
-                   f"first {next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(ref))} of {len(ref)}")  # fmt: skip
+        for name, ttft, tpot, tokens in hf_baseline(engine, prompt, args.output_len):
+            if ref is None:
+                same = "n/a (forced acceptance)"
+            elif tokens == ref:
+                same = "yes"
+            else:
+                same = f"first {next(i for i, (a, b) in enumerate(zip(tokens + [-1], ref)) if a != b)} of {len(ref)}"
             print(f"  {name:42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}  {same}")
+        ours = next((lv for lv, _ in levels if lv.concurrency == 1), None)
         if ours is not None:
-            tp = [r.tpot for r in ours.reqs if r.tpot is not None]
             ttft = percentile([r.ttft for r in ours.reqs], 50)
-            tpot = sum(tp) / len(tp)
-            print(f"  {'gemma4serve (this run, conc 1, mean TPOT)':42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}")
+            tpot = mean([r.tpot for r in ours.reqs if r.tpot is not None])
+            print(f"  {'gemma4serve (this run, conc 1)':42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}")
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, n, inner, stride_x0, stride_x1, stride
 
 
 @triton.jit
-def _residual_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, o_ptr, n, stride_x, stride_h, stride_o, eps,
-                          HAS_SCALAR: tl.constexpr, BLOCK: tl.constexpr):
+def _residual_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, w2_ptr, o_ptr, o2_ptr, n, stride_x, stride_h, stride_o,
+                          stride_o2, eps, HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -45,6 +45,10 @@ def _residual_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, o_ptr, n, stride_x, stride
     if HAS_SCALAR:  # layer_scalar multiplies the whole residual stream after the add (spec §3.4)
         y = round_to(y * tl.load(s_ptr).to(tl.float32), DT)
     tl.store(o_ptr + row * stride_o + offs, y.to(DT), mask=mask)
+    if HAS_NEXT:  # the next sublayer's input norm of the new residual, while it is in registers
+        z = y * tl.math.rsqrt(tl.sum(y * y, axis=0) / n + eps)
+        z = z * tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o2_ptr + row * stride_o2 + offs, round_to(z, DT).to(DT), mask=mask)
 
 
 @triton.jit
@@ -98,19 +102,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def rmsnorm_residual_add(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
-                         layer_scalar: torch.Tensor | None = None) -> torch.Tensor:
-    """x + RMSNorm(h; weight), then `* layer_scalar` when given (a 1-element tensor), rounded like the torch ops."""
+                         layer_scalar: torch.Tensor | None = None, next_weight: torch.Tensor | None = None):
+    """y = x + RMSNorm(h; weight), then `* layer_scalar` when given (a 1-element tensor), rounded like the torch
+    ops. With `next_weight`, returns (y, RMSNorm(y; next_weight)): the next sublayer's normed input too."""
     assert x.shape == h.shape and x.dtype == h.dtype
     x2, h2 = _rows(x), _rows(h)
     n = x2.shape[1]
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out2 = torch.empty_like(out) if next_weight is not None else out
     if x2.shape[0]:
         block = next_pow2(n)
         _residual_norm_kernel[(x2.shape[0],)](
-            x2, h2, weight, layer_scalar if layer_scalar is not None else weight, out, n,
-            x2.stride(0), h2.stride(0), out.stride(0), eps,
-            HAS_SCALAR=layer_scalar is not None, BLOCK=block, num_warps=row_warps(block))
-    return out.view(x.shape)
+            x2, h2, weight, layer_scalar if layer_scalar is not None else weight,
+            next_weight if next_weight is not None else weight, out, out2, n,
+            x2.stride(0), h2.stride(0), out.stride(0), out2.stride(0), eps,
+            HAS_SCALAR=layer_scalar is not None, HAS_NEXT=next_weight is not None,
+            BLOCK=block, num_warps=row_warps(block))
+    if next_weight is None:
+        return out.view(x.shape)
+    return out.view(x.shape), out2.view(x.shape)
 
 
 def rmsnorm_residual_add_scale(x, h, weight, layer_scalar, eps):

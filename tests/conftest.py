@@ -12,6 +12,8 @@ import torch
 # that touches them must see the interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tiny models are far too small for intra-op threads to pay; with two cores they only contend.
+torch.set_num_threads(1)
 
 
 class TinyCheckpoints:

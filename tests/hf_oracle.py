@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def load_hf_target(path, dtype=torch.float32, device="cpu"):
+def load_hf_target(path, dtype=torch.float32, device="cpu", attn="eager"):
     import json
 
     from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     release = json.loads((path / "config.json").read_text())["model_type"] == "gemma4"
     cls = Gemma4ForConditionalGeneration if release else Gemma4ForCausalLM
-    model, info = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager", output_loading_info=True)
+    model, info = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return model.to(device).eval()
 

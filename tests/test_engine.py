@@ -236,9 +236,10 @@ def held_pages(engine: LLMEngine, rid: str) -> dict:
     }
 
 
-def abort_and_check(engine: LLMEngine, run: Run, rid: str) -> RequestOutput:
+def abort_and_check(engine: LLMEngine, run: Run, rid: str, scheduled: bool = True) -> RequestOutput:
     """Abort between steps: the output says "abort" and exactly the request's pages return to the pools."""
     held = held_pages(engine, rid)
+    assert (held["full"] > 0) == scheduled
     free = engine.kv_pool_free()
     out = engine.abort(rid)
     assert out is not None and out.finished
@@ -256,7 +257,8 @@ def test_abort_mid_prefill_mid_decode_mid_draft(engine):
     keep = {
         "keep-greedy": (prompt_of(30, 11), greedy(10)),
         "keep-long": (prompt_of(90, 12), greedy(6)),
-        "keep-seeded": (prompt_of(9, 13), SamplingParams(temperature=1.0, top_k=40, seed=3, max_tokens=10, ignore_eos=True)),
+        "keep-seeded": (prompt_of(9, 13), SamplingParams(temperature=1.0, top_k=40, seed=3, max_tokens=10,
+                                                         ignore_eos=True)),
         "keep-n2": (prompt_of(15, 14), SamplingParams(temperature=0.9, n=2, seed=4, max_tokens=8, ignore_eos=True)),
         "keep-penalty": (prompt_of(20, 15), greedy(10, repetition_penalty=1.5, frequency_penalty=1.0)),
     }  # fmt: skip
@@ -285,7 +287,7 @@ def test_abort_mid_prefill_mid_decode_mid_draft(engine):
 
     # One more that never gets scheduled: aborted while it waits.
     engine.add_request("waiting", prompt_of(5, 24), greedy(4))
-    out = abort_and_check(engine, Run(), "waiting")
+    out = abort_and_check(engine, Run(), "waiting", scheduled=False)
     assert out.outputs[0].token_ids == []
 
     run = run_requests(engine, {**keep, **victims}, on_step)
@@ -495,7 +497,8 @@ def test_speculation_is_lossless(tiny_checkpoints, engine):
         "g": (prompt_of(25, 5), greedy(12)),
         "p": (prompt_of(60, 6), greedy(10, presence_penalty=1.0, repetition_penalty=1.2)),
         "s": (prompt_of(9, 7), SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)),
-        "n": (prompt_of(14, 8), SamplingParams(temperature=1.2, min_p=0.05, n=2, seed=12, max_tokens=12, ignore_eos=True)),
+        "n": (prompt_of(14, 8), SamplingParams(temperature=1.2, min_p=0.05, n=2, seed=12, max_tokens=12,
+                                               ignore_eos=True)),
     }  # fmt: skip
     with_mtp = run_requests(engine, reqs)
     without = run_requests(plain, reqs)

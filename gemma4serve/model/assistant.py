@@ -12,7 +12,7 @@ from torch import nn
 
 from gemma4serve.config import AssistantConfig, TextConfig
 from gemma4serve.model import fused
-from gemma4serve.model.gemma4 import DecoderLayer, ForwardContext, Rotary
+from gemma4serve.model.gemma4 import DecoderLayer, ForwardContext, Rotary, run_layers
 from gemma4serve.model.layers import RMSNorm
 
 
@@ -73,11 +73,7 @@ class Gemma4Assistant(nn.Module):
     def step(self, tok_embed: torch.Tensor, hprev: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """One draft step for B sequences -> (logits [B, V], next hidden [B, Hb])."""
         u = self.pre_projection(torch.cat([tok_embed, hprev], dim=-1))
-        rope = self.rotary.cos_sin(positions, u.dtype)
-        for layer in self.model.layers:
-            cos, sin = rope[layer.spec.kind]
-            u = layer(u, cos, sin, ctx)
-        h = self.model.norm(u)
+        h = run_layers(self.model.layers, u, self.rotary.cos_sin(positions, u.dtype), ctx, self.model.norm)
         lm_head = self.model.embed_tokens.weight
         logits = self.masked_embedding(h, lm_head) if self.masked_embedding is not None else h @ lm_head.t()
         return logits, self.post_projection(h)

@@ -102,27 +102,46 @@ class DecoderLayer(nn.Module):
         self.self_attn.fuse()
         self.mlp.fuse()
 
-    def _add_norm(self, x, h, norm: RMSNorm, scale: torch.Tensor | None = None):
-        """x + RMSNorm(h) (then * scale), one launch on CUDA."""
+    @staticmethod
+    def _add_norm(x, h, norm: RMSNorm, scale: torch.Tensor | None = None, next_norm: RMSNorm | None = None):
+        """(x + RMSNorm(h)) * scale, and the next sublayer's normed input of that: one launch on CUDA."""
         if (k := fused.on(x)) is not None:
-            return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale)
+            if next_norm is None:
+                return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale), None
+            return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale, next_norm.weight)
         x = x + norm(h)
-        return x if scale is None else x * scale
+        if scale is not None:
+            x = x * scale
+        return x, (next_norm(x) if next_norm is not None else None)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext, ple: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        x = self._add_norm(x, h, self.post_attention_layernorm)
+    def forward(self, x, cos, sin, ctx: ForwardContext, ple: torch.Tensor | None, normed: torch.Tensor | None,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x -> (x after the layer, next_norm of it). `normed` is this layer's input norm of x when the previous
+        layer already computed it."""
+        h = self.self_attn(normed if normed is not None else self.input_layernorm(x), cos, sin, ctx)
+        x, h_ff = self._add_norm(x, h, self.post_attention_layernorm, next_norm=self.pre_feedforward_layernorm)
         residual = x
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.mlp(h_ff)
         if self.moe:
             weights, experts = self.router(residual)
             moe_out = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
         if not self.ple:  # layer_scalar scales the whole residual stream, after PLE when there is one
-            return self._add_norm(residual, h, self.post_feedforward_layernorm, self.layer_scalar)
-        x = self._add_norm(residual, h, self.post_feedforward_layernorm)
+            return self._add_norm(residual, h, self.post_feedforward_layernorm, self.layer_scalar, next_norm)
+        x, _ = self._add_norm(residual, h, self.post_feedforward_layernorm)
         g = gelu_tanh(self.per_layer_input_gate(x)) * ple
-        return self._add_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm, self.layer_scalar)
+        return self._add_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm, self.layer_scalar,
+                              next_norm)
+
+
+def run_layers(layers, x, rope: dict, ctx: ForwardContext, final_norm: RMSNorm, ple=None) -> torch.Tensor:
+    """The decoder stack; each layer also produces the next one's normed input (the last: the final norm)."""
+    normed = None
+    for i, layer in enumerate(layers):
+        cos, sin = rope[layer.spec.kind]
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        x, normed = layer(x, cos, sin, ctx, ple[:, i] if ple is not None else None, normed, nxt)
+    return normed
 
 
 class Rotary:
@@ -181,11 +200,7 @@ class Gemma4Model(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(ids)
         ple = self.per_layer_inputs(ids, x) if self.cfg.ple_dim else None
-        rope = self.rotary.cos_sin(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            cos, sin = rope[layer.spec.kind]
-            x = layer(x, cos, sin, ctx, ple[:, i] if ple is not None else None)
-        return self.norm(x)
+        return run_layers(self.layers, x, self.rotary.cos_sin(positions, x.dtype), ctx, self.norm, ple)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the cap)."""

@@ -26,7 +26,7 @@ def ckpt(request, tiny_checkpoints):
 
 def gpu_llm(target, draft=None, **kw) -> LLM:
     return LLM(str(target), draft=str(draft) if draft else None, device="cuda", dtype="bfloat16",
-               max_num_seqs=8, max_num_batched_tokens=512, **kw)
+               max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory=256 * 2**20, **kw)
 
 
 def assert_same_or_near_tie(got: list[int], want: list[int], prompt: list[int], judge) -> None:
@@ -40,15 +40,22 @@ def assert_same_or_near_tie(got: list[int], want: list[int], prompt: list[int], 
 
 
 def test_bf16_logits_match_hf(ckpt):
+    """Our bf16 logits are as close to the fp32 oracle as HF's own bf16 run is (eager or sdpa, whichever is
+    closer): the kernels add no error beyond bf16's."""
     v, target, _ = ckpt
     llm = gpu_llm(target, enforce_eager=True)
-    hf = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
     prompt = prompt_of(3 * llm.engine.cfg.sliding_window + 5, seed=1)
-    ref = hf_logits(hf, prompt)
+    ref = hf_logits(load_hf_target(target, dtype=torch.float32, device="cuda"), prompt)
+    hf_err = min(
+        rel_err(hf_logits(load_hf_target(target, dtype=torch.bfloat16, device="cuda", attn=attn), prompt), ref)
+        for attn in ("eager", "sdpa")
+    )
     whole = engine_logits(llm, prompt, chunk=len(prompt))
     chunked = engine_logits(llm, prompt, chunk=llm.engine.cfg.sliding_window - 3)
-    assert rel_err(whole, ref) < 3e-2
-    assert rel_err(chunked, ref) < 3e-2
+    print(f"{v}: rel err vs fp32 oracle: ours {rel_err(whole, ref):.4f} / chunked {rel_err(chunked, ref):.4f}, "
+          f"HF bf16 {hf_err:.4f}")
+    assert rel_err(whole, ref) <= max(2 * hf_err, 1e-2)
+    assert rel_err(chunked, ref) <= max(2 * hf_err, 1e-2)
 
 
 def test_bf16_greedy_matches_hf(ckpt):

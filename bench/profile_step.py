@@ -1,0 +1,77 @@
+"""Where a decode step and a draft loop spend their GPU time: kernel totals from the torch profiler.
+
+  python bench/profile_step.py --model configs/gemma-4-31B-it --draft configs/gemma-4-31B-it-assistant
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_step import fake_decoding_sequences  # noqa: E402
+from gemma4serve.engine.args import EngineArgs  # noqa: E402
+from gemma4serve.engine.cuda_graphs import CudaGraphs  # noqa: E402
+from gemma4serve.engine.engine import LLMEngine  # noqa: E402
+
+
+def report(prof, title: str, steps: int) -> None:
+    rows = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            rows[e.key] = (e.device_time_total / steps, e.count // steps)
+    total = sum(t for t, _ in rows.values())
+    n = sum(c for _, c in rows.values())
+    print(f"\n## {title}: {total / 1e3:.2f} ms of kernels per step, {n} kernels")
+    for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:18]:
+        print(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}% x{c:<5} {name[:110]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="configs/gemma-4-31B-it")
+    ap.add_argument("--draft", default="configs/gemma-4-31B-it-assistant")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=1128)
+    a = ap.parse_args()
+    engine = LLMEngine(EngineArgs(model=a.model, draft=a.draft, load_format="dummy", device="cuda",
+                                  dtype="bfloat16", max_num_seqs=a.batch, num_draft_tokens=a.k,
+                                  max_model_len=a.context + 64, enforce_eager=True))
+    s = engine.state
+    for k, title in ((0, "decode step"), (a.k, f"verify step (k={a.k})")):
+        chunks = fake_decoding_sequences(engine, a.batch, a.context, k)
+        g = CudaGraphs(s, a.batch, engine.max_model_len, a.k)
+        g.buckets, g.q_lens = [a.batch], [k + 1]
+        g.capture()
+        for _ in range(3):
+            g.run_target(chunks)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                g.run_target(chunks)
+            torch.cuda.synchronize()
+        report(prof, title, 5)
+        if k:
+            B = a.batch
+            tok = torch.zeros(B, dtype=torch.int64, device="cuda")
+            hid = torch.zeros(B, s.target.cfg.hidden_size, dtype=s.dtype, device="cuda")
+            P = torch.full((B,), a.context, dtype=torch.int64, device="cuda")
+            rows = torch.arange(B, dtype=torch.int32, device="cuda")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    g.run_draft(tok, hid, P, rows)
+                torch.cuda.synchronize()
+            report(prof, f"draft loop (k={a.k})", 5)
+        for ch in chunks:
+            engine.kv.free(ch.seq.pages)
+
+
+if __name__ == "__main__":
+    main()
