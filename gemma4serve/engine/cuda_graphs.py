@@ -45,6 +45,8 @@ class CudaGraphs:
         self.slots = {FULL: torch.zeros(T, **i64), SLIDING: torch.zeros(T, **i64)}
         self.tables = {FULL: torch.zeros(B + 1, width, **i32), SLIDING: torch.zeros(B + 1, width, **i32)}
         self.width = width
+        # Built once and kept: a tensor a graph reads must outlive the capture (its memory is not the graph's).
+        self.cu_seqlens = {q: torch.arange(0, B * q + 1, q, **i32) for q in self.q_lens}
         H = state.target.cfg.hidden_size
         self.d_token = torch.zeros(B, **i64)
         self.d_hidden = torch.zeros(B, H, dtype=state.dtype, device=dev)
@@ -65,7 +67,7 @@ class CudaGraphs:
             page_table=self.tables,
             write_slot={kind: s[:T] for kind, s in self.slots.items()},
             window={SLIDING: self.s.target.cfg.sliding_window, FULL: 0},
-            cu_seqlens_q=torch.arange(0, T + 1, Q, dtype=torch.int32, device=self.ids.device),
+            cu_seqlens_q=self.cu_seqlens[Q][: B + 1],
             max_q_len=Q,
         )
 

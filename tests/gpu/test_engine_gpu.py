@@ -15,7 +15,6 @@ from tests.hf_oracle import hf_logits, load_hf_target
 from tests.test_model_parity import engine_logits, prompt_of, rel_err
 
 VARIANTS = ["dense", "moe", "ple"]
-TIE = 0.25  # logit gap under which bf16 noise may legitimately reorder the top two tokens
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -29,12 +28,16 @@ def gpu_llm(target, draft=None, **kw) -> LLM:
                max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory=256 * 2**20, **kw)
 
 
-def assert_same_or_near_tie(got: list[int], want: list[int], prompt: list[int], judge) -> None:
+def assert_same_or_near_tie(got: list[int], want: list[int], prompt: list[int], judge, noisy) -> None:
+    """Equal, or parting where the two tokens are a tie within bf16's own noise: their fp32-oracle logit gap
+    is smaller than twice the largest difference between HF's bf16 logits (`noisy`) and the oracle there."""
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
-            logits = hf_logits(judge, prompt + want[:i])[-1]
-            gap = (logits[a] - logits[b]).abs().item()
-            assert gap < TIE, f"position {i}: {a} vs {b}, fp32 logit gap {gap:.3f} is no tie"
+            ctx = prompt + want[:i]
+            exact = hf_logits(judge, ctx)[-1]
+            noise = (hf_logits(noisy, ctx)[-1] - exact).abs().max().item()
+            gap = (exact[a] - exact[b]).abs().item()
+            assert gap < 2 * noise, f"position {i}: {a} vs {b}, fp32 gap {gap:.3f} >= 2 x bf16 noise {noise:.3f}"
             return
     assert len(got) == len(want)
 
@@ -68,7 +71,7 @@ def test_bf16_greedy_matches_hf(ckpt):
     for n in (5, 40):
         prompt = prompt_of(n, seed=n)
         got = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0].token_ids
-        assert_same_or_near_tie(got, hf_greedy(hf, prompt, 32), prompt, judge)
+        assert_same_or_near_tie(got, hf_greedy(hf, prompt, 32), prompt, judge, hf)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -89,6 +92,7 @@ def test_cuda_graph_replay_equals_eager(ckpt, batch):
 def test_mtp_greedy_equals_plain_bf16(ckpt, k):
     v, target, assistant = ckpt
     judge = load_hf_target(target, dtype=torch.float32, device="cuda")
+    noisy = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
     spec = gpu_llm(target, assistant, num_draft_tokens=k)
     plain = gpu_llm(target)
     prompts = [prompt_of(n, seed=n) for n in (2, 11, 37)]
@@ -97,6 +101,6 @@ def test_mtp_greedy_equals_plain_bf16(ckpt, k):
     with_draft = [o.token_ids for o in spec.generate(prompts, sp)]
     without = [o.token_ids for o in plain.generate(prompts, sp)]
     for p, a, b in zip(prompts, with_draft, without):
-        assert_same_or_near_tie(a, b, p, judge)
+        assert_same_or_near_tie(a, b, p, judge, noisy)
     assert spec.engine.kv_pool_free() == free0
     assert spec.engine.snapshot().spec_num_steps > 0
