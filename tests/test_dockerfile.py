@@ -80,10 +80,11 @@ def test_install_command_equals_the_readme():
     for line in README.read_text().splitlines():
         if line.strip().startswith("```"):
             in_code = not in_code
-        elif in_code:
-            words = normalized_pip_install(line.strip()) if line.strip() else None
-            if words:
-                readme_installs.append(words)
+        elif in_code and "pip install" in line:
+            for part in line.split("&&"):  # `pip install ... && gemma4serve --demo`: each command on its own
+                words = normalized_pip_install(part.strip())
+                if words:
+                    readme_installs.append(words)
     assert readme_installs, "README.md shows no `pip install` command in a code block"
     assert dockerfile_package_install() in readme_installs, (
         f"the Dockerfile installs with {shlex.join(dockerfile_package_install())!r}; the README says "

@@ -110,7 +110,7 @@ class LLMEngine:
                 f"{n_prompt} prompt tokens + {params.max_tokens} max_tokens"
             )
         max_len = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
-        if self.kv._pages_for(max_len + self.num_draft_tokens + 1) > self.kv.full.capacity:
+        if self.kv.pages_for(max_len + self.num_draft_tokens + 1) > self.kv.full.capacity:
             raise ValueError(f"the request needs up to {max_len} tokens of KV cache; the pool holds "
                              f"{self.kv.full.capacity * self.kv.page_size}")
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -141,6 +141,7 @@ class LLMEngine:
             if s.status is not Status.FINISHED:
                 s.finish_reason = "abort"
                 self.scheduler.finish(s)
+                self.stats.requests_finished["abort"] = self.stats.requests_finished.get("abort", 0) + 1
         return self._output(req)
 
     def has_unfinished(self) -> bool:

@@ -118,27 +118,33 @@ class ModelRunner:
             else:
                 next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, table_rows, tables, self.k)
 
-        # The step's one device -> host copy.
-        host = [tokens.cpu(), num_emitted.cpu()]
+        return self._results(seqs, tokens, num_emitted, next_drafts, res)
+
+    @staticmethod
+    def _results(seqs, tokens, num_emitted, next_drafts, res) -> dict:
+        """The step's device -> host copy (one for the token ids, one more only when logprobs are asked for)."""
+        K1 = tokens.shape[1]
+        parts = [tokens, num_emitted[:, None]]
         if next_drafts is not None:
-            host.append(next_drafts.cpu())
+            parts.append(next_drafts)
         want_lp = res.logprobs is not None
         if want_lp:
-            host += [res.logprobs.cpu(), res.top_ids.cpu(), res.top_logprobs.cpu()]
-        host = [h.tolist() for h in host]
+            parts.append(res.top_ids.flatten(1))
+            floats = torch.cat([res.logprobs, res.top_logprobs.flatten(1)], dim=1).tolist()
+        rows = torch.cat(parts, dim=1).tolist()
+        k = next_drafts.shape[1] if next_drafts is not None else 0
         out = {}
         for i, seq in enumerate(seqs):
-            n = host[1][i]
+            row = rows[i]
+            n = row[K1]
             lp = None
-            if want_lp:
-                lp_vals, top_ids, top_lps = host[-3], host[-2], host[-1]
+            if want_lp and seq.params.logprobs is not None:
+                width = (len(row) - K1 - 1 - k) // K1  # top-logprob slots per emitted token
+                top_ids, top_lps = row[K1 + 1 + k:], floats[i][K1:]
                 want = seq.params.logprobs
-                lp = None if want is None else [
-                    (lp_vals[i][j], list(zip(top_ids[i][j][:want], top_lps[i][j][:want]))) for j in range(n)
+                lp = [
+                    (floats[i][j], list(zip(top_ids[j * width: j * width + want], top_lps[j * width: j * width + want])))
+                    for j in range(n)
                 ]
-            out[seq] = StepResult(
-                tokens=host[0][i][:n],
-                next_drafts=host[2][i] if next_drafts is not None else [],
-                logprobs=lp,
-            )
+            out[seq] = StepResult(tokens=row[:n], next_drafts=row[K1 + 1: K1 + 1 + k], logprobs=lp)
         return out

@@ -26,16 +26,16 @@ class KVManager:
         self.page_size = page_size
         self.sliding_keep = sliding_keep  # rows before the next query position that a reader may still read
 
-    def _pages_for(self, end: int) -> int:
+    def pages_for(self, end: int) -> int:
         return -(-end // self.page_size)
 
     def full_pages_needed(self, pages: SeqPages, end: int) -> int:
-        return max(0, self._pages_for(end) - len(pages.full))
+        return max(0, self.pages_for(end) - len(pages.full))
 
     def sliding_pages_needed(self, pages: SeqPages, start: int, end: int) -> int:
         first = max(0, start - self.sliding_keep) // self.page_size
         return sum(
-            1 for i in range(first, self._pages_for(end)) if i >= len(pages.sliding) or pages.sliding[i] == 0
+            1 for i in range(first, self.pages_for(end)) if i >= len(pages.sliding) or pages.sliding[i] == 0
         )
 
     def can_grow(self, pages: SeqPages, start: int, end: int) -> bool:
@@ -49,7 +49,7 @@ class KVManager:
         start is the first position this step writes. Sliding pages below that range are released first."""
         self.release_unreachable(pages, start)
         pages.full.extend(self.full.allocate(self.full_pages_needed(pages, end)))
-        n = self._pages_for(end)
+        n = self.pages_for(end)
         if len(pages.sliding) < n:
             pages.sliding.extend([0] * (n - len(pages.sliding)))
         first = max(0, start - self.sliding_keep) // self.page_size
