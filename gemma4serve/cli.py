@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, default=16, help="Tokens per KV page.")
     engine.add_argument("--num-draft-tokens", "--num-speculative-tokens", dest="num_draft_tokens", type=int, default=4,
                         help="Draft tokens per step (k); 0 turns MTP off.")
-    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
+    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     engine.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
     engine.add_argument("--forced-acceptance", type=_acceptance,
                         help="BENCHMARK ONLY: force the mean tokens per verify step (a number, or a comma list). "

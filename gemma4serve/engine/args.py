@@ -22,7 +22,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.90  # fraction of total GPU memory the engine may use (weights + KV)
     kv_cache_memory: int | None = None  # bytes for KV pages; overrides gpu_memory_utilization
     kv_cache_tokens: int | None = None  # test knob: the full pool's capacity in tokens
-    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
     seed: int = 0  # seeds dummy weights and the per-request seeds drawn when a request gives none
     # Benchmark only: force the mean number of tokens per verify step (bonus included) while every draft and

@@ -74,7 +74,7 @@ def _load(module, path: Path | None, args: EngineArgs, device, dtype, what: str)
 
 
 def make_attention_backend(name: str, device: torch.device):
-    if name == "auto":
+    if name == "auto":  # the Triton kernels are the fast path on CUDA; torch is the reference everywhere
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from gemma4serve.attention.torch_backend import TorchAttention
@@ -84,11 +84,7 @@ def make_attention_backend(name: str, device: torch.device):
         from gemma4serve.attention.triton_backend import TritonAttention
 
         return TritonAttention()
-    if name == "flashinfer":
-        from gemma4serve.attention.flashinfer_backend import FlashInferAttention
-
-        return FlashInferAttention()
-    raise ConfigError(f"attention backend {name!r} is not supported (auto, torch, triton, flashinfer)")
+    raise ConfigError(f"attention backend {name!r} is not supported (auto, torch, triton)")
 
 
 def _kv_budget(args: EngineArgs, device: torch.device) -> int | None:

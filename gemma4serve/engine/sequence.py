@@ -40,10 +40,6 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt:]
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_tokens - self.num_computed > 1
-
 
 @dataclass
 class ScheduledChunk:

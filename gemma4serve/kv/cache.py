@@ -10,7 +10,6 @@ from gemma4serve.config import FULL, SLIDING, TextConfig
 class KVCache:
     def __init__(self, cfg: TextConfig, num_pages: dict, page_size: int, dtype: torch.dtype, device):
         self.page_size = page_size
-        self.num_pages = dict(num_pages)
         self.k: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
         self.slot_of_layer: dict[int, tuple[str, int]] = {}
