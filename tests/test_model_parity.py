@@ -27,7 +27,7 @@ def engine_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
         for start in range(0, len(prompt), chunk):
             length = min(chunk, len(prompt) - start)
             eng.kv.grow(seq.pages, start, start + length)
-            ids, pos, meta, _ = eng.runner.prepare([ScheduledChunk(seq, start, length, [])])
+            ids, pos, meta = eng.runner.prepare([ScheduledChunk(seq, start, length, [])])
             s = eng.state
             from gemma4serve.model.gemma4 import ForwardContext
 

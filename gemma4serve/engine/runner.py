@@ -1,11 +1,13 @@
 """Runs one scheduled step on the device: packed target forward, verification, and the draft loop.
 
-The host builds the step's tensors once (token ids, positions, page tables, write slots); everything after
-that — target forward, logits of the sampling rows, acceptance, seeding and running the k-step draft loop —
-stays on the device, and the step ends with a single copy of the results back to the host.
+The host builds the step's tensors first (token ids, positions, page tables, write slots, sampling settings);
+everything after that — target forward, logits of the sampling rows, acceptance, seeding and running the
+k-step draft loop — is queued on the device, and the step ends with one copy of the results to the host.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -60,65 +62,79 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             max_q_len=max(ch.num_query for ch in chunks),
         )
-        return ids_t, pos_t, meta, cu
+        return ids_t, pos_t, meta
 
-    @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> dict:
-        """Run the step; returns {sequence: StepResult} for the chunks that produce tokens."""
-        s, dev = self.s, self.s.device
-        graphed = self.graphs is not None and self.graphs.can_run(chunks)
-        if graphed:
-            hidden, all_logits = self.graphs.run_target(chunks)
-            q = chunks[0].num_query
-            cu = list(range(0, len(chunks) * q + 1, q))
-        else:
-            ids_t, pos_t, meta, cu = self.prepare(chunks)
-            tables = meta.page_table
-            hidden = s.target(ids_t, pos_t, ForwardContext(meta, s.kv, s.attn))
-
+    def _sampling_inputs(self, chunks: list[ScheduledChunk]) -> dict | None:
+        """Host -> device for verification and drafting. Built before the forward is launched: a copy from
+        pageable host memory waits for the stream to drain, so made after it, it would idle the GPU."""
+        dev = self.s.device
         sampling = [(b, ch) for b, ch in enumerate(chunks) if ch.samples]
         if not sampling:
-            return {}
+            return None
         K = max(len(ch.drafts) for _, ch in sampling)
+        ends = list(itertools.accumulate(ch.num_query for ch in chunks))
         # Row j of a sampling chunk is its (last token, d_1..d_k) query row j; pad by repeating the last row.
         rows, first_pos, drafts, num_drafts = [], [], [], []
         for b, ch in sampling:
             nd = len(ch.drafts)
-            first = cu[b + 1] - nd - 1
+            first = ends[b] - nd - 1
             rows.append([first + min(j, nd) for j in range(K + 1)])
             first_pos.append(ch.start + ch.length - 1)
             drafts.append(ch.drafts + [-1] * (K - nd))
             num_drafts.append(nd)
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-        first_pos_t = torch.tensor(first_pos, dtype=torch.int64, device=dev)
-        drafts_t = torch.tensor(drafts, dtype=torch.int64, device=dev).view(len(sampling), K)
-        num_drafts_t = torch.tensor(num_drafts, dtype=torch.int64, device=dev)
         seqs = [ch.seq for _, ch in sampling]
-        sb = SamplingBatch.build(
-            [q.params for q in seqs], [q.seed for q in seqs], [q.output_ids for q in seqs],
-            [q.token_ids[: q.num_prompt] for q in seqs], dev,
+
+        def i64(x):
+            return torch.tensor(x, dtype=torch.int64, device=dev)
+
+        return dict(
+            seqs=seqs,
+            rows=i64(rows),
+            first_pos=i64(first_pos),
+            drafts=i64(drafts).view(len(sampling), K),
+            num_drafts=i64(num_drafts),
+            table_rows=torch.tensor([b for b, _ in sampling], dtype=torch.int32, device=dev),
+            sb=SamplingBatch.build(
+                [q.params for q in seqs], [q.seed for q in seqs], [q.output_ids for q in seqs],
+                [q.token_ids[: q.num_prompt] for q in seqs], dev,
+            ),
         )
-        flat_rows = rows_t.view(-1)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> dict:
+        """Run the step; returns {sequence: StepResult} for the chunks that produce tokens."""
+        s = self.s
+        inp = self._sampling_inputs(chunks)
+        graphed = self.graphs is not None and self.graphs.can_run(chunks)
+        if graphed:
+            hidden, all_logits = self.graphs.run_target(chunks)
+        else:
+            ids_t, pos_t, meta = self.prepare(chunks)
+            hidden = s.target(ids_t, pos_t, ForwardContext(meta, s.kv, s.attn))
+        if inp is None:
+            return {}
+        # From here on only device work is queued until the results are copied back.
+        rows, first_pos, drafts, num_drafts = inp["rows"], inp["first_pos"], inp["drafts"], inp["num_drafts"]
+        B, K1 = rows.shape
+        flat_rows = rows.view(-1)
         logits = all_logits[flat_rows] if graphed else s.target.logits(hidden[flat_rows])
-        logits = logits.float().view(len(sampling), K + 1, -1)
-        res = accept(logits, drafts_t, num_drafts_t, first_pos_t, sb)
+        res = accept(logits.float().view(B, K1, -1), drafts, num_drafts, first_pos, inp["sb"])
         tokens, num_emitted = res.tokens, res.num_emitted
-        if self.forced is not None and K:
-            tokens, num_emitted = self.forced.apply(tokens, num_emitted, drafts_t, num_drafts_t, first_pos_t)
+        if self.forced is not None and K1 > 1:
+            tokens, num_emitted = self.forced.apply(tokens, num_emitted, drafts, num_drafts, first_pos)
 
         next_drafts = None
         if self.k:
             last = (num_emitted - 1)[:, None]
-            seed_hidden = hidden[rows_t.gather(1, last).squeeze(1)]
+            seed_hidden = hidden[rows.gather(1, last).squeeze(1)]
             seed_token = tokens.gather(1, last).squeeze(1)
-            P = first_pos_t + num_emitted  # position of the newest token; rows < P are committed
-            table_rows = torch.tensor([b for b, _ in sampling], dtype=torch.int32, device=dev)
+            P = first_pos + num_emitted  # position of the newest token; rows < P are committed
             if graphed:
-                next_drafts = self.graphs.run_draft(seed_token, seed_hidden, P, table_rows)
+                next_drafts = self.graphs.run_draft(seed_token, seed_hidden, P, inp["table_rows"])
             else:
-                next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, table_rows, tables, self.k)
-
-        return self._results(seqs, tokens, num_emitted, next_drafts, res)
+                next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, inp["table_rows"], meta.page_table,
+                                                  self.k)
+        return self._results(inp["seqs"], tokens, num_emitted, next_drafts, res)
 
     @staticmethod
     def _results(seqs, tokens, num_emitted, next_drafts, res) -> dict:
