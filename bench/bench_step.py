@@ -138,7 +138,7 @@ def main() -> None:
               f"{wb / 1e9:.1f} | {kvb / 1e9:.2f} |")
         for ch in chunks:
             engine.kv.free(ch.seq.pages)
-        del graphs
+        graphs = None  # free its memory pool before the next capture
         torch.cuda.empty_cache()
 
     print("\n## verify step (k+1 tokens per sequence) and draft loop (k drafter steps), vs the decode step")
@@ -161,7 +161,7 @@ def main() -> None:
             print(f"| {B} | {k} | {tv * 1e3:.2f} | {tv * 1e3 / d:.2f}x | {td * 1e3:.2f} | {100 * td * 1e3 / d:.1f}% |")
             for ch in chunks:
                 engine.kv.free(ch.seq.pages)
-            del graphs
+            graphs = None  # free its memory pool before the next capture
             torch.cuda.empty_cache()
 
 

@@ -13,16 +13,8 @@ import openai
 import pytest
 from fake_engine import ServerProcess, metric, sse_data
 
-try:
-    import gemma4serve.engine.async_engine  # noqa: F401
-
-    ENGINE_MISSING = None
-except ImportError as e:
-    ENGINE_MISSING = f"gemma4serve.engine.async_engine cannot be imported yet ({e})"
-
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(ENGINE_MISSING is not None, reason=ENGINE_MISSING or ""),
 ]
 
 MODEL = "tiny"

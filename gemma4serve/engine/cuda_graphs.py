@@ -136,7 +136,7 @@ class CudaGraphs:
             pos += range(ch.start, ch.start + Q)
             tables[FULL].append(ch.seq.pages.full)
             tables[SLIDING].append(ch.seq.pages.sliding)
-        T, dev = n * Q, self.ids.device
+        T = n * Q
         self.ids[:T].copy_(torch.tensor(ids), non_blocking=True)
         pos_t = torch.tensor(pos, dtype=torch.int64)
         self.pos[:T].copy_(pos_t, non_blocking=True)
