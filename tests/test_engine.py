@@ -622,3 +622,11 @@ def test_async_engine_concurrent_consumers(tiny_checkpoints, engine):
         threading.Thread(target=lambda: (ae.shutdown(drain_timeout=5), done.set()), daemon=True).start()
         assert done.wait(30), "shutdown() did not return"
     assert not ae._thread.is_alive()
+
+
+def test_generation_config_supplies_the_default_sampling_settings(tiny_checkpoints):
+    """The IT checkpoints' generation_config (temperature 1.0, top_k 64, top_p 0.95) is what a request that
+    says nothing samples with, as in vLLM; fields the file does not set stay unset."""
+    from gemma4serve.engine.engine import generation_defaults
+
+    assert generation_defaults(tiny_checkpoints.get("dense")) == {"temperature": 1.0, "top_k": 64, "top_p": 0.95}

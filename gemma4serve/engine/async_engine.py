@@ -31,6 +31,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = args.served_model_name or args.model
+        self.default_sampling_params = self.engine.default_sampling_params  # what a request leaves unset
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", ...) | ("abort", rid)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()

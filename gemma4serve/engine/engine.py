@@ -6,6 +6,7 @@ stop conditions and detokenization; the scheduler decides what runs, the runner 
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -29,6 +30,19 @@ from gemma4serve.tokenizer import Tokenizer
 log = logging.getLogger("gemma4serve")
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # choices of one request get well-separated seeds
+
+
+# generation_config.json fields that become the server's sampling defaults (vLLM's behaviour): the IT
+# checkpoints ship temperature 1.0, top_k 64, top_p 0.95.
+_GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def generation_defaults(checkpoint_dir: Path) -> dict:
+    path = checkpoint_dir / "generation_config.json"
+    if not path.exists():
+        return {}
+    gen = json.loads(path.read_text())
+    return {k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None}
 
 
 @dataclass(eq=False)
@@ -57,6 +71,7 @@ class LLMEngine:
         tok_dir = Path(args.tokenizer) if args.tokenizer else self.state.target_dir
         self.tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").exists() else None
         self.eos_ids = set(cfg.eos_token_ids)
+        self.default_sampling_params = generation_defaults(self.state.target_dir)
         plan = self.state.kv_plan
         self.max_model_len = plan.max_model_len
         ps = args.page_size
