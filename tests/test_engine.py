@@ -355,6 +355,10 @@ def test_stop_token_ids_cut_the_step(any_engine):
     assert out.token_ids == ids[: j + 1]  # ends at the stop token; what its step drafted after it is gone
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", ids[j])
     assert out.text == solo(eng, prompt, greedy(j))[0].text  # the stop token's own text is not output
+    shown, _ = solo(eng, prompt, greedy(16, stop_token_ids=[ids[j]], include_stop_str_in_output=True))
+    assert shown.token_ids == ids[: j + 1]
+    if eng.runner.forced is None:  # forced acceptance's tokens depend on max_tokens: no shorter twin to compare
+        assert shown.text == solo(eng, prompt, greedy(j + 1))[0].text  # now with the stop token's text
 
 
 def test_stop_string_across_tokens(any_engine):

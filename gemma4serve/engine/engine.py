@@ -216,6 +216,8 @@ class LLMEngine:
                 self._finish(req, seq, "stop", tok)
                 break
             if tok in p.stop_token_ids:
+                if detok is not None and p.include_stop_str_in_output:  # vLLM shows the stop token's text then
+                    req.new_text[i] += detok.push([tok])[0]
                 self._finish(req, seq, "stop", tok)
                 break
             if detok is not None:
