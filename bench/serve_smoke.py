@@ -1,0 +1,75 @@
+"""Start the real server on this machine and stream a few chat requests through it (a GPU smoke check).
+
+  python bench/serve_smoke.py --model configs/gemma-4-E2B-it --draft configs/gemma-4-E2B-it-assistant --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--requests", type=int, default=8)
+    a = ap.parse_args()
+    port = free_port()
+    cmd = [sys.executable, "-m", "gemma4serve.cli", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
+           "--load-format", a.load_format, "--max-num-seqs", "16", "--max-model-len", "2048"]
+    if a.draft:
+        cmd += ["--draft", a.draft]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    for line in proc.stdout:
+        print(line, end="")
+        if "gemma4serve ready" in line:
+            break
+    print(f"ready after {time.time() - t0:.1f}s")
+    try:
+        with httpx.Client(base_url=base, timeout=120) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            # Token ids: checkpoints made of configs/ alone (dummy weights) have no tokenizer or chat template.
+            body = {"model": model, "prompt": list(range(1000, 1100)), "max_tokens": 64, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            for i in range(a.requests):
+                t = time.time()
+                chunks, usage = 0, None
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        print(f"request {i}: HTTP {r.status_code} {r.read().decode()[:300]}")
+                        continue
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            d = json.loads(line[6:])
+                            chunks += 1
+                            usage = d.get("usage") or usage
+                print(f"request {i}: {chunks} chunks, usage {usage}, {time.time() - t:.3f}s")
+            metrics = c.get("/metrics").text
+            for line in metrics.splitlines():
+                if line.startswith(("gemma4serve:spec_decode_num_draft_tokens_total", "gemma4serve:kv_cache_free",
+                                    "gemma4serve:request_success_total", "gemma4serve:num_requests_running")):
+                    print(line)
+    finally:
+        proc.terminate()
+        print("exit code", proc.wait(timeout=60))
+
+
+if __name__ == "__main__":
+    main()
