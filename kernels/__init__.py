@@ -8,6 +8,7 @@ from .kv_write import kv_write
 from .moe import moe_align, moe_experts, moe_route
 from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_residual_add_scale, rmsnorm_rope
 from .paged_attention import attention_config, paged_attention
+from .qkv_epilogue import qkv_epilogue
 
 __all__ = [
     "attention_config",
@@ -17,6 +18,7 @@ __all__ = [
     "moe_experts",
     "moe_route",
     "paged_attention",
+    "qkv_epilogue",
     "rms_norm",
     "rmsnorm_residual_add",
     "rmsnorm_residual_add_scale",

@@ -38,6 +38,7 @@ from gemma4serve_kernels import (  # noqa: E402
     moe_experts,
     moe_route,
     paged_attention,
+    qkv_epilogue,
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
 from gemma4serve_kernels import rmsnorm_residual_add, rmsnorm_rope  # noqa: E402
@@ -269,6 +270,35 @@ def test_rmsnorm_rope(dtype, hd, rotated_pairs, theta):
     cos, sin = rope_cos_sin(inv, torch.tensor([0, 3, 17, 250, 4097]), dtype)
     cos, sin = cos.to(DEV), sin.to(DEV)
     _assert_rounding_close(rmsnorm_rope(x, w, cos, sin, 1e-6), on_cpu(_norm_rope_ref, x, w, cos, sin))
+
+
+def _qkv_epilogue_ref(qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k_eq_v):
+    T, hd = qkv.shape[0], k_cache.shape[-1]
+    q, k = qkv[:, : nh * hd].view(T, nh, hd), qkv[:, nh * hd : (nh + nkv) * hd].view(T, nkv, hd)
+    v = k if k_eq_v else qkv[:, (nh + nkv) * hd :].view(T, nkv, hd)
+    keep = slots >= 0
+    kc, vc = k_cache.clone(), v_cache.clone()
+    write_kv(kc, vc, _norm_rope_ref(k, kw, cos, sin)[keep], rms_norm(v, None, 1e-6)[keep], slots[keep])
+    return _norm_rope_ref(q, qw, cos, sin), kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_eq_v", [False, True])
+def test_qkv_epilogue(dtype, k_eq_v):
+    """q/k norms + RoPE, v_norm and the K/V write in one launch equal the separate reference ops."""
+    g = torch.Generator().manual_seed(5)
+    T, nh, nkv, hd, pages, page_size = 5, 4, 2, 32, 4, 4
+    qkv = (torch.randn(T, (nh + nkv * (1 if k_eq_v else 2)) * hd, generator=g) * 2).to(dtype).to(DEV)
+    qw, kw = ((torch.rand(hd, generator=g) * 2).to(dtype).to(DEV) for _ in range(2))
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(rope_inv_freq(RopeSpec(1e6, hd, 4)), torch.tensor([0, 3, 9, 40, 77]), dtype))
+    k_cache = torch.randn(pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
+    v_cache = torch.randn(pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
+    slots = torch.tensor([5, 6, -1, 12, 0], dtype=torch.int64, device=DEV)
+    ref_q, ref_k, ref_v = on_cpu(_qkv_epilogue_ref, qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k_eq_v)
+    q = qkv_epilogue(qkv, qw, kw, cos, sin, 1e-6, k_cache, v_cache, slots, nh, nkv, k_eq_v)
+    _assert_rounding_close(q, ref_q)
+    _assert_rounding_close(k_cache, ref_k)
+    _assert_rounding_close(v_cache, ref_v)
 
 
 def _gelu_mul_ref(gu):

@@ -41,33 +41,29 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, hidden_size, bias=False)
-        self.qkv: torch.Tensor | None = None  # q, k (and v) projections as one GEMM, after fuse()
+        self.qkv: torch.Tensor | None = None  # q, k (and v) projections as one GEMM, after fuse() (CUDA only)
 
     def fuse(self) -> None:
         if not self.spec.kv_shared:
             self.qkv = fused.concat_weights(*(p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None))
 
-    def _project(self, h: torch.Tensor):
-        if self.qkv is None:
-            q = self.q_proj(h)
-            if self.spec.kv_shared:
-                return q, None, None
-            k = self.k_proj(h)
-            return q, k, (k if self.v_proj is None else self.v_proj(h))
-        out = F.linear(h, self.qkv)
-        nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
-        k = out[:, nq : nq + nk]
-        return out[:, :nq], k, (k if self.v_proj is None else out[:, nq + nk :])
-
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T, hd, kind = h.shape[0], self.spec.head_dim, self.spec.kind
-        raw_q, raw_k, raw_v = self._project(h)
-        q = norm_rope(raw_q.view(T, -1, hd), self.q_norm.weight, self.eps, cos, sin)
         k_cache, v_cache = ctx.kv.layer(self.kv_layer)
+        if self.qkv is not None and (kern := fused.on(h)) is not None:
+            # One GEMM, then q/k norms + RoPE, v_norm and the KV write in one launch.
+            q = kern.qkv_epilogue(
+                F.linear(h, self.qkv), self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps, k_cache, v_cache,
+                ctx.meta.write_slot[kind], self.q_proj.weight.shape[0] // hd, self.spec.num_kv_heads, self.spec.k_eq_v,
+            )
+            return self.o_proj(ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind).reshape(T, -1))
+        q = norm_rope(self.q_proj(h).view(T, -1, hd), self.q_norm.weight, self.eps, cos, sin)
         if not self.spec.kv_shared:
-            k = norm_rope(raw_k.view(T, -1, hd), self.k_norm.weight, self.eps, cos, sin)
+            raw_k = self.k_proj(h).view(T, -1, hd)
+            raw_v = raw_k if self.v_proj is None else self.v_proj(h).view(T, -1, hd)
+            k = norm_rope(raw_k, self.k_norm.weight, self.eps, cos, sin)
             # v_norm: no learned scale, no rotation (k_eq_v: V is the normed raw k_proj output)
-            v = rms_norm(raw_v.view(T, -1, hd), None, self.eps)
+            v = rms_norm(raw_v, None, self.eps)
             ctx.attn.write(k_cache, v_cache, k, v, ctx.meta.write_slot[kind])
         out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
         return self.o_proj(out.reshape(T, -1))

@@ -1,0 +1,79 @@
+"""Everything between the fused qkv projection and attention, in one launch (spec §3.5):
+q = RoPE(q_norm(q)), k = RoPE(k_norm(k)), v = v_norm(v) (v is the raw k on k_eq_v layers), and the new K/V
+stored in their cache slots. Rounding points are those of the torch ops (norm.py's kernels), so the result
+equals norm_rope / rms_norm / kv_write run one after another.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import round_to
+
+
+@triton.jit
+def _normed(row_ptr, w_ptr, d, eps, HAS_W: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """RMSNorm of one head's row at dims d (fp32, before rounding), times w[d] when given."""
+    x = tl.load(row_ptr + tl.arange(0, HEAD_DIM)).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+    y = tl.load(row_ptr + d).to(tl.float32) * inv
+    if HAS_W:
+        y = y * tl.load(w_ptr + d).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _norm_rope_row(row_ptr, w_ptr, c, s, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr):
+    d = tl.arange(0, HEAD_DIM)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d_rot = (d + HALF) % HEAD_DIM  # dim d pairs with d + hd/2 in the half-split rotation
+    y = round_to(_normed(row_ptr, w_ptr, d, eps, True, HEAD_DIM), DT)
+    y_rot = round_to(tl.where(d < HALF, -1.0, 1.0) * _normed(row_ptr, w_ptr, d_rot, eps, True, HEAD_DIM), DT)
+    return round_to(round_to(y * c, DT) + round_to(y_rot * s, DT), DT)
+
+
+@triton.jit
+def _qkv_epilogue_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
+                         stride_xt, stride_ct, stride_st, stride_qt, stride_cslot, eps,
+                         NH: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, K_EQ_V: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    DT: tl.constexpr = q_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
+    row = x_ptr + t * stride_xt
+    if h < NH:  # a query head
+        q = _norm_rope_row(row + h * HEAD_DIM, qw_ptr, c, s, eps, HEAD_DIM, DT)
+        tl.store(q_ptr + t * stride_qt + h * HEAD_DIM + d, q.to(DT))
+    else:  # a KV head: K and V, written straight into the cache
+        kh = h - NH
+        k_row = row + (NH + kh) * HEAD_DIM
+        k = _norm_rope_row(k_row, kw_ptr, c, s, eps, HEAD_DIM, DT)
+        v_row = k_row if K_EQ_V else row + (NH + NKV + kh) * HEAD_DIM
+        v = round_to(_normed(v_row, kw_ptr, d, eps, False, HEAD_DIM), DT)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            dst = slot * stride_cslot + kh * HEAD_DIM + d
+            tl.store(kc_ptr + dst, k.to(DT))
+            tl.store(vc_ptr + dst, v.to(DT))
+
+
+def qkv_epilogue(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, k_eq_v: bool) -> torch.Tensor:
+    """qkv [T, (nh + nkv (+ nkv)) * hd] (q, k, then v unless k_eq_v) -> q [T, nh, hd]; K/V go to the caches
+    [num_pages, page_size, nkv, hd] at `slots` [T] (-1 = no write)."""
+    T = qkv.shape[0]
+    hd = k_cache.shape[-1]
+    assert hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2] == num_kv_heads
+    q = torch.empty(T, num_heads, hd, dtype=qkv.dtype, device=qkv.device)
+    if T:
+        _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
+            qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slots,
+            qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), num_kv_heads * hd, eps,
+            NH=num_heads, NKV=num_kv_heads, HEAD_DIM=hd, K_EQ_V=k_eq_v, num_warps=4 if hd <= 256 else 8)
+    return q
