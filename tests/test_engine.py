@@ -22,6 +22,7 @@ from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.async_engine import AsyncEngine
 from gemma4serve.engine.engine import LLMEngine
+from gemma4serve.engine.llm import LLM
 from gemma4serve.engine.outputs import RequestOutput
 from gemma4serve.sampling_params import SamplingParams
 
@@ -634,3 +635,12 @@ def test_generation_config_supplies_the_default_sampling_settings(tiny_checkpoin
     from gemma4serve.engine.engine import generation_defaults
 
     assert generation_defaults(tiny_checkpoints.get("dense")) == {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+
+
+def test_text_prompts_start_with_bos(tiny_checkpoints):
+    """A raw text prompt gets Gemma's <bos> first, once, as vLLM's LLM.generate does."""
+    llm = LLM(str(tiny_checkpoints.get("dense")), device="cpu")
+    out = llm.generate(["Hello world"], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert out.prompt_token_ids[0] == 2 and out.prompt_token_ids[1] != 2
+    again = llm.generate(["<bos>Hello world"], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert again.prompt_token_ids == out.prompt_token_ids

@@ -106,7 +106,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
-            prompt = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            bos = self.tokenizer.bos_token_id
+            # Gemma expects <bos> first (the chat template writes it; a raw text prompt gets it here, as in vLLM).
+            prompt = ids if (bos is None or ids[:1] == [bos]) else [bos] + ids
         prompt = [int(t) for t in prompt]
         params.validate()
         if not prompt:

@@ -25,7 +25,7 @@ class ModelRunner:
     def __init__(self, state: ModelState, num_draft_tokens: int, forced: ForcedAcceptance | None = None,
                  graphs: CudaGraphs | None = None):
         self.s = state
-        self.k = num_draft_tokens if state.draft is not None else 0
+        self.k = num_draft_tokens  # 0 without a drafter (the engine decides)
         self.draft_loop = DraftLoop(state) if self.k else None
         self.forced = forced
         self.graphs = graphs
