@@ -109,7 +109,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
             bos = self.tokenizer.bos_token_id
             # Gemma expects <bos> first (the chat template writes it; a raw text prompt gets it here, as in vLLM).
-            prompt = ids if (bos is None or ids[:1] == [bos]) else [bos] + ids
+            prompt = ids if (not ids or bos is None or ids[:1] == [bos]) else [bos] + ids
         prompt = [int(t) for t in prompt]
         params.validate()
         if not prompt:
