@@ -126,7 +126,7 @@ class CudaGraphs:
         )
 
     def run_target(self, chunks):
-        """Replay the decode/verify graph for these chunks -> (hidden [T, H], logits [T, V], cu)."""
+        """Replay the decode/verify graph for these chunks -> (hidden [T, H], logits [T, V])."""
         n, Q = len(chunks), chunks[0].num_query
         B = self.bucket(n)
         ps = self.s.page_size

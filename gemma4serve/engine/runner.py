@@ -149,13 +149,13 @@ class ModelRunner:
             floats = torch.cat([res.logprobs, res.top_logprobs.flatten(1)], dim=1).tolist()
         rows = torch.cat(parts, dim=1).tolist()
         k = next_drafts.shape[1] if next_drafts is not None else 0
+        width = res.top_ids.shape[-1] if want_lp else 0  # top-logprob slots per emitted token
         out = {}
         for i, seq in enumerate(seqs):
             row = rows[i]
             n = row[K1]
             lp = None
             if want_lp and seq.params.logprobs is not None:
-                width = (len(row) - K1 - 1 - k) // K1  # top-logprob slots per emitted token
                 top_ids, top_lps = row[K1 + 1 + k:], floats[i][K1:]
                 want = seq.params.logprobs
                 lp = [

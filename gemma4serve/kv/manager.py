@@ -32,11 +32,19 @@ class KVManager:
     def full_pages_needed(self, pages: SeqPages, end: int) -> int:
         return max(0, self.pages_for(end) - len(pages.full))
 
+    def _first_sliding_page(self, start: int) -> int:
+        """The lowest logical page anyone still reads when the next write is at `start`."""
+        return max(0, start - self.sliding_keep) // self.page_size
+
+    def _missing_sliding(self, pages: SeqPages, start: int, end: int) -> list[int]:
+        """Logical pages of [start - keep, end) that hold no sliding page yet."""
+        return [
+            i for i in range(self._first_sliding_page(start), self.pages_for(end))
+            if i >= len(pages.sliding) or pages.sliding[i] == 0
+        ]
+
     def sliding_pages_needed(self, pages: SeqPages, start: int, end: int) -> int:
-        first = max(0, start - self.sliding_keep) // self.page_size
-        return sum(
-            1 for i in range(first, self.pages_for(end)) if i >= len(pages.sliding) or pages.sliding[i] == 0
-        )
+        return len(self._missing_sliding(pages, start, end))
 
     def can_grow(self, pages: SeqPages, start: int, end: int) -> bool:
         return (
@@ -49,17 +57,15 @@ class KVManager:
         start is the first position this step writes. Sliding pages below that range are released first."""
         self.release_unreachable(pages, start)
         pages.full.extend(self.full.allocate(self.full_pages_needed(pages, end)))
+        missing = self._missing_sliding(pages, start, end)
         n = self.pages_for(end)
         if len(pages.sliding) < n:
             pages.sliding.extend([0] * (n - len(pages.sliding)))
-        first = max(0, start - self.sliding_keep) // self.page_size
-        missing = [i for i in range(first, n) if pages.sliding[i] == 0]
         for i, p in zip(missing, self.sliding.allocate(len(missing))):
             pages.sliding[i] = p
 
     def release_unreachable(self, pages: SeqPages, start: int) -> None:
-        lowest_read = max(0, start - self.sliding_keep)
-        dead = lowest_read // self.page_size  # pages wholly below the lowest row anyone reads
+        dead = self._first_sliding_page(start)  # pages wholly below the lowest row anyone reads
         freed = [p for p in pages.sliding[:dead] if p]
         if freed:
             self.sliding.free(freed)
