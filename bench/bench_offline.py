@@ -64,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run before each level")
     p.add_argument("--hf-baseline", action="store_true", help="also time transformers generate at concurrency 1")
@@ -403,7 +404,7 @@ def main(argv=None) -> None:
         model=model, draft=draft if k else None, device=args.device, dtype=args.dtype, load_format=args.load_format,
         max_model_len=args.input_len + args.output_len + 1, max_num_seqs=max(args.concurrency), num_draft_tokens=k,
         gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, forced_acceptance=forced, seed=args.seed,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, forced_acceptance=forced, seed=args.seed,
         **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
     ))  # fmt: skip
     st = engine.state

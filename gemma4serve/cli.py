@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Draft tokens per step (k); 0 turns MTP off.")
     engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     engine.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="Queue the next decode step before reading the current one's tokens, so host work "
+                             "overlaps the GPU (default: on).")
     engine.add_argument("--forced-acceptance", type=_acceptance,
                         help="BENCHMARK ONLY: force the mean tokens per verify step (a number, or a comma list). "
                              "Outputs are then NOT the model's.")
@@ -154,6 +157,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_tokens=ns.kv_cache_tokens,
         attention_backend=ns.attention_backend,
         enforce_eager=ns.enforce_eager,
+        async_scheduling=ns.async_scheduling,
         seed=ns.seed,
         forced_acceptance=ns.forced_acceptance,
         served_model_name=ns.served_model_name[0] if ns.served_model_name else None,

@@ -512,6 +512,71 @@ def test_speculation_is_lossless(tiny_checkpoints, engine):
         assert choices(with_mtp.final[rid]) == choices(without.final[rid]), rid
 
 
+# ---- async scheduling ---------------------------------------------------------------------------------------
+
+
+def async_requests() -> dict:
+    """Decoding requests that end in every way (length, EOS, stop id, stop string, context) at different steps,
+    sampled and greedy, so that a continued step often runs past where its sequence already ended."""
+    out = {}
+    for i in range(12):
+        prompt = prompt_of(5 + 7 * i, 900 + i)
+        params = [
+            greedy(3 + 7 * i),
+            SamplingParams(temperature=0.0, max_tokens=80),  # stops at an EOS, if it meets one
+            greedy(60, stop_token_ids=[prompt_of(1, 950 + i)[0], 400 + i]),
+            greedy(60, stop=["a", "e "]),
+            SamplingParams(temperature=0.9, top_k=30, seed=i, max_tokens=9 + 5 * i, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=1.1, top_p=0.9, seed=i, n=2, max_tokens=50, ignore_eos=True),
+        ][i % 6]
+        out[f"async-{i}"] = (prompt, params)
+    return out
+
+
+@pytest.mark.parametrize("which", ["mtp", "forced", "plain"])
+def test_async_scheduling_changes_no_output(tiny_checkpoints, which):
+    """A step queued before the previous one is read must not change any output: the same tokens, text,
+    finish reasons and streamed deltas as the synchronous engine, and every page back after. Eight running
+    sequences at most, so requests wait while others decode."""
+    kw = dict(kv_cache_tokens=4096, page_size=4, max_num_batched_tokens=96, max_num_seqs=8, max_model_len=256)
+    if which == "forced":
+        kw["forced_acceptance"] = float(K + 1)
+    args = engine_args(tiny_checkpoints, **kw)
+    if which == "plain":
+        args.draft, args.num_draft_tokens = None, 0
+    on = LLMEngine(args)
+    off = LLMEngine(EngineArgs(**{**args.__dict__, "async_scheduling": False}))
+    reqs = async_requests()
+    got, want = run_requests(on, reqs), run_requests(off, reqs)
+    assert on.num_continued_steps > got.steps // 4, "steady decoding should continue steps on the device"
+    assert off.num_continued_steps == 0
+    for rid in reqs:
+        assert choices(got.final[rid]) == choices(want.final[rid]), rid
+        for c in got.final[rid].outputs:
+            assert got.deltas[(rid, c.index)] == want.deltas[(rid, c.index)], rid
+    assert {c.finish_reason for o in got.final.values() for c in o.outputs} == {"length", "stop"}
+    assert on.kv_pool_free() == all_free(on) and not on.scheduler.has_work()
+    if which != "plain":
+        assert on.snapshot().spec_num_steps > 0
+
+
+def test_abort_while_a_step_is_in_flight(engine):
+    """Aborting a request whose next step is already queued returns its pages at once; the queued step's
+    tokens for it are dropped, and the other request goes on unchanged."""
+    ref = solo(engine, prompt_of(20, 61), greedy(16))[0]
+    engine.add_request("fly-a", prompt_of(20, 61), greedy(16))
+    engine.add_request("fly-b", prompt_of(9, 62), greedy(16))
+    run = Run()
+    while engine._inflight is None or engine.num_continued_steps == 0:
+        step(engine, run)
+    abort_and_check(engine, run, "fly-b")
+    while engine.has_unfinished():
+        step(engine, run)
+    run.check_streams()
+    assert choices(run.final["fly-a"]) == choices(ref)
+    assert engine.kv_pool_free() == all_free(engine)
+
+
 # ---- input validation ---------------------------------------------------------------------------------------
 
 

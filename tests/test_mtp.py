@@ -94,7 +94,8 @@ def test_greedy_with_drafter_equals_without_and_hf(setup, k):
 def oracle_drafts(engine: LLMEngine, prompts, outputs, k: int, wrong_every: int):
     """Replace the drafter's proposals with the known continuation, corrupting some positions, so that every
     acceptance length 0..k occurs. Only the proposals change: verification and commit run as in production.
-    Returns a function that restores the engine."""
+    The engine must run with async_scheduling=False: a continued step takes its drafts from the device, not
+    from `seq.drafts`. Returns a function that restores the engine."""
     original = engine._commit
     reference = {tuple(p): o for p, o in zip(prompts, outputs)}
 
@@ -119,7 +120,7 @@ def test_greedy_with_accepted_drafts(setup, k):
     variant, target, assistant, _, _ = setup
     plain = LLM(str(target), device="cpu", dtype="float32")
     spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=k,
-               max_num_batched_tokens=64)
+               max_num_batched_tokens=64, async_scheduling=False)
     prompts = [prompt_of(n, seed=50 + n) for n in (3, 25, 40)]
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
@@ -140,7 +141,8 @@ def test_seeded_sampling_is_identical_with_and_without_drafts(setup):
     changes what a seeded request emits."""
     variant, target, assistant, _, _ = setup
     plain = LLM(str(target), device="cpu", dtype="float32")
-    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=3)
+    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=3,
+               async_scheduling=False)  # oracle drafts
     prompts = [prompt_of(n, seed=n) for n in (4, 19)]
     settings = [
         SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True),
@@ -205,7 +207,7 @@ def test_sampling_with_drafter_has_the_target_distribution(tiny_checkpoints, set
     cells = sorted(joint, key=joint.get, reverse=True)[:12]
     N = 2000
     spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=2,
-               max_num_seqs=256, max_num_batched_tokens=2048)
+               max_num_seqs=256, max_num_batched_tokens=2048, async_scheduling=False)
     # Drafts: the target's greedy path, so that they are often but not always accepted.
     greedy = hf_greedy(hf, prompt, 3)
     eng = spec.engine

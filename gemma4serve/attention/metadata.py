@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gemma4serve.config import FULL, SLIDING
+
 
 @dataclass
 class AttentionMetadata:
@@ -35,3 +37,37 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.token_seq.shape[0]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without waiting: a copy from pageable memory first drains the stream, which would stall
+    the host while an earlier step still runs; from pinned memory it is queued like a kernel."""
+    if t.device == device or device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def page_tables(pages: list) -> dict:
+    """Host-side page tables of a step's sequences (one row each, zero = null page), per pool kind."""
+    out = {}
+    for kind, attr in ((FULL, "full"), (SLIDING, "sliding")):
+        rows = [getattr(p, attr) for p in pages]
+        width = max(1, max(len(r) for r in rows))
+        out[kind] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+    return out
+
+
+def causal_metadata(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, window: dict,
+                    cu_seqlens_q: torch.Tensor, max_q_len: int, page_size: int) -> AttentionMetadata:
+    """Metadata of a target pass, derived on the device: each token sees keys up to its own position and
+    writes its K/V to the slot its page table maps its position to."""
+    rows = token_seq.long()
+    return AttentionMetadata(
+        token_seq=token_seq,
+        kv_end=(pos + 1).to(torch.int32),
+        page_table=tables,
+        write_slot={kind: t[rows, pos // page_size].long() * page_size + pos % page_size for kind, t in tables.items()},
+        window=window,
+        cu_seqlens_q=cu_seqlens_q,
+        max_q_len=max_q_len,
+    )

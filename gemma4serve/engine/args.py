@@ -24,6 +24,7 @@ class EngineArgs:
     kv_cache_tokens: int | None = None  # test knob: the full pool's capacity in tokens
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = True  # queue the next decode step before reading the current one's tokens
     seed: int = 0  # seeds dummy weights and the per-request seeds drawn when a request gives none
     # Benchmark only: force the mean number of tokens per verify step (bonus included) while every draft and
     # verify computation still runs. Random weights accept ~nothing; this measures MTP's speed, not quality.

@@ -1,10 +1,11 @@
 """CUDA graphs for the steady state: the target's decode/verify forward (with the logits of every row) and
 the whole k-step draft loop, each captured once per batch-size bucket.
 
-A decode step of B sequences with d drafts each is B groups of Q = d + 1 query tokens. Its inputs are
-copied into static buffers (rows past B point at a dummy page-table row of null pages and write into the
-null page 0), the graph for the smallest bucket >= B is replayed, and the first B*Q rows of the outputs are
-the step's. Steps that carry prefill chunks, or uneven draft counts, run eagerly.
+A decode step of B sequences with d drafts each is B groups of Q = d + 1 query tokens. Its token ids,
+positions and page tables are copied into static buffers; write slots and key ranges are derived inside the
+graph. Rows past B point at a dummy page-table row of null pages at position 0, so they write into the null
+page. The graph for the smallest bucket >= B is replayed and the first B*Q rows of the outputs are the
+step's. Steps that carry prefill chunks, or uneven draft counts, run eagerly.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 
 import torch
 
-from gemma4serve.attention.metadata import AttentionMetadata
+from gemma4serve.attention.metadata import causal_metadata, to_device
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.spec import DraftLoop
 from gemma4serve.model.gemma4 import ForwardContext
@@ -35,14 +36,13 @@ class CudaGraphs:
         self.q_lens = sorted({1, num_draft_tokens + 1})
         B, T = self.buckets[-1], self.buckets[-1] * max(self.q_lens)
         dev, ps = state.device, state.page_size
-        width = -(-(max_model_len + num_draft_tokens + 1) // ps) + 1
+        # Page-table columns: a step queued behind another writes up to 2(k+1) rows past a sequence's end.
+        width = -(-(max_model_len + 2 * (num_draft_tokens + 1)) // ps) + 1
         self.dummy_row = B  # a page-table row of null pages for padding
         i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
         self.ids = torch.zeros(T, **i64)
         self.pos = torch.zeros(T, **i64)
         self.token_seq = torch.full((T,), B, **i32)
-        self.kv_end = torch.ones(T, **i32)
-        self.slots = {FULL: torch.zeros(T, **i64), SLIDING: torch.zeros(T, **i64)}
         self.tables = {FULL: torch.zeros(B + 1, width, **i32), SLIDING: torch.zeros(B + 1, width, **i32)}
         self.width = width
         # Built once and kept: a tensor a graph reads must outlive the capture (its memory is not the graph's).
@@ -59,23 +59,13 @@ class CudaGraphs:
 
     # ---- capture --------------------------------------------------------------------------------------
 
-    def _meta(self, B: int, Q: int) -> AttentionMetadata:
-        T = B * Q
-        return AttentionMetadata(
-            token_seq=self.token_seq[:T],
-            kv_end=self.kv_end[:T],
-            page_table=self.tables,
-            write_slot={kind: s[:T] for kind, s in self.slots.items()},
-            window={SLIDING: self.s.target.cfg.sliding_window, FULL: 0},
-            cu_seqlens_q=self.cu_seqlens[Q][: B + 1],
-            max_q_len=Q,
-        )
-
     def _target_fn(self, B: int, Q: int):
         s, T = self.s, B * Q
-        meta = self._meta(B, Q)
 
         def run():
+            meta = causal_metadata(self.token_seq[:T], self.pos[:T], self.tables,
+                                   {SLIDING: s.target.cfg.sliding_window, FULL: 0}, self.cu_seqlens[Q][: B + 1],
+                                   Q, s.page_size)
             hidden = s.target(self.ids[:T], self.pos[:T], ForwardContext(meta, s.kv, s.attn))
             return hidden, s.target.logits(hidden)
 
@@ -116,43 +106,24 @@ class CudaGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def can_run(self, chunks) -> bool:
-        if not chunks or self.bucket(len(chunks)) is None:
-            return False
-        q = chunks[0].num_query
-        return q in self.q_lens and all(
-            ch.length == 1 and ch.num_query == q and ch.samples and len(ch.seq.pages.full) < self.width
-            for ch in chunks
-        )
+    def fits(self, n: int, Q: int, max_pages: int) -> bool:
+        """Whether n sequences of Q query rows each, holding at most max_pages pages, have a graph."""
+        return Q in self.q_lens and self.bucket(n) is not None and max_pages < self.width
 
-    def run_target(self, chunks):
-        """Replay the decode/verify graph for these chunks -> (hidden [T, H], logits [T, V])."""
-        n, Q = len(chunks), chunks[0].num_query
+    def run_target(self, ids: torch.Tensor, pos: torch.Tensor, Q: int, tables: dict):
+        """Replay the decode/verify graph: ids and positions [n*Q] (host or device), host page tables [n, w]
+        per kind -> (hidden [n*Q, H], logits [n*Q, V])."""
+        T = ids.shape[0]
+        n = T // Q
         B = self.bucket(n)
-        ps = self.s.page_size
-        ids, pos, tables = [], [], {FULL: [], SLIDING: []}
-        for ch in chunks:
-            ids += [ch.seq.token_ids[ch.start]] + ch.drafts
-            pos += range(ch.start, ch.start + Q)
-            tables[FULL].append(ch.seq.pages.full)
-            tables[SLIDING].append(ch.seq.pages.sliding)
-        T = n * Q
-        self.ids[:T].copy_(torch.tensor(ids), non_blocking=True)
-        pos_t = torch.tensor(pos, dtype=torch.int64)
-        self.pos[:T].copy_(pos_t, non_blocking=True)
-        self.kv_end[:T].copy_(pos_t + 1, non_blocking=True)
-        seq_of = torch.arange(n, dtype=torch.int32).repeat_interleave(Q)
-        self.token_seq[:T].copy_(seq_of, non_blocking=True)
-        # Padding rows: the dummy table row, one visible key, writes into the null page.
+        dev = self.s.device
+        self.ids[:T].copy_(to_device(ids, dev))
+        self.pos[:T].copy_(to_device(pos, dev))
+        self.pos[T : B * Q].zero_()
+        torch.div(torch.arange(T, device=dev, dtype=torch.int32), Q, rounding_mode="floor", out=self.token_seq[:T])
         self.token_seq[T : B * Q].fill_(self.dummy_row)
-        self.kv_end[T : B * Q].fill_(1)
-        for kind, rows in tables.items():
-            w = max(len(r) for r in rows)
-            host = torch.tensor([r + [0] * (w - len(r)) for r in rows], dtype=torch.int32)
-            self.tables[kind][:n, :w].copy_(host, non_blocking=True)
-            slots = host[seq_of.long(), pos_t // ps].long() * ps + pos_t % ps
-            self.slots[kind][:T].copy_(slots, non_blocking=True)
-            self.slots[kind][T : B * Q].zero_()
+        for kind, host in tables.items():
+            self.tables[kind][:n, : host.shape[1]].copy_(to_device(host, dev))
         graph, hidden, logits = self.target_graphs[(B, Q)]
         graph.replay()
         return hidden[:T], logits[:T]

@@ -18,7 +18,7 @@ from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import load_models
 from gemma4serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
-from gemma4serve.engine.runner import ModelRunner
+from gemma4serve.engine.runner import ModelRunner, StepHandle
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import Sequence, Status, StepResult
 from gemma4serve.engine.spec import ForcedAcceptance
@@ -96,6 +96,8 @@ class LLMEngine:
         self._rng = random.Random(args.seed)
         self._arrivals = 0
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
+        self._inflight: StepHandle | None = None  # a launched decode step not read yet (async scheduling)
+        self.num_continued_steps = 0  # steps queued before the results of the step before them were read
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -168,6 +170,15 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step. With async scheduling a pure decode step is read one call later: the call first
+        queues the step that follows it on the device, then reads and commits it while the GPU runs on."""
+        prev = self._inflight
+        if prev is not None:
+            self._inflight = self._continue(prev)
+            outs = self._finish_step(prev)
+            if self._inflight is not None and all(s.status is Status.FINISHED for s in self._inflight.seqs):
+                self._inflight = None  # everything it computes was cut off by `prev`
+            return outs
         chunks = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not chunks:
@@ -177,15 +188,38 @@ class LLMEngine:
             m = self.requests[ch.seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        results = self.runner.execute(chunks)
-        touched: dict[str, Request] = {}
+        handle = self.runner.launch(chunks)
         for ch in chunks:
-            seq = ch.seq
             if not ch.samples:
-                seq.num_computed += ch.length
+                ch.seq.num_computed += ch.length
+        if handle.continuable and self.args.async_scheduling:
+            self._inflight = handle
+            return []
+        return self._finish_step(handle)
+
+    def _continue(self, prev: StepHandle) -> StepHandle | None:
+        """Queue the step after `prev` (same sequences, one more verify each) if the scheduler would pick
+        exactly that and its KV fits; None otherwise."""
+        seqs, sch = prev.seqs, self.scheduler
+        Q = prev.tokens.shape[1]
+        if sch.running != seqs or sch.would_admit(sch.max_num_batched_tokens - len(seqs) * Q):
+            return None
+        # `prev` may emit Q tokens and the next step writes Q more rows (past a sequence's end too: a sequence
+        # that ends in `prev` has the next step's rows dropped).
+        if any(s.status is not Status.RUNNING for s in seqs):
+            return None
+        if not self.kv.grow_all([(s.pages, s.num_computed, s.num_computed + 2 * Q) for s in seqs]):
+            return None
+        self.num_continued_steps += 1
+        return self.runner.launch_next(prev, [s.pages for s in seqs])
+
+    def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        for (seq, result), drafted in zip(handle.results().items(), handle.drafted):
+            if seq.status is Status.FINISHED:  # aborted, or cut off by the step before (async scheduling)
                 continue
             req = self.requests[seq.request_id]
-            self._commit(req, seq, ch.drafts, results[seq])
+            self._commit(req, seq, drafted, result)
             touched[req.request_id] = req
         outs = []
         for req in touched.values():
@@ -194,13 +228,13 @@ class LLMEngine:
                 del self.requests[req.request_id]
         return outs
 
-    def _commit(self, req: Request, seq: Sequence, drafts: list[int], result: StepResult) -> None:
+    def _commit(self, req: Request, seq: Sequence, drafted: int, result: StepResult) -> None:
         """Append the step's tokens, cutting at the first stop condition, and record drafting statistics."""
         st = self.stats
-        if drafts:
+        if drafted:
             accepted = len(result.tokens) - 1
             st.spec_num_steps += 1
-            st.spec_drafted_tokens += len(drafts)
+            st.spec_drafted_tokens += drafted
             st.spec_accepted_tokens += accepted
             for i in range(accepted):
                 st.spec_accepted_per_position[i] += 1

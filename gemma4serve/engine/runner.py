@@ -1,24 +1,105 @@
 """Runs one scheduled step on the device: packed target forward, verification, and the draft loop.
 
-The host builds the step's tensors first (token ids, positions, page tables, write slots, sampling settings);
-everything after that — target forward, logits of the sampling rows, acceptance, seeding and running the
-k-step draft loop — is queued on the device, and the step ends with one copy of the results to the host.
+A step is launched, not awaited. The host builds its inputs (token ids, positions, page tables, sampling
+settings) and queues the target forward, acceptance, the k-step draft loop and one copy of the results into
+pinned host memory; `StepHandle.results()` waits for that copy. A pure decode step can be continued on the
+device (`launch_next`): the next step's token ids and positions are taken from this step's outputs, so the
+host queues it before it has read them, and reads them while the GPU runs it.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
-from gemma4serve.attention.metadata import AttentionMetadata
+from gemma4serve.attention.metadata import causal_metadata, page_tables, to_device
 from gemma4serve.config import FULL, SLIDING
-from gemma4serve.engine.sampler import SamplingBatch, accept
-from gemma4serve.engine.sequence import ScheduledChunk, StepResult
-from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
 from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import ModelState
+from gemma4serve.engine.sampler import SamplingBatch, accept
+from gemma4serve.engine.sequence import ScheduledChunk, Sequence, StepResult
+from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
+from gemma4serve.kv.manager import SeqPages
 from gemma4serve.model.gemma4 import ForwardContext
+
+
+@dataclass
+class SamplingInputs:
+    """The rows a step samples from, one group per sequence that produces tokens (all on the device)."""
+
+    seqs: list[Sequence]
+    rows: torch.Tensor  # [B, K+1] packed row of (last token, d_1..d_k); short groups repeat their last row
+    first_pos: torch.Tensor  # [B] position of each group's first row
+    drafts: torch.Tensor  # [B, K] -1 padded
+    num_drafts: torch.Tensor  # [B]
+    table_rows: torch.Tensor  # [B] int32: each sequence's page-table row
+    sb: SamplingBatch
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its device outputs, and their copy to the host (in flight until `results()`)."""
+
+    inputs: SamplingInputs | None
+    tokens: torch.Tensor | None = None  # [B, K+1] emitted tokens, -1 past num_emitted
+    num_emitted: torch.Tensor | None = None  # [B]
+    next_drafts: torch.Tensor | None = None  # [B, k]
+    drafted: list[int] = ()  # per sequence: the drafts this step verified
+    continuable: bool = False  # a pure decode step that `launch_next` can follow
+    _ints: torch.Tensor | None = None
+    _floats: torch.Tensor | None = None
+    _done: torch.cuda.Event | None = None
+    _top_width: int = 0  # top-logprob slots per emitted token
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.inputs.seqs if self.inputs is not None else []
+
+    def results(self) -> dict:
+        """Wait for the step; {sequence: StepResult} for the sequences it produced tokens for."""
+        if self.inputs is None:
+            return {}
+        if self._done is not None:
+            self._done.synchronize()
+        rows = self._ints.tolist()
+        floats = self._floats.tolist() if self._floats is not None else None
+        K1 = self.tokens.shape[1]
+        k = self.next_drafts.shape[1] if self.next_drafts is not None else 0
+        width = self._top_width
+        out = {}
+        for i, seq in enumerate(self.inputs.seqs):
+            row = rows[i]
+            n = row[K1]
+            lp = None
+            if floats is not None and seq.params.logprobs is not None:
+                top_ids, top_lps, want = row[K1 + 1 + k:], floats[i][K1:], seq.params.logprobs
+                lp = [
+                    (floats[i][j], list(zip(top_ids[j * width: j * width + want], top_lps[j * width: j * width + want])))
+                    for j in range(n)
+                ]
+            out[seq] = StepResult(tokens=row[:n], next_drafts=row[K1 + 1: K1 + 1 + k], logprobs=lp)
+        return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def pack_chunks(chunks: list[ScheduledChunk]):
+    """Host-side: token ids, positions, owning group and group offsets of a step's packed query rows."""
+    ids, positions, token_seq, cu = [], [], [], [0]
+    for b, ch in enumerate(chunks):
+        ids += ch.seq.token_ids[ch.start : ch.start + ch.length] + ch.drafts
+        positions += range(ch.start, ch.start + ch.num_query)
+        token_seq += [b] * ch.num_query
+        cu.append(cu[-1] + ch.num_query)
+    return ids, positions, token_seq, cu
 
 
 class ModelRunner:
@@ -29,51 +110,28 @@ class ModelRunner:
         self.draft_loop = DraftLoop(state) if self.k else None
         self.forced = forced
         self.graphs = graphs
-
-    def _tables(self, chunks: list[ScheduledChunk]) -> dict:
-        dev = self.s.device
-        out = {}
-        for kind, attr in ((FULL, "full"), (SLIDING, "sliding")):
-            rows = [getattr(ch.seq.pages, attr) for ch in chunks]
-            width = max(1, max(len(r) for r in rows))
-            out[kind] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev)
-        return out
+        self.window = {SLIDING: state.target.cfg.sliding_window, FULL: 0}
 
     def prepare(self, chunks: list[ScheduledChunk]):
         """Host -> device: the packed token ids, positions and attention metadata of a step."""
-        s, dev, ps = self.s, self.s.device, self.s.page_size
-        ids, positions, token_seq, cu = [], [], [], [0]
-        for b, ch in enumerate(chunks):
-            ids += ch.seq.token_ids[ch.start : ch.start + ch.length] + ch.drafts
-            positions += range(ch.start, ch.start + ch.num_query)
-            token_seq += [b] * ch.num_query
-            cu.append(cu[-1] + ch.num_query)
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        seq_t = torch.tensor(token_seq, dtype=torch.int32, device=dev)
-        tables = self._tables(chunks)
-        write_slot = {kind: t[seq_t.long(), pos_t // ps].long() * ps + pos_t % ps for kind, t in tables.items()}
-        meta = AttentionMetadata(
-            token_seq=seq_t,
-            kv_end=(pos_t + 1).to(torch.int32),
-            page_table=tables,
-            write_slot=write_slot,
-            window={SLIDING: s.target.cfg.sliding_window, FULL: 0},
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            max_q_len=max(ch.num_query for ch in chunks),
+        dev = self.s.device
+        ids, positions, token_seq, cu = pack_chunks(chunks)
+        pos_t = to_device(torch.tensor(positions, dtype=torch.int64), dev)
+        tables = {kind: to_device(t, dev) for kind, t in page_tables([ch.seq.pages for ch in chunks]).items()}
+        meta = causal_metadata(
+            to_device(torch.tensor(token_seq, dtype=torch.int32), dev), pos_t, tables, self.window,
+            to_device(torch.tensor(cu, dtype=torch.int32), dev), max(ch.num_query for ch in chunks), self.s.page_size,
         )
-        return ids_t, pos_t, meta
+        return to_device(torch.tensor(ids, dtype=torch.int64), dev), pos_t, meta
 
-    def _sampling_inputs(self, chunks: list[ScheduledChunk]) -> dict | None:
-        """Host -> device for verification and drafting. Built before the forward is launched: a copy from
-        pageable host memory waits for the stream to drain, so made after it, it would idle the GPU."""
+    def _sampling_inputs(self, chunks: list[ScheduledChunk]) -> SamplingInputs | None:
+        """Host -> device for verification and drafting, built before the forward is queued."""
         dev = self.s.device
         sampling = [(b, ch) for b, ch in enumerate(chunks) if ch.samples]
         if not sampling:
             return None
         K = max(len(ch.drafts) for _, ch in sampling)
         ends = list(itertools.accumulate(ch.num_query for ch in chunks))
-        # Row j of a sampling chunk is its (last token, d_1..d_k) query row j; pad by repeating the last row.
         rows, first_pos, drafts, num_drafts = [], [], [], []
         for b, ch in sampling:
             nd = len(ch.drafts)
@@ -85,15 +143,15 @@ class ModelRunner:
         seqs = [ch.seq for _, ch in sampling]
 
         def i64(x):
-            return torch.tensor(x, dtype=torch.int64, device=dev)
+            return to_device(torch.tensor(x, dtype=torch.int64), dev)
 
-        return dict(
+        return SamplingInputs(
             seqs=seqs,
             rows=i64(rows),
             first_pos=i64(first_pos),
             drafts=i64(drafts).view(len(sampling), K),
             num_drafts=i64(num_drafts),
-            table_rows=torch.tensor([b for b, _ in sampling], dtype=torch.int32, device=dev),
+            table_rows=to_device(torch.tensor([b for b, _ in sampling], dtype=torch.int32), dev),
             sb=SamplingBatch.build(
                 [q.params for q in seqs], [q.seed for q in seqs], [q.output_ids for q in seqs],
                 [q.token_ids[: q.num_prompt] for q in seqs], dev,
@@ -101,24 +159,74 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> dict:
-        """Run the step; returns {sequence: StepResult} for the chunks that produce tokens."""
+    def launch(self, chunks: list[ScheduledChunk]) -> StepHandle:
+        """Queue a scheduled step."""
         s = self.s
         inp = self._sampling_inputs(chunks)
-        graphed = self.graphs is not None and self.graphs.can_run(chunks)
+        Q = chunks[0].num_query
+        decode = all(ch.length == 1 and ch.samples and ch.num_query == Q for ch in chunks)
+        graphed = (self.graphs is not None and decode
+                   and self.graphs.fits(len(chunks), Q, max(len(ch.seq.pages.full) for ch in chunks)))
         if graphed:
-            hidden, all_logits = self.graphs.run_target(chunks)
+            ids, positions, _, _ = pack_chunks(chunks)
+            hidden, logits = self.graphs.run_target(torch.tensor(ids), torch.tensor(positions), Q,
+                                                    page_tables([ch.seq.pages for ch in chunks]))
+            tables = self.graphs.tables
         else:
             ids_t, pos_t, meta = self.prepare(chunks)
             hidden = s.target(ids_t, pos_t, ForwardContext(meta, s.kv, s.attn))
+            logits, tables = None, meta.page_table
         if inp is None:
-            return {}
-        # From here on only device work is queued until the results are copied back.
-        rows, first_pos, drafts, num_drafts = inp["rows"], inp["first_pos"], inp["drafts"], inp["num_drafts"]
+            return StepHandle(None)
+        continuable = decode and Q == self.k + 1 and not inp.sb.any_penalty
+        drafted = [len(ch.drafts) for ch in chunks if ch.samples]
+        return self._verify_and_draft(inp, hidden, logits, tables, graphed, drafted, continuable)
+
+    @torch.inference_mode()
+    def launch_next(self, prev: StepHandle, pages: list[SeqPages]) -> StepHandle:
+        """Queue the decode step that follows `prev` for the same sequences, from its device outputs: each
+        sequence's newest token and next drafts at the positions after its emitted tokens. `pages` must
+        already map every position that step can write."""
+        dev = self.s.device
+        B, Q = prev.tokens.shape
+        P = prev.inputs.first_pos + prev.num_emitted  # position of each newest token
+        newest = prev.tokens.gather(1, (prev.num_emitted - 1)[:, None])
+        ids = torch.cat([newest, prev.next_drafts], dim=1) if self.k else newest
+        pos = P[:, None] + torch.arange(Q, device=dev)
+        host_tables = page_tables(pages)
+        graphed = self.graphs is not None and self.graphs.fits(B, Q, max(len(p.full) for p in pages))
+        if graphed:
+            hidden, logits = self.graphs.run_target(ids.view(-1), pos.view(-1), Q, host_tables)
+            tables = self.graphs.tables
+        else:
+            s = self.s
+            tables = {kind: to_device(t, dev) for kind, t in host_tables.items()}
+            token_seq = torch.div(torch.arange(B * Q, device=dev, dtype=torch.int32), Q, rounding_mode="floor")
+            cu = torch.arange(0, B * Q + 1, Q, device=dev, dtype=torch.int32)
+            meta = causal_metadata(token_seq, pos.view(-1), tables, self.window, cu, Q, s.page_size)
+            hidden = s.target(ids.view(-1), pos.view(-1), ForwardContext(meta, s.kv, s.attn))
+            logits = None
+        drafts = prev.next_drafts if self.k else prev.tokens[:, :0]
+        inp = SamplingInputs(
+            seqs=prev.inputs.seqs,
+            rows=torch.arange(B * Q, device=dev).view(B, Q),
+            first_pos=P,
+            drafts=drafts,
+            num_drafts=torch.full((B,), Q - 1, device=dev, dtype=torch.int64),
+            table_rows=torch.arange(B, device=dev, dtype=torch.int32),
+            sb=prev.inputs.sb,
+        )
+        return self._verify_and_draft(inp, hidden, logits, tables, graphed, [Q - 1] * B, True)
+
+    def _verify_and_draft(self, inp: SamplingInputs, hidden, all_logits, tables, graphed: bool,
+                          drafted: list[int], continuable: bool) -> StepHandle:
+        """Device-only from here: accept, draft the next tokens, queue the copy of the results to the host."""
+        s = self.s
+        rows, first_pos, drafts, num_drafts = inp.rows, inp.first_pos, inp.drafts, inp.num_drafts
         B, K1 = rows.shape
         flat_rows = rows.view(-1)
-        logits = all_logits[flat_rows] if graphed else s.target.logits(hidden[flat_rows])
-        res = accept(logits.float().view(B, K1, -1), drafts, num_drafts, first_pos, inp["sb"])
+        logits = all_logits[flat_rows] if all_logits is not None else s.target.logits(hidden[flat_rows])
+        res = accept(logits.float().view(B, K1, -1), drafts, num_drafts, first_pos, inp.sb)
         tokens, num_emitted = res.tokens, res.num_emitted
         if self.forced is not None and K1 > 1:
             tokens, num_emitted = self.forced.apply(tokens, num_emitted, drafts, num_drafts, first_pos)
@@ -130,37 +238,19 @@ class ModelRunner:
             seed_token = tokens.gather(1, last).squeeze(1)
             P = first_pos + num_emitted  # position of the newest token; rows < P are committed
             if graphed:
-                next_drafts = self.graphs.run_draft(seed_token, seed_hidden, P, inp["table_rows"])
+                next_drafts = self.graphs.run_draft(seed_token, seed_hidden, P, inp.table_rows)
             else:
-                next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, inp["table_rows"], meta.page_table,
-                                                  self.k)
-        return self._results(inp["seqs"], tokens, num_emitted, next_drafts, res)
+                next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, inp.table_rows, tables, self.k)
 
-    @staticmethod
-    def _results(seqs, tokens, num_emitted, next_drafts, res) -> dict:
-        """The step's device -> host copy (one for the token ids, one more only when logprobs are asked for)."""
-        K1 = tokens.shape[1]
-        parts = [tokens, num_emitted[:, None]]
-        if next_drafts is not None:
-            parts.append(next_drafts)
-        want_lp = res.logprobs is not None
-        if want_lp:
+        parts = [tokens, num_emitted[:, None]] + ([next_drafts] if next_drafts is not None else [])
+        floats, top_width = None, 0
+        if res.logprobs is not None:
             parts.append(res.top_ids.flatten(1))
-            floats = torch.cat([res.logprobs, res.top_logprobs.flatten(1)], dim=1).tolist()
-        rows = torch.cat(parts, dim=1).tolist()
-        k = next_drafts.shape[1] if next_drafts is not None else 0
-        width = res.top_ids.shape[-1] if want_lp else 0  # top-logprob slots per emitted token
-        out = {}
-        for i, seq in enumerate(seqs):
-            row = rows[i]
-            n = row[K1]
-            lp = None
-            if want_lp and seq.params.logprobs is not None:
-                top_ids, top_lps = row[K1 + 1 + k:], floats[i][K1:]
-                want = seq.params.logprobs
-                lp = [
-                    (floats[i][j], list(zip(top_ids[j * width: j * width + want], top_lps[j * width: j * width + want])))
-                    for j in range(n)
-                ]
-            out[seq] = StepResult(tokens=row[:n], next_drafts=row[K1 + 1: K1 + 1 + k], logprobs=lp)
-        return out
+            floats = _to_host(torch.cat([res.logprobs, res.top_logprobs.flatten(1)], dim=1))
+            top_width = res.top_ids.shape[-1]
+        ints = _to_host(torch.cat(parts, dim=1))
+        done = None
+        if s.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return StepHandle(inp, tokens, num_emitted, next_drafts, drafted, continuable, ints, floats, done, top_width)

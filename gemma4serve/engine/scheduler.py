@@ -71,30 +71,37 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             chunk = self._chunk(seq, budget)
-            end = chunk.start + chunk.num_query
-            # Keep a page of headroom per running sequence so admissions do not force immediate preemptions.
-            headroom = len(self.running)
-            if self.kv.full_pages_needed(seq.pages, end) + headroom > self.kv.full.num_free:
-                if not self.running and not chunks:
-                    headroom = 0  # nothing else could ever free pages: admit what fits
-                if self.kv.full_pages_needed(seq.pages, end) + headroom > self.kv.full.num_free:
-                    break
-            if not self.kv.can_grow(seq.pages, chunk.start, end):
+            if not self._fits(chunk, alone=not self.running and not chunks):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self.kv.grow(seq.pages, chunk.start, end)
+            self.kv.grow(seq.pages, chunk.start, chunk.start + chunk.num_query)
             chunks.append(chunk)
             budget -= chunk.num_query
         return chunks
+
+    def would_admit(self, budget: int) -> bool:
+        """Whether `schedule` would admit a waiting sequence next to the running ones, with `budget` tokens
+        left after them."""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return False
+        return self._fits(self._chunk(self.waiting[0], budget), alone=not self.running)
+
+    def _fits(self, chunk: ScheduledChunk, alone: bool) -> bool:
+        end = chunk.start + chunk.num_query
+        # Keep a page of headroom per running sequence so admissions do not force immediate preemptions;
+        # with nothing else running, nothing could ever free pages: admit what fits.
+        headroom = 0 if alone else len(self.running)
+        return (self.kv.full_pages_needed(chunk.seq.pages, end) + headroom <= self.kv.full.num_free
+                and self.kv.can_grow(chunk.seq.pages, chunk.start, end))
 
     def _chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
         remaining = seq.num_tokens - seq.num_computed
         length = min(remaining, budget)
         drafts = []
         if length == remaining:
-            # Drafts past the request's last token would be wasted verify work.
-            room = min(budget - length, seq.max_len - seq.num_tokens - 1)
-            drafts = seq.drafts[: max(0, room)]
+            # All k drafts even near the request's end (the commit cuts what runs past it): steps with equal
+            # draft counts replay one CUDA graph and can be continued on the device.
+            drafts = seq.drafts[: max(0, budget - length)]
         return ScheduledChunk(seq, seq.num_computed, length, drafts)

@@ -64,6 +64,16 @@ class KVManager:
         for i, p in zip(missing, self.sliding.allocate(len(missing))):
             pages.sliding[i] = p
 
+    def grow_all(self, spans: list[tuple[SeqPages, int, int]]) -> bool:
+        """`grow` every (pages, start, end) if all of them fit together; change nothing otherwise."""
+        full = sum(self.full_pages_needed(p, end) for p, _, end in spans)
+        sliding = sum(self.sliding_pages_needed(p, start, end) for p, start, end in spans)
+        if full > self.full.num_free or sliding > self.sliding.num_free:
+            return False
+        for p, start, end in spans:
+            self.grow(p, start, end)
+        return True
+
     def release_unreachable(self, pages: SeqPages, start: int) -> None:
         dead = self._first_sliding_page(start)  # pages wholly below the lowest row anyone reads
         freed = [p for p in pages.sliding[:dead] if p]

@@ -41,9 +41,10 @@ def plan_kv(
     kv_tokens: int | None,
     max_model_len: int | None,
 ) -> KVPlan:
-    # Rows before the next query that someone still reads: the target's W-1, the drafter's W_a+1.
+    # Rows before the next query that someone still reads (the target's W-1, the drafter's W_a+1) ...
     keep = max(cfg.sliding_window - 1, (draft_window + 1) if draft_window else 0)
-    per_seq = _ceil(keep + num_draft_tokens + 1, page_size) + 2
+    # ... plus two steps' queries: with async scheduling a step is queued before the one before it is read.
+    per_seq = _ceil(keep + 2 * (num_draft_tokens + 1), page_size) + 2
     sliding_pages = max_num_seqs * per_seq + _ceil(max_num_batched_tokens, page_size) + 1
     sliding_page_bytes = KVCache.bytes_per_page(cfg, SLIDING, page_size, dtype)
     full_page_bytes = KVCache.bytes_per_page(cfg, FULL, page_size, dtype)

@@ -104,3 +104,21 @@ def test_mtp_greedy_equals_plain_bf16(ckpt, k):
         assert_same_or_near_tie(a, b, p, judge, noisy)
     assert spec.engine.kv_pool_free() == free0
     assert spec.engine.snapshot().spec_num_steps > 0
+
+
+def test_async_scheduling_equals_sync(ckpt):
+    """Steps queued on the device before the previous step's tokens are read (graph replays fed from device
+    outputs) emit exactly what the synchronous engine emits, for requests that end at different steps."""
+    v, target, assistant = ckpt
+    prompts = [prompt_of(n, seed=n) for n in (3, 17, 29, 41)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 24, 31)]
+    params.append(SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True, logprobs=2))
+    for draft, forced in ((None, None), (assistant, None), (assistant, 4.0)):
+        kw = dict(num_draft_tokens=3, forced_acceptance=forced)
+        on, off = gpu_llm(target, draft, **kw), gpu_llm(target, draft, async_scheduling=False, **kw)
+        free0 = on.engine.kv_pool_free()
+        a = [(o.token_ids, o.outputs[0].finish_reason) for o in on.generate(prompts, params)]
+        b = [(o.token_ids, o.outputs[0].finish_reason) for o in off.generate(prompts, params)]
+        assert a == b, f"draft={draft is not None} forced={forced}"
+        assert on.engine.num_continued_steps > 10 and off.engine.num_continued_steps == 0
+        assert on.engine.kv_pool_free() == free0
