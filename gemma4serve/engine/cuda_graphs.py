@@ -6,6 +6,9 @@ positions and page tables are copied into static buffers; write slots and key ra
 graph. Rows past B point at a dummy page-table row of null pages at position 0, so they write into the null
 page. The graph for the smallest bucket >= B is replayed and the first B*Q rows of the outputs are the
 step's. Steps that carry prefill chunks, or uneven draft counts, run eagerly.
+
+All graphs share one memory pool, so a graph's outputs are only valid until the next replay of any graph:
+read or copy them first.
 """
 
 from __future__ import annotations

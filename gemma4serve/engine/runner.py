@@ -206,7 +206,9 @@ class ModelRunner:
             meta = causal_metadata(token_seq, pos.view(-1), tables, self.window, cu, Q, s.page_size)
             hidden = s.target(ids.view(-1), pos.view(-1), ForwardContext(meta, s.kv, s.attn))
             logits = None
-        drafts = prev.next_drafts if self.k else prev.tokens[:, :0]
+        # The drafts as copied into `ids`: `prev.next_drafts` is a graph output, and graphs share one memory
+        # pool, so the target replay below may overwrite it.
+        drafts = ids[:, 1:]
         inp = SamplingInputs(
             seqs=prev.inputs.seqs,
             rows=torch.arange(B * Q, device=dev).view(B, Q),
