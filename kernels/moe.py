@@ -60,7 +60,9 @@ def moe_route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):
 
 
 # ---------------------------------------------------------------------------------------------- alignment
-@triton.jit
+# Token counts are plain arguments everywhere (not specialised on ==1 / divisibility by 16): each batch size
+# would otherwise compile new variants while serving.
+@triton.jit(do_not_specialize=["num_pairs", "chunk"])
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, chunk, E_P: tl.constexpr, SUB: tl.constexpr):
     c = tl.program_id(0)
     eo = tl.arange(0, E_P)
@@ -73,7 +75,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, chunk, E_P: tl.constexpr, SUB:
     tl.store(counts_ptr + c * E_P + eo, cnt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _offsets_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_pairs, max_blocks,
                     C: tl.constexpr, E_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
     cc = tl.arange(0, C)
@@ -96,7 +98,7 @@ def _offsets_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_pair
         tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "chunk"])
 def _scatter_kernel(ids_ptr, base_ptr, sorted_ptr, num_pairs, chunk, E_P: tl.constexpr, SUB: tl.constexpr):
     c = tl.program_id(0)
     eo = tl.arange(0, E_P)
@@ -149,7 +151,7 @@ def _mma(a, b, acc, DOT_FP32: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr,
                      num_pairs, num_experts, n_out, k_in,
                      stride_am, stride_we, stride_wn, stride_wk, stride_cm,

@@ -8,7 +8,7 @@ softcap, GQA with contiguous head groups, softmax in fp32 (online, exp2 domain),
 Work split. A program owns one KV head of one sequence group (rows cu_seqlens_q[g]:cu_seqlens_q[g+1]), a
 block of BLOCK_T consecutive query tokens of that group and all GROUP query heads that share the KV head, so
 every K/V tile is read once for BLOCK_T * GROUP query rows (the rows of the tl.dot). The KV range of the block
-[min start, max end) is split across NUM_SPLITS programs (flash-decoding) when the grid would otherwise be too
+[min start, max end) is split across num_splits programs (flash-decoding) when the grid would otherwise be too
 small to fill the GPU (batch-1 decode of a long context); a second kernel merges the partial results through
 their log-sum-exp. The grid depends only on host ints (groups, max_q_len, heads, splits): the loop bounds come
 from the metadata tensors, so there is no host synchronisation and the launch can be captured in CUDA graphs.
@@ -25,21 +25,23 @@ from ._common import INTERPRET, dot_in_fp32, next_pow2, round_to, sm_count
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
 
 
-@triton.jit(do_not_specialize=["window"])  # one compiled variant for the target's W and the drafter's W_a + 1
+# window and num_splits are plain arguments: one compiled variant serves the target's W and the drafter's
+# W_a + 1, and every split count (a constexpr split count made each new batch shape a multi-second compile).
+@triton.jit(do_not_specialize=["window", "num_splits"])
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr,
     token_seq_ptr, kv_end_ptr, table_ptr, cu_ptr,
-    window, num_q_heads,
+    window, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_table,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     g = tl.program_id(0)
-    kvh = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    kvh = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     row0 = tl.load(cu_ptr + g) + tl.program_id(1) * BLOCK_T
     row_end = tl.load(cu_ptr + g + 1)
     if row0 >= row_end:
@@ -60,7 +62,7 @@ def _attn_kernel(
     # This program's share of the key blocks (absolute BLOCK_N-aligned tiles covering [lo, hi)).
     first = lo // BLOCK_N
     n_blocks = tl.cdiv(hi, BLOCK_N) - first
-    per_split = tl.maximum(tl.cdiv(n_blocks, NUM_SPLITS), MIN_BLOCKS)
+    per_split = tl.maximum(tl.cdiv(n_blocks, num_splits), MIN_BLOCKS)
     b_lo = first + split * per_split
     b_hi = tl.minimum(b_lo + per_split, first + n_blocks)
 
@@ -105,30 +107,30 @@ def _attn_kernel(
 
     has = l_i > 0.0  # a row with no visible key (never scheduled) yields zeros, not NaN
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         DT: tl.constexpr = o_ptr.dtype.element_ty
         tl.store(o, round_to(out, DT).to(DT), mask=row_ok[:, None])
     else:
-        # Partials [T, num_q_heads, NUM_SPLITS, (HEAD_DIM)]: every split writes its lse (-inf when empty), the
+        # Partials [T, num_q_heads, num_splits, (HEAD_DIM)]: every split writes its lse (-inf when empty), the
         # normalised output only where it saw a key; the merge reads outputs only where lse is finite.
-        part = (tok * num_q_heads + head) * NUM_SPLITS + split
+        part = (tok * num_q_heads + head) * num_splits + split
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=(row_ok & has)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    part_o_ptr, part_lse_ptr, o_ptr, num_q_heads, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+    part_o_ptr, part_lse_ptr, o_ptr, num_q_heads, num_splits, stride_ot, stride_oh,
+    SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
     d = tl.arange(0, HEAD_DIM)
-    part = (t * num_q_heads + h) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    part = (t * num_q_heads + h) * num_splits + s
+    lse = tl.load(part_lse_ptr + part, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     seen = lse > float("-inf")
@@ -212,21 +214,21 @@ def paged_attention(
     _attn_kernel[(G, q_blocks, nkv * num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         token_seq, kv_end, page_table, cu_seqlens_q,
-        int(window), nh,
+        int(window), nh, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0),
         GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=hd, PAGE=page_size,
         BLOCK_T=cfg["block_t"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        NUM_SPLITS=num_splits, MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
+        SPLIT=num_splits > 1, MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
         DOT_FP32=dot_in_fp32(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         _merge_kernel[(T, nh)](
-            part_o, part_lse, out, nh, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_P=next_pow2(num_splits), HEAD_DIM=hd,
+            part_o, part_lse, out, nh, num_splits, out.stride(0), out.stride(1),
+            SPLITS_P=8 if num_splits <= 8 else next_pow2(num_splits), HEAD_DIM=hd,
             num_warps=4 if hd <= 256 else 8,
         )
     return out

@@ -120,5 +120,5 @@ def test_async_scheduling_equals_sync(ckpt):
         a = [(o.token_ids, o.outputs[0].finish_reason) for o in on.generate(prompts, params)]
         b = [(o.token_ids, o.outputs[0].finish_reason) for o in off.generate(prompts, params)]
         assert a == b, f"draft={draft is not None} forced={forced}"
-        assert on.engine.num_continued_steps > 10 and off.engine.num_continued_steps == 0
+        assert on.engine.num_continued_steps >= 5 and off.engine.num_continued_steps == 0
         assert on.engine.kv_pool_free() == free0
