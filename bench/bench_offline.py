@@ -113,6 +113,7 @@ class Level:
     input_tokens: int
     output_tokens: int
     accepted_len: float  # tokens per verify step, bonus included (1.0 without MTP)
+    slow_steps: list = field(default_factory=list)  # (seconds, what ran) of steps far above the median
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -131,14 +132,17 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], concurrency: int, out
     inflight: dict[str, Req] = {}
     done: list[Req] = []
     start = time.perf_counter()
+    step_times = []
     while pending or inflight:
         while pending and len(inflight) < concurrency:
             i, prompt = pending.pop()
             rid = f"{tag}-{i}"
             inflight[rid] = Req(added=time.perf_counter())
             engine.add_request(rid, prompt, params)
+        t0 = time.perf_counter()
         outs = engine.step()  # returns after the step's device -> host copy: the tokens exist now
         now = time.perf_counter()
+        step_times.append((now - t0, engine.runner.last_launch))
         for out in outs:
             req = inflight[out.request_id]
             n = len(out.outputs[0].new_token_ids)
@@ -151,9 +155,11 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], concurrency: int, out
     after = engine.snapshot()
     steps = after.spec_num_steps - before.spec_num_steps
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    median = sorted(t for t, _ in step_times)[len(step_times) // 2]
+    slow = sorted((x for x in step_times if x[0] > 10 * median), key=lambda x: x[0], reverse=True)[:3]
     return Level(
         concurrency, done, elapsed, sum(map(len, prompts)), len(prompts) * output_len,
-        1.0 + accepted / steps if steps else 1.0,
+        1.0 + accepted / steps if steps else 1.0, slow,
     )  # fmt: skip
 
 
@@ -392,6 +398,26 @@ def greedy_tokens(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
     return tokens
 
 
+def triton_cache_entries() -> set[str]:
+    """The compiled Triton kernels on disk, as 'name/entry' (one entry per compiled variant)."""
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return {f"{j.stem}/{j.parent.name[:8]}" for j in cache.glob("*/*.json") if not j.name.startswith("__")}
+
+
+def trace_launches(runner) -> None:
+    """Remember the shape of the last scheduled step (continued steps keep their predecessor's)."""
+    launch = runner.launch
+    runner.last_launch = ""
+
+    def traced(chunks):
+        prefill = [ch.length for ch in chunks if ch.length > 1 or not ch.samples]
+        runner.last_launch = (f"{len(chunks)} sequences, {sum(ch.num_query for ch in chunks)} tokens, "
+                              f"prefill chunks {prefill}")
+        return launch(chunks)
+
+    runner.launch = traced
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     print("command:", shlex.join([sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]))
@@ -422,6 +448,7 @@ def main(argv=None) -> None:
     print(f"bandwidth for the roofline: {bw / 1e9:.0f} GB/s ({bw_src})")
     V = st.target.cfg.vocab_size
     del st  # --hf-baseline frees the engine's KV pool: keep no reference to it
+    trace_launches(engine.runner)
 
     rng = random.Random(args.seed)
     print(f"\ninput {args.input_len} tokens, output {args.output_len} tokens (greedy, ignore_eos); times in ms; "
@@ -433,10 +460,16 @@ def main(argv=None) -> None:
         prompts = [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(n)]
         if not args.no_warmup:  # first-use costs (allocator, kernels, graphs) stay out of the numbers
             run_level(engine, prompts[:c], c, min(args.output_len, 4), f"warm{c}")
+        compiled = triton_cache_entries()
         lv = run_level(engine, prompts, c, args.output_len, f"c{c}")
+        compiled = triton_cache_entries() - compiled
         rf = roofline(engine, c, args.input_len + args.output_len // 2, bw)
         levels.append((lv, rf))
         print(table_row(lv, rf), flush=True)
+        for t, what in lv.slow_steps:  # tail-latency hunting: what the slowest steps ran
+            print(f"      slow step {t * 1e3:.0f} ms, last launch: {what}", flush=True)
+        if compiled:
+            print(f"      Triton compiled during the measurement: {sorted(compiled)}", flush=True)
 
     print("\ndecode-step roofline (one verify of k+1 tokens + k drafter passes, context input + output/2):")
     for lv, rf in levels:

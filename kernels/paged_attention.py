@@ -25,9 +25,10 @@ from ._common import INTERPRET, dot_in_fp32, next_pow2, round_to, sm_count
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
 
 
-# window and num_splits are plain arguments: one compiled variant serves the target's W and the drafter's
-# W_a + 1, and every split count (a constexpr split count made each new batch shape a multi-second compile).
-@triton.jit(do_not_specialize=["window", "num_splits"])
+# Arguments that change from step to step are not specialised (Triton would compile a variant per value ==1 /
+# divisible by 16, each a multi-second stall while serving): the window (the target's W, the drafter's W_a + 1),
+# the split count, and the page-table width of an eager step.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_table"])
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr,
     token_seq_ptr, kv_end_ptr, table_ptr, cu_ptr,
