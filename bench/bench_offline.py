@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run before each level")
     p.add_argument("--hf-baseline", action="store_true", help="also time transformers generate at concurrency 1")
@@ -113,6 +114,7 @@ class Level:
     input_tokens: int
     output_tokens: int
     accepted_len: float  # tokens per verify step, bonus included (1.0 without MTP)
+    draft_share: float  # of the sequences' token-producing steps, those that verified drafts
     slow_steps: list = field(default_factory=list)  # (seconds, what ran) of steps far above the median
 
 
@@ -155,11 +157,12 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], concurrency: int, out
     after = engine.snapshot()
     steps = after.spec_num_steps - before.spec_num_steps
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    seq_steps = after.seq_steps - before.seq_steps
     median = sorted(t for t, _ in step_times)[len(step_times) // 2]
     slow = sorted((x for x in step_times if x[0] > 10 * median), key=lambda x: x[0], reverse=True)[:3]
     return Level(
         concurrency, done, elapsed, sum(map(len, prompts)), len(prompts) * output_len,
-        1.0 + accepted / steps if steps else 1.0, slow,
+        1.0 + accepted / steps if steps else 1.0, steps / seq_steps if seq_steps else 0.0, slow,
     )  # fmt: skip
 
 
@@ -201,6 +204,7 @@ class Roofline:
     draft: float  # k drafter passes
     kv: float
     bandwidth: float  # bytes / s
+    decode_target: float  # bytes per 1-token step (no drafting)
 
     @property
     def total(self) -> float:
@@ -209,6 +213,10 @@ class Roofline:
     @property
     def step_s(self) -> float:
         return self.total / self.bandwidth
+
+    @property
+    def decode_s(self) -> float:
+        return (self.decode_target + self.kv) / self.bandwidth
 
 
 def roofline(engine: LLMEngine, concurrency: int, context: int, bandwidth: float) -> Roofline:
@@ -235,7 +243,8 @@ def roofline(engine: LLMEngine, concurrency: int, context: int, bandwidth: float
         d_per_row = kv_bytes_per_token_row(d.cfg.text.layers, elt)
         d_kv = concurrency * sum(d_per_row[kind] * d_rows[kind] for kind in d_rows)
         draft = k * (draft_w + d_kv)
-    return Roofline(target, draft, kv, bandwidth)
+    decode = weight_bytes_per_step(s.target, concurrency, skip=("embed_tokens_per_layer",), cfg=cfg)
+    return Roofline(target, draft, kv, bandwidth, decode)
 
 
 def measure_bandwidth(device: torch.device) -> float:
@@ -366,7 +375,7 @@ def build_tiny(variant: str) -> tuple[str, str]:
 
 
 COLUMNS = ("conc", "reqs", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-           "ITL p50", "ITL p99", "acc len", "roof TPOT", "% roof")  # fmt: skip
+           "ITL p50", "ITL p99", "acc len", "draft %", "roof TPOT", "% roof")  # fmt: skip
 WIDTHS = [max(len(c), 7) for c in COLUMNS]
 
 
@@ -381,11 +390,12 @@ def table_row(lv: Level, rf: Roofline) -> str:
     ttft = [r.ttft for r in lv.reqs]
     tpot = [r.tpot for r in lv.reqs if r.tpot is not None]
     itl = [x for r in lv.reqs for x in r.itls()]
-    roof_tpot = rf.step_s / lv.accepted_len  # a step serves every sequence acc-len tokens
+    # A drafting step serves every sequence acc-len tokens; with an adaptive draft length, some steps do not draft.
+    roof_tpot = lv.draft_share * rf.step_s / lv.accepted_len + (1 - lv.draft_share) * rf.decode_s
     total = lv.input_tokens + lv.output_tokens
     row = (lv.concurrency, len(lv.reqs), lv.output_tokens / lv.elapsed, total / lv.elapsed,
            ms(ttft, 50), ms(ttft, 99), ms(tpot, 50), ms(tpot, 99), ms(itl, 50), ms(itl, 99),
-           lv.accepted_len, roof_tpot * 1e3, 100 * roof_tpot / mean(tpot))  # fmt: skip
+           lv.accepted_len, 100 * lv.draft_share, roof_tpot * 1e3, 100 * roof_tpot / mean(tpot))  # fmt: skip
     return "  ".join((f"{v:.2f}" if isinstance(v, float) else str(v)).rjust(w) for v, w in zip(row, WIDTHS))
 
 
@@ -409,11 +419,11 @@ def trace_launches(runner) -> None:
     launch = runner.launch
     runner.last_launch = ""
 
-    def traced(chunks):
+    def traced(chunks, draft_len):
         prefill = [ch.length for ch in chunks if ch.length > 1 or not ch.samples]
         runner.last_launch = (f"{len(chunks)} sequences, {sum(ch.num_query for ch in chunks)} tokens, "
                               f"prefill chunks {prefill}")
-        return launch(chunks)
+        return launch(chunks, draft_len)
 
     runner.launch = traced
 
@@ -430,7 +440,8 @@ def main(argv=None) -> None:
         model=model, draft=draft if k else None, device=args.device, dtype=args.dtype, load_format=args.load_format,
         max_model_len=args.input_len + args.output_len + 1, max_num_seqs=max(args.concurrency), num_draft_tokens=k,
         gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, forced_acceptance=forced, seed=args.seed,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        adaptive_draft_length=args.adaptive_draft_length, forced_acceptance=forced, seed=args.seed,
         **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
     ))  # fmt: skip
     st = engine.state
@@ -452,7 +463,8 @@ def main(argv=None) -> None:
 
     rng = random.Random(args.seed)
     print(f"\ninput {args.input_len} tokens, output {args.output_len} tokens (greedy, ignore_eos); times in ms; "
-          "acc len = tokens per verify step incl. bonus; roof TPOT = roofline step time / acc len")
+          "acc len = tokens per verify step incl. bonus; draft % = share of steps that verified drafts; "
+          "roof TPOT = roofline step time / acc len")
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
     levels = []
     for c in args.concurrency:

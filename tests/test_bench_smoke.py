@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ["conc", "reqs", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-           "ITL p50", "ITL p99", "acc len", "roof TPOT", "% roof"]  # fmt: skip
+           "ITL p50", "ITL p99", "acc len", "draft %", "roof TPOT", "% roof"]  # fmt: skip
 
 
 def run_bench(*args: str) -> str:
@@ -53,8 +53,9 @@ def test_bench_prints_a_row_per_concurrency():
         assert 0 < row["TTFT p50"] <= row["TTFT p99"]
         assert 0 < row["TPOT p50"] <= row["TPOT p99"]
         assert row["roof TPOT"] > 0
-        # Forced acceptance of 3.1 tokens per step (the last steps have less room, so a little lower).
+        # Forced acceptance of 3.1 tokens per step; every step drafts but the one that ends each prompt.
         assert 2.0 < row["acc len"] <= 4.0
+        assert 50 < row["draft %"] < 100
     assert out.count("GB/step") == 2
 
 

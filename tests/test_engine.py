@@ -24,6 +24,7 @@ from gemma4serve.engine.async_engine import AsyncEngine
 from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.llm import LLM
 from gemma4serve.engine.outputs import RequestOutput
+from gemma4serve.engine.spec import DraftLength, StepCost
 from gemma4serve.sampling_params import SamplingParams
 
 K = 3  # draft tokens per step
@@ -575,6 +576,53 @@ def test_abort_while_a_step_is_in_flight(engine):
     run.check_streams()
     assert choices(run.final["fly-a"]) == choices(ref)
     assert engine.kv_pool_free() == all_free(engine)
+
+
+# ---- adaptive draft length ----------------------------------------------------------------------------------
+
+
+def test_draft_length_policy():
+    costs = {1: StepCost(10.0, 11.0, 2.0), 8: StepCost(12.0, 30.0, 6.0)}
+    dl = DraftLength(4, costs)
+    assert dl.expected_tokens() == 5.0  # untried: assume every draft is accepted
+    assert dl.choose(1) == 4 and dl.choose(8) == 4  # 5 x 12 > 30 + 6
+    assert dl.choose(9) == 4  # beyond the measured buckets: keep drafting
+    for _ in range(400):
+        dl.observe(4, 1)  # the first draft accepted, the rest rejected
+    assert dl.rates[0] == pytest.approx(1.0) and dl.rates[1] == pytest.approx(0.0, abs=1e-3)
+    assert dl.choose(1) == 4  # 2 x 10 > 13
+    assert dl.choose(5) == 0  # bucket 8: 2 x 12 < 36
+    for _ in range(400):
+        dl.observe(4, 0)
+    assert dl.choose(1) == 0  # nothing accepted: 1 x 10 < 13
+    assert DraftLength(4).choose(64) == 4 and DraftLength(0, costs).choose(1) == 0  # no costs: k stays fixed
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_adaptive_draft_length_is_lossless(tiny_checkpoints, async_scheduling):
+    """Drafting on for a lone sequence and off for a batch (the step costs say so), switching both ways as
+    requests come and go: the same tokens as without a drafter, and pages all back."""
+    kw = dict(kv_cache_tokens=4096, page_size=4, max_num_batched_tokens=96, max_num_seqs=8, max_model_len=256,
+              async_scheduling=async_scheduling)
+    eng = LLMEngine(engine_args(tiny_checkpoints, **kw))
+    args = engine_args(tiny_checkpoints, **kw)
+    args.draft, args.num_draft_tokens = None, 0
+    plain = LLMEngine(args)
+    eng.draft_length = DraftLength(K, {1: StepCost(1.0, 1.0, 0.1), 8: StepCost(1.0, 9.0, 1.0)})
+    drafting = []
+    reqs = {f"adapt-{i}": (prompt_of(6 + 5 * i, 70 + i), greedy(10 + 30 * (i == 0))) for i in range(4)}
+
+    def on_step(run, outs):
+        drafting.append((len(eng.scheduler.running), eng.snapshot().spec_num_steps))
+
+    got = run_requests(eng, reqs, on_step)
+    want = run_requests(plain, reqs)
+    for rid in reqs:
+        assert choices(got.final[rid]) == choices(want.final[rid]), rid
+    grew_alone = [b - a for (n, a), (_, b) in zip(drafting, drafting[1:]) if n == 1]
+    grew_batched = [b - a for (n, a), (_, b) in zip(drafting, drafting[1:]) if n >= 3]
+    assert sum(grew_alone) > 0 and sum(grew_batched) == 0
+    assert eng.kv_pool_free() == all_free(eng)
 
 
 # ---- input validation ---------------------------------------------------------------------------------------

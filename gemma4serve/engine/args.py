@@ -19,6 +19,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     page_size: int = 16
     num_draft_tokens: int = 4  # k; 0 = no speculation (also when no draft model is given)
+    adaptive_draft_length: bool = True  # drop to 0 drafts at batch sizes where drafting costs more than it gains
     gpu_memory_utilization: float = 0.90  # fraction of total GPU memory the engine may use (weights + KV)
     kv_cache_memory: int | None = None  # bytes for KV pages; overrides gpu_memory_utilization
     kv_cache_tokens: int | None = None  # test knob: the full pool's capacity in tokens

@@ -20,7 +20,7 @@ import torch
 
 from gemma4serve.attention.metadata import causal_metadata, to_device
 from gemma4serve.config import FULL, SLIDING
-from gemma4serve.engine.spec import DraftLoop
+from gemma4serve.engine.spec import DraftLoop, StepCost
 from gemma4serve.model.gemma4 import ForwardContext
 
 log = logging.getLogger("gemma4serve")
@@ -103,6 +103,30 @@ class CudaGraphs:
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs (batch buckets %s) in %.1fs",
                  len(self.target_graphs) + len(self.draft_graphs), self.buckets, time.monotonic() - t0)
+
+    @torch.inference_mode()
+    def measure(self) -> dict[int, StepCost]:
+        """Each bucket's decode, verify and draft-loop replay time, for choosing the draft length. The static
+        inputs still point every row at the null page, so this is the weights' and launches' cost; the KV
+        reads of real contexts come on top of decode and verify alike."""
+        if self.draft_loop is None:
+            return {}
+        return {
+            B: StepCost(self._time(self.target_graphs[(B, 1)][0]), self._time(self.target_graphs[(B, self.k + 1)][0]),
+                        self._time(self.draft_graphs[B][0]))
+            for B in self.buckets
+        }
+
+    @staticmethod
+    def _time(graph, reps: int = 3) -> float:
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps / 1e3
 
     # ---- replay ---------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from gemma4serve.engine.outputs import CompletionOutput, EngineStats, RequestMet
 from gemma4serve.engine.runner import ModelRunner, StepHandle
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import Sequence, Status, StepResult
-from gemma4serve.engine.spec import ForcedAcceptance
+from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
 from gemma4serve.kv.manager import KVManager
 from gemma4serve.kv.pool import PagePool
 from gemma4serve.sampling_params import SamplingParams
@@ -87,10 +87,15 @@ class LLMEngine:
                 "the model's output", forced.mean_tokens_per_step,
             )
         self.num_draft_tokens = k
-        graphs = None
+        graphs, costs = None, None
         if self.state.device.type == "cuda" and not args.enforce_eager and self.state.attn.name != "torch":
             graphs = CudaGraphs(self.state, args.max_num_seqs, self.max_model_len, k)
             graphs.capture()
+            costs = graphs.measure() if args.adaptive_draft_length else None
+            if costs:
+                log.info("step costs per batch bucket (decode / verify / draft loop ms): %s", "; ".join(
+                    f"{b}: {c.decode * 1e3:.2f} / {c.verify * 1e3:.2f} / {c.draft * 1e3:.2f}" for b, c in costs.items()))
+        self.draft_length = DraftLength(k, costs)
         self.runner = ModelRunner(self.state, k, forced, graphs)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
@@ -188,7 +193,11 @@ class LLMEngine:
             m = self.requests[ch.seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        handle = self.runner.launch(chunks)
+        draft_len = self.draft_length.choose(sum(ch.samples for ch in chunks))
+        if not draft_len:
+            for ch in chunks:
+                ch.drafts = []
+        handle = self.runner.launch(chunks, draft_len)
         for ch in chunks:
             if not ch.samples:
                 ch.seq.num_computed += ch.length
@@ -198,17 +207,17 @@ class LLMEngine:
         return self._finish_step(handle)
 
     def _continue(self, prev: StepHandle) -> StepHandle | None:
-        """Queue the step after `prev` (same sequences, one more verify each) if the scheduler would pick
-        exactly that and its KV fits; None otherwise."""
+        """Queue the step after `prev` (same sequences, one more verify each, as many drafts) if the scheduler
+        would pick exactly that and its KV fits; None otherwise."""
         seqs, sch = prev.seqs, self.scheduler
-        Q = prev.tokens.shape[1]
-        if sch.running != seqs or sch.would_admit(sch.max_num_batched_tokens - len(seqs) * Q):
+        q_prev, q_next = prev.tokens.shape[1], prev.draft_len + 1
+        if sch.running != seqs or sch.would_admit(sch.max_num_batched_tokens - len(seqs) * q_next):
             return None
-        # `prev` may emit Q tokens and the next step writes Q more rows (past a sequence's end too: a sequence
-        # that ends in `prev` has the next step's rows dropped).
-        if any(s.status is not Status.RUNNING for s in seqs):
+        if any(s.status is not Status.RUNNING for s in seqs) or self.draft_length.choose(len(seqs)) != prev.draft_len:
             return None
-        if not self.kv.grow_all([(s.pages, s.num_computed, s.num_computed + 2 * Q) for s in seqs]):
+        # `prev` may emit q_prev tokens, then the next step writes q_next rows (past a sequence's end too: the
+        # rows of a sequence that ends in `prev` are dropped).
+        if not self.kv.grow_all([(s.pages, s.num_computed, s.num_computed + q_prev + q_next) for s in seqs]):
             return None
         self.num_continued_steps += 1
         return self.runner.launch_next(prev, [s.pages for s in seqs])
@@ -231,8 +240,10 @@ class LLMEngine:
     def _commit(self, req: Request, seq: Sequence, drafted: int, result: StepResult) -> None:
         """Append the step's tokens, cutting at the first stop condition, and record drafting statistics."""
         st = self.stats
+        st.seq_steps += 1
         if drafted:
             accepted = len(result.tokens) - 1
+            self.draft_length.observe(drafted, accepted)
             st.spec_num_steps += 1
             st.spec_drafted_tokens += drafted
             st.spec_accepted_tokens += accepted

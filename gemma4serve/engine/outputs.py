@@ -64,7 +64,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: dict = field(default_factory=dict)  # finish_reason -> count
-    spec_num_steps: int = 0  # verify steps that carried drafts
+    seq_steps: int = 0  # steps that produced tokens, counted per sequence
+    spec_num_steps: int = 0  # of those, the verify steps that carried drafts
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list = field(default_factory=list)  # accepted count at draft position i

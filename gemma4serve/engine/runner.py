@@ -47,6 +47,7 @@ class StepHandle:
     num_emitted: torch.Tensor | None = None  # [B]
     next_drafts: torch.Tensor | None = None  # [B, k]
     drafted: list[int] = ()  # per sequence: the drafts this step verified
+    draft_len: int = 0  # drafts this step proposes for the next one (next_drafts' width)
     continuable: bool = False  # a pure decode step that `launch_next` can follow
     _ints: torch.Tensor | None = None
     _floats: torch.Tensor | None = None
@@ -159,8 +160,8 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch(self, chunks: list[ScheduledChunk]) -> StepHandle:
-        """Queue a scheduled step."""
+    def launch(self, chunks: list[ScheduledChunk], draft_len: int) -> StepHandle:
+        """Queue a scheduled step that proposes `draft_len` (0 or k) drafts for the next one."""
         s = self.s
         inp = self._sampling_inputs(chunks)
         Q = chunks[0].num_query
@@ -178,20 +179,20 @@ class ModelRunner:
             logits, tables = None, meta.page_table
         if inp is None:
             return StepHandle(None)
-        continuable = decode and Q == self.k + 1 and not inp.sb.any_penalty
         drafted = [len(ch.drafts) for ch in chunks if ch.samples]
-        return self._verify_and_draft(inp, hidden, logits, tables, graphed, drafted, continuable)
+        return self._verify_and_draft(inp, hidden, logits, tables, graphed, drafted, draft_len,
+                                      decode and not inp.sb.any_penalty)
 
     @torch.inference_mode()
     def launch_next(self, prev: StepHandle, pages: list[SeqPages]) -> StepHandle:
         """Queue the decode step that follows `prev` for the same sequences, from its device outputs: each
-        sequence's newest token and next drafts at the positions after its emitted tokens. `pages` must
-        already map every position that step can write."""
+        sequence's newest token and next drafts at the positions after its emitted tokens; it proposes as
+        many drafts again. `pages` must already map every position that step can write."""
         dev = self.s.device
-        B, Q = prev.tokens.shape
+        B, Q = prev.tokens.shape[0], prev.draft_len + 1
         P = prev.inputs.first_pos + prev.num_emitted  # position of each newest token
         newest = prev.tokens.gather(1, (prev.num_emitted - 1)[:, None])
-        ids = torch.cat([newest, prev.next_drafts], dim=1) if self.k else newest
+        ids = torch.cat([newest, prev.next_drafts], dim=1) if prev.draft_len else newest
         pos = P[:, None] + torch.arange(Q, device=dev)
         host_tables = page_tables(pages)
         graphed = self.graphs is not None and self.graphs.fits(B, Q, max(len(p.full) for p in pages))
@@ -218,10 +219,10 @@ class ModelRunner:
             table_rows=torch.arange(B, device=dev, dtype=torch.int32),
             sb=prev.inputs.sb,
         )
-        return self._verify_and_draft(inp, hidden, logits, tables, graphed, [Q - 1] * B, True)
+        return self._verify_and_draft(inp, hidden, logits, tables, graphed, [Q - 1] * B, prev.draft_len, True)
 
     def _verify_and_draft(self, inp: SamplingInputs, hidden, all_logits, tables, graphed: bool,
-                          drafted: list[int], continuable: bool) -> StepHandle:
+                          drafted: list[int], draft_len: int, continuable: bool) -> StepHandle:
         """Device-only from here: accept, draft the next tokens, queue the copy of the results to the host."""
         s = self.s
         rows, first_pos, drafts, num_drafts = inp.rows, inp.first_pos, inp.drafts, inp.num_drafts
@@ -234,7 +235,7 @@ class ModelRunner:
             tokens, num_emitted = self.forced.apply(tokens, num_emitted, drafts, num_drafts, first_pos)
 
         next_drafts = None
-        if self.k:
+        if draft_len:
             last = (num_emitted - 1)[:, None]
             seed_hidden = hidden[rows.gather(1, last).squeeze(1)]
             seed_token = tokens.gather(1, last).squeeze(1)
@@ -242,7 +243,7 @@ class ModelRunner:
             if graphed:
                 next_drafts = self.graphs.run_draft(seed_token, seed_hidden, P, inp.table_rows)
             else:
-                next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, inp.table_rows, tables, self.k)
+                next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, inp.table_rows, tables, draft_len)
 
         parts = [tokens, num_emitted[:, None]] + ([next_drafts] if next_drafts is not None else [])
         floats, top_width = None, 0
@@ -255,4 +256,5 @@ class ModelRunner:
         if s.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(inp, tokens, num_emitted, next_drafts, drafted, continuable, ints, floats, done, top_width)
+        return StepHandle(inp, tokens, num_emitted, next_drafts, drafted, draft_len, continuable, ints, floats, done,
+                          top_width)

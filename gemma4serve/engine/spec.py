@@ -1,6 +1,9 @@
-"""Frozen-KV MTP drafting (spec §12): the k-step draft loop, and the benchmark-only forced acceptance."""
+"""Frozen-KV MTP drafting (spec §12): the k-step draft loop, the adaptive draft length, and the benchmark-only
+forced acceptance."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +44,47 @@ class DraftLoop:
             token = logits.argmax(-1)  # first maximum: the lowest id wins ties
             drafts.append(token)
         return torch.stack(drafts, dim=1)
+
+
+@dataclass
+class StepCost:
+    """Seconds per step of one batch-size bucket, measured on its CUDA graphs."""
+
+    decode: float  # one token per sequence, no drafting
+    verify: float  # k + 1 tokens per sequence
+    draft: float  # the k-step draft loop
+
+
+class DraftLength:
+    """How many drafts the next steps propose: k while drafting pays for itself at the batch size, else 0
+    (DESIGN §5: MTP off under heavy load).
+
+    Drafting pays when a verify + draft step costs less than the decode steps it replaces: the expected tokens
+    per verify step (1 + the sum of the per-position acceptance rates) times the decode step's cost. The rates
+    are moving averages over the sequences' recent verify steps; they start at 1, so drafting is tried (and
+    measured) first. Costs are the captured graphs' own replay times, so without CUDA graphs k stays fixed.
+    """
+
+    def __init__(self, k: int, costs: dict[int, StepCost] | None = None, decay: float = 0.02):
+        self.k = k
+        self.costs = costs or {}
+        self.decay = decay
+        self.rates = [1.0] * k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One sequence's verify step: `accepted` of its `drafted` drafts were accepted."""
+        for i in range(drafted):
+            self.rates[i] += self.decay * (float(i < accepted) - self.rates[i])
+
+    def expected_tokens(self) -> float:
+        return 1.0 + sum(self.rates)
+
+    def choose(self, batch: int) -> int:
+        bucket = next((b for b in sorted(self.costs) if b >= batch), None)
+        if not self.k or bucket is None:
+            return self.k
+        c = self.costs[bucket]
+        return self.k if self.expected_tokens() * c.decode > c.verify + c.draft else 0
 
 
 STREAM_FORCED = 7

@@ -122,3 +122,22 @@ def test_async_scheduling_equals_sync(ckpt):
         assert a == b, f"draft={draft is not None} forced={forced}"
         assert on.engine.num_continued_steps >= 5 and off.engine.num_continued_steps == 0
         assert on.engine.kv_pool_free() == free0
+
+
+def test_adaptive_draft_length_switches_graphs(ckpt):
+    """Drafting off for a batch and on for a lone sequence (given step costs): graphed steps switch between
+    the 1-token and the verify graphs both ways and emit exactly the synchronous, fixed-k engine's tokens."""
+    from gemma4serve.engine.spec import DraftLength, StepCost
+
+    v, target, assistant = ckpt
+    prompts = [prompt_of(n, seed=n) for n in (5, 12, 19, 26)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 8, 8, 8)]
+    adaptive = gpu_llm(target, assistant, num_draft_tokens=3)
+    fixed = gpu_llm(target, assistant, num_draft_tokens=3, adaptive_draft_length=False, async_scheduling=False)
+    assert adaptive.engine.draft_length.costs  # measured on the graphs at start
+    adaptive.engine.draft_length = DraftLength(3, {1: StepCost(1.0, 1.0, 0.1), 8: StepCost(1.0, 9.0, 1.0)})
+    a = [o.token_ids for o in adaptive.generate(prompts, params)]
+    b = [o.token_ids for o in fixed.generate(prompts, params)]
+    assert a == b
+    st = adaptive.engine.snapshot()
+    assert 0 < st.spec_num_steps < st.seq_steps
