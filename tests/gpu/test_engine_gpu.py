@@ -126,7 +126,7 @@ def test_async_scheduling_equals_sync(ckpt):
 
 def test_adaptive_draft_length_switches_graphs(ckpt):
     """Drafting off for a batch and on for a lone sequence (given step costs): graphed steps switch between
-    the 1-token and the verify graphs both ways and emit exactly the synchronous, fixed-k engine's tokens."""
+    the 1-token and the verify graphs both ways and emit the synchronous, fixed-k engine's tokens."""
     from gemma4serve.engine.spec import DraftLength, StepCost
 
     v, target, assistant = ckpt
@@ -136,8 +136,11 @@ def test_adaptive_draft_length_switches_graphs(ckpt):
     fixed = gpu_llm(target, assistant, num_draft_tokens=3, adaptive_draft_length=False, async_scheduling=False)
     assert adaptive.engine.draft_length.costs  # measured on the graphs at start
     adaptive.engine.draft_length = DraftLength(3, {1: StepCost(1.0, 1.0, 0.1), 8: StepCost(1.0, 9.0, 1.0)})
+    judge = load_hf_target(target, dtype=torch.float32, device="cuda")
+    noisy = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
     a = [o.token_ids for o in adaptive.generate(prompts, params)]
     b = [o.token_ids for o in fixed.generate(prompts, params)]
-    assert a == b
+    for p, x, y in zip(prompts, a, b):  # 1-token and verify rows may round differently in bf16
+        assert_same_or_near_tie(x, y, p, judge, noisy)
     st = adaptive.engine.snapshot()
     assert 0 < st.spec_num_steps < st.seq_steps
