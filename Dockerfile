@@ -7,8 +7,8 @@
 # The server listens on 0.0.0.0:8000 inside the container (the CLI's default host and port); the HEALTHCHECK
 # polls that port, so publish a different host port with -p rather than changing --port.
 #
-# The devel image, not the runtime one: Triton and FlashInfer compile kernels on first use, which needs nvcc,
-# a C compiler and Python's headers.
+# The devel image, not the runtime one: Triton compiles kernels on first use, which needs a C compiler and
+# Python's headers (and ptxas, which the devel image carries).
 FROM nvidia/cuda:12.8.1-devel-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -28,7 +28,7 @@ COPY pyproject.toml README.md ./
 COPY gemma4serve ./gemma4serve
 COPY kernels ./kernels
 # The README's GPU install command, unchanged (tests/test_dockerfile.py keeps the two equal).
-RUN pip install ".[flashinfer]"
+RUN pip install "."
 
 # Run as an unprivileged user with a numeric id (Kubernetes' runAsNonRoot can verify it). Model weights go to
 # the volume, so that a restarted container does not download them again.

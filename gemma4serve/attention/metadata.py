@@ -1,6 +1,6 @@
 """What every attention backend sees: one packed batch of query tokens over the paged KV pools.
 
-Layout (shared by the torch, Triton and FlashInfer backends):
+Layout (shared by the torch and Triton backends):
 - KV of one layer type lives in `KVCache.k[kind]` / `.v[kind]`, each
   [num_producer_layers_of_kind, num_pages, page_size, num_kv_heads, head_dim]. Physical page 0 of every pool
   is a never-allocated null page: page-table entries that no longer map anything point there.
