@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -46,7 +47,7 @@ def main() -> None:
         with httpx.Client(base_url=base, timeout=120) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]
             # Token ids: checkpoints made of configs/ alone (dummy weights) have no tokenizer or chat template.
-            body = {"model": model, "prompt": list(range(1000, 1100)), "max_tokens": 64, "temperature": 0,
+            body = {"model": model, "prompt": list(range(100, 200)), "max_tokens": 64, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             for i in range(a.requests):
                 t = time.time()
@@ -61,9 +62,30 @@ def main() -> None:
                             chunks += 1
                             usage = d.get("usage") or usage
                 print(f"request {i}: {chunks} chunks, usage {usage}, {time.time() - t:.3f}s")
+            # A concurrent burst; every third client hangs up 0.3 s in (an abort while the engine already has
+            # that request's next step queued on the GPU). Dummy checkpoints have no tokenizer, so their text
+            # deltas are empty and a stream carries only its final chunks: hang up on time, not on chunks.
+            def stream(i: int) -> str:
+                timeout = httpx.Timeout(120, read=0.3) if i % 3 == 0 else 120
+                with httpx.Client(base_url=base, timeout=timeout) as ci:
+                    t0, n = time.time(), 0
+                    try:
+                        with ci.stream("POST", "/v1/completions", json={**body, "max_tokens": 48 + 8 * i}) as r:
+                            for line in r.iter_lines():
+                                n += line.startswith("data: ")
+                                if i % 3 == 0 and time.time() - t0 > 0.3:
+                                    return f"client {i}: hung up after {n} chunks"
+                            return f"client {i}: {n} chunks, HTTP {r.status_code}"
+                    except httpx.ReadTimeout:
+                        return f"client {i}: hung up after {n} chunks"
+
+            with ThreadPoolExecutor(12) as pool:
+                for line in pool.map(stream, range(12)):
+                    print(line)
+            time.sleep(1.0)  # let the engine see the disconnects
             metrics = c.get("/metrics").text
             for line in metrics.splitlines():
-                if line.startswith(("gemma4serve:spec_decode_num_draft_tokens_total", "gemma4serve:kv_cache_free",
+                if line.startswith(("gemma4serve:spec_decode_num_draft_tokens_total", "gemma4serve:kv_cache_",
                                     "gemma4serve:request_success_total", "gemma4serve:num_requests_running")):
                     print(line)
     finally:
