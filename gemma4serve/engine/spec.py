@@ -38,9 +38,10 @@ class DraftLoop:
             max_q_len=1,
         )
         ctx = ForwardContext(meta, s.kv, s.attn)
+        rope = s.draft.rotary.cos_sin(P, hidden.dtype)  # P is fixed for the whole loop
         drafts = []
         for _ in range(k):
-            logits, hidden = s.draft.step(s.target.embed(token), hidden, P, ctx)
+            logits, hidden = s.draft.step(s.target.embed(token), hidden, rope, ctx)
             token = logits.argmax(-1)  # first maximum: the lowest id wins ties
             drafts.append(token)
         return torch.stack(drafts, dim=1)

@@ -70,10 +70,11 @@ class Gemma4Assistant(nn.Module):
         """Visible sliding rows: the last W_a + 1 committed ones (HF's inclusive bidirectional window)."""
         return self.cfg.text.sliding_window + 1
 
-    def step(self, tok_embed: torch.Tensor, hprev: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
-        """One draft step for B sequences -> (logits [B, V], next hidden [B, Hb])."""
+    def step(self, tok_embed: torch.Tensor, hprev: torch.Tensor, rope: dict, ctx: ForwardContext):
+        """One draft step for B sequences -> (logits [B, V], next hidden [B, Hb]). `rope`: the per-kind
+        (cos, sin) of the sequences' position P, `self.rotary.cos_sin(P, dtype)`, the same for every step."""
         u = self.pre_projection(torch.cat([tok_embed, hprev], dim=-1))
-        h = run_layers(self.model.layers, u, self.rotary.cos_sin(positions, u.dtype), ctx, self.model.norm)
+        h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
         lm_head = self.model.embed_tokens.weight
         logits = self.masked_embedding(h, lm_head) if self.masked_embedding is not None else h @ lm_head.t()
         return logits, self.post_projection(h)
