@@ -595,6 +595,11 @@ def test_draft_length_policy():
     for _ in range(400):
         dl.observe(4, 0)
     assert dl.choose(1) == 0  # nothing accepted: 1 x 10 < 13
+    probes = [dl.choose(1) for _ in range(2 * dl.probe_every)]
+    assert probes.count(4) == 2  # but it drafts now and then, to see whether acceptance came back
+    for _ in range(400):
+        dl.observe(4, 4)
+    assert dl.choose(8) == 4
     assert DraftLength(4).choose(64) == 4 and DraftLength(0, costs).choose(1) == 0  # no costs: k stays fixed
 
 

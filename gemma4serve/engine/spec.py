@@ -63,14 +63,19 @@ class DraftLength:
     Drafting pays when a verify + draft step costs less than the decode steps it replaces: the expected tokens
     per verify step (1 + the sum of the per-position acceptance rates) times the decode step's cost. The rates
     are moving averages over the sequences' recent verify steps; they start at 1, so drafting is tried (and
-    measured) first. Costs are the captured graphs' own replay times, so without CUDA graphs k stays fixed.
+    measured) first, and while drafting is off every `probe_every`-th step drafts anyway, so that rates learnt
+    on hard text recover when the text gets easier. Costs are the captured graphs' own replay times, so without
+    CUDA graphs k stays fixed.
     """
 
-    def __init__(self, k: int, costs: dict[int, StepCost] | None = None, decay: float = 0.02):
+    def __init__(self, k: int, costs: dict[int, StepCost] | None = None, decay: float = 0.02,
+                 probe_every: int = 64):
         self.k = k
         self.costs = costs or {}
         self.decay = decay
+        self.probe_every = probe_every
         self.rates = [1.0] * k
+        self._off = 0  # steps since drafting last paid
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One sequence's verify step: `accepted` of its `drafted` drafts were accepted."""
@@ -85,7 +90,11 @@ class DraftLength:
         if not self.k or bucket is None:
             return self.k
         c = self.costs[bucket]
-        return self.k if self.expected_tokens() * c.decode > c.verify + c.draft else 0
+        if self.expected_tokens() * c.decode > c.verify + c.draft:
+            self._off = 0
+            return self.k
+        self._off += 1
+        return self.k if self._off % self.probe_every == 0 else 0
 
 
 STREAM_FORCED = 7
