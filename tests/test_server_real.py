@@ -159,6 +159,7 @@ def test_spec_decode_metrics_move(server, client):
         return metric(after, "gemma4serve:" + name) - metric(before, "gemma4serve:" + name)
 
     assert delta("spec_decode_num_drafts_total") > 0  # the drafter is on
+    assert metric(after, "gemma4serve:spec_decode_draft_length") == 3  # no step costs on CPU: k stays fixed
     assert delta("spec_decode_num_draft_tokens_total") > 0
     assert delta("generation_tokens_total") >= 20
     assert delta("e2e_request_latency_seconds_count") == 1

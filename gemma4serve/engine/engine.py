@@ -193,7 +193,7 @@ class LLMEngine:
             m = self.requests[ch.seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        draft_len = self.draft_length.choose(sum(ch.samples for ch in chunks))
+        draft_len = self.stats.draft_length = self.draft_length.choose(sum(ch.samples for ch in chunks))
         if not draft_len:
             for ch in chunks:
                 ch.drafts = []

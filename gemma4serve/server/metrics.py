@@ -92,6 +92,11 @@ class EngineStatsCollector(Collector):
             per_pos.add_metric([self._model, str(position)], count)
         yield per_pos
         yield gauge(
+            "spec_decode_draft_length",
+            "Drafts per sequence in the latest step (0: drafting is off at this load or there is no drafter).",
+            s.draft_length,
+        )
+        yield gauge(
             "spec_decode_mean_accepted_length",
             "Tokens emitted per verify step, bonus token included (0 before any step).",
             s.spec_mean_accepted_length,
