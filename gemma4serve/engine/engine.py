@@ -211,7 +211,8 @@ class LLMEngine:
         would pick exactly that and its KV fits; None otherwise."""
         seqs, sch = prev.seqs, self.scheduler
         q_prev, q_next = prev.tokens.shape[1], prev.draft_len + 1
-        if sch.running != seqs or sch.would_admit(sch.max_num_batched_tokens - len(seqs) * q_next):
+        budget = sch.max_num_batched_tokens - len(seqs) * q_next
+        if sch.running != seqs or budget < 0 or sch.would_admit(budget):
             return None
         if any(s.status is not Status.RUNNING for s in seqs) or self.draft_length.choose(len(seqs)) != prev.draft_len:
             return None
