@@ -7,23 +7,14 @@ import math
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from gemma4serve.config import FULL, SLIDING, AssistantConfig, TextConfig, load_config
 from gemma4serve.tiny import VARIANTS, ensure_demo_model, write_tiny_assistant, write_tiny_checkpoint
-from gemma4serve.weights.loader import checkpoint_files
+from tests.test_loader import file_tensors
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration  # noqa: E402
 from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM  # noqa: E402
-
-
-def read_all(ckpt) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in checkpoint_files(ckpt):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def assert_strict_hf_load(cls, ckpt, *, ignored=()):
@@ -32,7 +23,7 @@ def assert_strict_hf_load(cls, ckpt, *, ignored=()):
     assert not problems, f"{cls.__name__} did not load {ckpt} strictly: {problems}"
     # The values are ours, not HF's re-initialization (which would set norms and layer_scalar to 1).
     hf_state = model.state_dict()
-    for name, t in read_all(ckpt).items():
+    for name, t in file_tensors(ckpt).items():
         if name in ignored:
             continue
         assert torch.equal(hf_state[name], t), name
@@ -44,7 +35,7 @@ def dead_kv_names(ckpt) -> set[str]:
     cfg = load_config(ckpt)
     shared = [l.index for l in cfg.layers if l.kv_shared]
     return {
-        n for n in read_all(ckpt)
+        n for n in file_tensors(ckpt)
         if any(f".layers.{i}.self_attn.{w}" in n for i in shared for w in ("k_proj", "k_norm", "v_proj"))
     }  # fmt: skip
 
@@ -77,7 +68,7 @@ def test_hf_loads_assistant_strictly(tiny_checkpoints, variant):
     assert cfg.use_ordered_embeddings == (variant == "ple")
     assert cfg.text.layer_types == (SLIDING, SLIDING, SLIDING, FULL)
     if cfg.use_ordered_embeddings:
-        order = read_all(ckpt)["masked_embedding.token_ordering"]
+        order = file_tensors(ckpt)["masked_embedding.token_ordering"]
         assert order.dtype == torch.int64
         assert torch.equal(order.sort().values, torch.arange(cfg.text.vocab_size))
         assert cfg.text.vocab_size % cfg.num_centroids == 0
@@ -89,7 +80,7 @@ def test_hf_loads_sharded_checkpoint(tiny_checkpoints):
     assert len(set(index["weight_map"].values())) == 3
     assert not (ckpt / "model.safetensors").exists()
     assert_strict_hf_load(Gemma4ForConditionalGeneration, ckpt)
-    assert read_all(ckpt).keys() == read_all(tiny_checkpoints.get("moe", True)).keys()
+    assert file_tensors(ckpt).keys() == file_tensors(tiny_checkpoints.get("moe", True)).keys()
 
 
 def test_variant_shapes_and_configs(tiny_checkpoints):
@@ -115,7 +106,7 @@ def test_variant_shapes_and_configs(tiny_checkpoints):
 
 
 def test_weights_are_randomized(tiny_checkpoints):
-    tensors = read_all(tiny_checkpoints.get("moe", False))
+    tensors = file_tensors(tiny_checkpoints.get("moe", False))
     for suffix in ("norm.weight", "layer_scalar", "router.scale", "router.per_expert_scale"):
         picked = [t.float().flatten() for n, t in tensors.items() if n.endswith(suffix)]
         assert picked, suffix
@@ -133,7 +124,7 @@ def test_deterministic_from_seed(tmp_path, tiny_checkpoints):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
     # Release and text-only formats of a variant hold the same values.
-    release, text = read_all(a), read_all(tiny_checkpoints.get("ple", False))
+    release, text = file_tensors(a), file_tensors(tiny_checkpoints.get("ple", False))
     for name, t in text.items():
         assert torch.equal(release[name.replace("model.", "model.language_model.", 1)], t), name
     d = write_tiny_assistant(tmp_path / "d", "ple", seed=0)
@@ -149,7 +140,7 @@ def test_checkpoint_files(tiny_checkpoints):
     assert cfg["model_type"] == "gemma4" and cfg["architectures"] == ["Gemma4ForConditionalGeneration"]
     text = json.loads((tiny_checkpoints.get("dense", False) / "config.json").read_text())
     assert text["model_type"] == "gemma4_text" and text["architectures"] == ["Gemma4ForCausalLM"]
-    assert not any("lm_head" in n for n in read_all(ckpt))  # tied
+    assert not any("lm_head" in n for n in file_tensors(ckpt))  # tied
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (ckpt / f).exists()
 
