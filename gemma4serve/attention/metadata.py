@@ -47,6 +47,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`, queued without waiting when `src` is on the host (see `to_device`)."""
+    if src.device.type == "cpu" and dst.device.type == "cuda":
+        src = src.pin_memory()
+    dst.copy_(src, non_blocking=True)
+
+
 def page_tables(pages: list) -> dict:
     """Host-side page tables of a step's sequences (one row each, zero = null page), per pool kind."""
     out = {}

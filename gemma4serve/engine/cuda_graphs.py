@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from gemma4serve.attention.metadata import causal_metadata, to_device
+from gemma4serve.attention.metadata import causal_metadata, copy_into
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.spec import DraftLoop, StepCost
 from gemma4serve.model.gemma4 import ForwardContext
@@ -144,13 +144,13 @@ class CudaGraphs:
         n = T // Q
         B = self.bucket(n)
         dev = self.s.device
-        self.ids[:T].copy_(to_device(ids, dev))
-        self.pos[:T].copy_(to_device(pos, dev))
+        copy_into(self.ids[:T], ids)
+        copy_into(self.pos[:T], pos)
         self.pos[T : B * Q].zero_()
         torch.div(torch.arange(T, device=dev, dtype=torch.int32), Q, rounding_mode="floor", out=self.token_seq[:T])
         self.token_seq[T : B * Q].fill_(self.dummy_row)
         for kind, host in tables.items():
-            self.tables[kind][:n, : host.shape[1]].copy_(to_device(host, dev))
+            copy_into(self.tables[kind][:n, : host.shape[1]], host)
         graph, hidden, logits = self.target_graphs[(B, Q)]
         graph.replay()
         return hidden[:T], logits[:T]
