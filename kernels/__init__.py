@@ -4,6 +4,8 @@ All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
 """
 
 from .activation import gelu_tanh_mul
+from .gemv import MAX_ROWS as GEMV_MAX_ROWS
+from .gemv import gemv
 from .kv_write import kv_write
 from .moe import moe_align, moe_experts, moe_route
 from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_residual_add_scale, rmsnorm_rope
@@ -12,7 +14,9 @@ from .qkv_epilogue import qkv_epilogue
 
 __all__ = [
     "attention_config",
+    "GEMV_MAX_ROWS",
     "gelu_tanh_mul",
+    "gemv",
     "kv_write",
     "moe_align",
     "moe_experts",

@@ -8,6 +8,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Under TRITON_INTERPRET=1 (the CPU test path) bf16 arithmetic and bf16 tl.dot operate on raw bit patterns, and
 # fp32 -> bf16 casts truncate. Kernels therefore do all math in fp32 after loading, feed fp32 operands to tl.dot
@@ -56,3 +57,31 @@ def sm_count(device: torch.device) -> int:
 def row_warps(block: int) -> int:
     """Warps for a kernel that holds one `block`-wide row tile."""
     return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+PDL_ENABLED = os.environ.get("GEMMA4SERVE_DISABLE_PDL") != "1"  # benchmarks flip it to compare
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Launch arguments for programmatic dependent launch (Hopper and newer): the kernel may start while the
+    previous one drains and waits in `wait_for_producer` before touching anything that one wrote. The kernel
+    takes them as its `PDL` constexpr. GEMMA4SERVE_DISABLE_PDL=1 turns it off (for comparisons)."""
+    if INTERPRET or device.type != "cuda" or not PDL_ENABLED:
+        return {"PDL": False}
+    on = _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def wait_for_producer(PDL: tl.constexpr):
+    """Under PDL: wait until the previous kernel has finished and its writes are visible, then let the next
+    kernel launch (its programs only get SM slots as this kernel's programs retire). Everything a kernel does
+    before this call may only read what no earlier kernel of the step writes (weights)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

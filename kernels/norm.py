@@ -10,12 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, round_to, row_warps
+from ._common import next_pow2, pdl_args, round_to, row_warps, wait_for_producer
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, n, inner, stride_x0, stride_x1, stride_o, eps,
-                     HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     # Row r of the output is x[r // inner, r % inner, :]: per-head views of a fused projection output
     # ([T, heads, hd] with a wide token stride) are normed in place of a copy.
     row = tl.program_id(0).to(tl.int64)
@@ -32,7 +33,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, n, inner, stride_x0, stride_x1, stride
 
 @triton.jit
 def _residual_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, w2_ptr, o_ptr, o2_ptr, n, stride_x, stride_h, stride_o,
-                          stride_o2, eps, HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+                          stride_o2, eps, HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+    wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -54,7 +57,8 @@ def _residual_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, w2_ptr, o_ptr, o2_ptr, n, 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, o_ptr, num_heads,
                       stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st, eps,
-                      HAS_W: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+                      HAS_W: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HEAD_DIM)
@@ -97,7 +101,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         block = next_pow2(n)
         _rms_norm_kernel[(outer * inner,)](
             x3, weight if weight is not None else x3, out, n, inner, x3.stride(0), x3.stride(1), n, eps,
-            HAS_W=weight is not None, BLOCK=block, num_warps=row_warps(block))
+            HAS_W=weight is not None, BLOCK=block, num_warps=row_warps(block), **pdl_args(x.device))
     return out
 
 
@@ -117,7 +121,7 @@ def rmsnorm_residual_add(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
             next_weight if next_weight is not None else weight, out, out2, n,
             x2.stride(0), h2.stride(0), out.stride(0), out2.stride(0), eps,
             HAS_SCALAR=layer_scalar is not None, HAS_NEXT=next_weight is not None,
-            BLOCK=block, num_warps=row_warps(block))
+            BLOCK=block, num_warps=row_warps(block), **pdl_args(x.device))
     if next_weight is None:
         return out.view(x.shape)
     return out.view(x.shape), out2.view(x.shape)
@@ -140,5 +144,5 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor
         _norm_rope_kernel[(T, triton.cdiv(heads, block_h))](
             x, weight if weight is not None else x, cos, sin, out, heads,
             x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0), eps,
-            HAS_W=weight is not None, HEAD_DIM=hd, BLOCK_H=block_h, num_warps=row_warps(block_h * hd))
+            HAS_W=weight is not None, HEAD_DIM=hd, BLOCK_H=block_h, num_warps=row_warps(block_h * hd), **pdl_args(x.device))
     return out

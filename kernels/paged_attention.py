@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, dot_in_fp32, next_pow2, round_to, sm_count
+from ._common import INTERPRET, dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
 
@@ -38,8 +38,9 @@ def _attn_kernel(
     stride_table,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, MIN_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     g = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
@@ -124,8 +125,9 @@ def _attn_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     part_o_ptr, part_lse_ptr, o_ptr, num_q_heads, num_splits, stride_ot, stride_oh,
-    SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
@@ -224,12 +226,12 @@ def paged_attention(
         BLOCK_T=cfg["block_t"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
         SPLIT=num_splits > 1, MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
         DOT_FP32=dot_in_fp32(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q.device),
     )
     if num_splits > 1:
         _merge_kernel[(T, nh)](
             part_o, part_lse, out, nh, num_splits, out.stride(0), out.stride(1),
             SPLITS_P=8 if num_splits <= 8 else next_pow2(num_splits), HEAD_DIM=hd,
-            num_warps=4 if hd <= 256 else 8,
+            num_warps=4 if hd <= 256 else 8, **pdl_args(q.device),
         )
     return out

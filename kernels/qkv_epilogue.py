@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import round_to
+from ._common import pdl_args, round_to, wait_for_producer
 
 
 @triton.jit
@@ -37,7 +37,9 @@ def _norm_rope_row(row_ptr, w_ptr, c, s, eps, HEAD_DIM: tl.constexpr, DT: tl.con
 @triton.jit
 def _qkv_epilogue_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
                          stride_xt, stride_ct, stride_st, stride_qt, stride_cslot, eps,
-                         NH: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, K_EQ_V: tl.constexpr):
+                         NH: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, K_EQ_V: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -75,5 +77,5 @@ def qkv_epilogue(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
             qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slots,
             qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), num_kv_heads * hd, eps,
-            NH=num_heads, NKV=num_kv_heads, HEAD_DIM=hd, K_EQ_V=k_eq_v, num_warps=4 if hd <= 256 else 8)
+            NH=num_heads, NKV=num_kv_heads, HEAD_DIM=hd, K_EQ_V=k_eq_v, num_warps=4 if hd <= 256 else 8, **pdl_args(qkv.device))
     return q

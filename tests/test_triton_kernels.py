@@ -33,6 +33,7 @@ from gemma4serve.model.layers import (  # noqa: E402
 )
 from gemma4serve_kernels import (  # noqa: E402
     gelu_tanh_mul,
+    gemv,
     kv_write,
     moe_align,
     moe_experts,
@@ -311,6 +312,24 @@ def test_gelu_tanh_mul(dtype):
     g = torch.Generator().manual_seed(4)
     gu = (torch.randn(7, 2 * 24, generator=g) * 3).to(dtype).to(DEV)
     _assert_rounding_close(gelu_tanh_mul(gu), on_cpu(_gelu_mul_ref, gu))
+
+
+# ---------------------------------------------------------------------------------------------- skinny GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_gemv_matches_linear(dtype, M):
+    """Ragged N and K (not multiples of the tiles) and a strided input view (a slice of a wider row)."""
+    g = torch.Generator().manual_seed(6)
+    N, K = 70, 300
+    wide = torch.randn(M, K + 40, generator=g).to(dtype).to(DEV)
+    x = wide[:, 8 : 8 + K]
+    w = torch.randn(N, K, generator=g).to(dtype).to(DEV)
+    ref = x.double() @ w.double().T
+    for cfg in ((16, 64, 4, 2), (32, 128, 4, 3)):
+        y = gemv(x, w, config=cfg)
+        assert y.dtype == dtype and y.shape == (M, N)
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < (1e-6 if dtype == torch.float32 else 1e-2), (cfg, err)
 
 
 # ---------------------------------------------------------------------------------------------- MoE

@@ -73,11 +73,14 @@ class Gemma4Assistant(nn.Module):
     def step(self, tok_embed: torch.Tensor, hprev: torch.Tensor, rope: dict, ctx: ForwardContext):
         """One draft step for B sequences -> (logits [B, V], next hidden [B, Hb]). `rope`: the per-kind
         (cos, sin) of the sequences' position P, `self.rotary.cos_sin(P, dtype)`, the same for every step."""
-        u = self.pre_projection(torch.cat([tok_embed, hprev], dim=-1))
+        u = fused.linear(torch.cat([tok_embed, hprev], dim=-1), self.pre_projection.weight)
         h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
         lm_head = self.model.embed_tokens.weight
-        logits = self.masked_embedding(h, lm_head) if self.masked_embedding is not None else h @ lm_head.t()
-        return logits, self.post_projection(h)
+        if self.masked_embedding is not None:
+            logits = self.masked_embedding(h, lm_head)
+        else:
+            logits = fused.linear(h, lm_head)
+        return logits, fused.linear(h, self.post_projection.weight)
 
     def checkpoint_param_name(self, name: str) -> str | None:
         return None if name == "lm_head.weight" else name

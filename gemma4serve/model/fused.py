@@ -10,6 +10,7 @@ import os
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 
 @cache
@@ -26,6 +27,19 @@ def kernels():
 def on(x: torch.Tensor):
     """The kernel module if x lives where the kernels run, else None."""
     return kernels() if x.is_cuda else None
+
+
+# Rows up to which `linear` uses the GEMV kernel (at most its tile, 16); 0 = always cuBLAS, for comparisons.
+GEMV_MAX_ROWS = int(os.environ.get("GEMMA4SERVE_GEMV_MAX_ROWS", "16"))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T without bias. Few-row inputs on CUDA (decode, verify, the draft loop) go to the streaming
+    GEMV, which reads the weights closer to the copy bandwidth than cuBLAS at those shapes; the rest to cuBLAS."""
+    if ((k := on(x)) is not None and x.dim() == 2 and x.shape[0] <= min(GEMV_MAX_ROWS, k.GEMV_MAX_ROWS)
+            and x.stride(1) == 1):
+        return k.gemv(x, weight)
+    return F.linear(x, weight)
 
 
 def concat_weights(*linears) -> torch.Tensor:

@@ -10,13 +10,13 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gemma4serve.attention.metadata import AttentionMetadata
 from gemma4serve.config import LayerSpec, TextConfig
 from gemma4serve.kv.cache import KVCache
 from gemma4serve.model import fused
+from gemma4serve.model.fused import linear
 from gemma4serve.model.layers import MLP, Experts, RMSNorm, Router, gelu_tanh, norm_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 
@@ -53,20 +53,20 @@ class Attention(nn.Module):
         if self.qkv is not None and (kern := fused.on(h)) is not None:
             # One GEMM, then q/k norms + RoPE, v_norm and the KV write in one launch.
             q = kern.qkv_epilogue(
-                F.linear(h, self.qkv), self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps, k_cache, v_cache,
+                linear(h, self.qkv), self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps, k_cache, v_cache,
                 ctx.meta.write_slot[kind], self.q_proj.weight.shape[0] // hd, self.spec.num_kv_heads, self.spec.k_eq_v,
             )
-            return self.o_proj(ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind).reshape(T, -1))
-        q = norm_rope(self.q_proj(h).view(T, -1, hd), self.q_norm.weight, self.eps, cos, sin)
-        if not self.spec.kv_shared:
-            raw_k = self.k_proj(h).view(T, -1, hd)
-            raw_v = raw_k if self.v_proj is None else self.v_proj(h).view(T, -1, hd)
-            k = norm_rope(raw_k, self.k_norm.weight, self.eps, cos, sin)
-            # v_norm: no learned scale, no rotation (k_eq_v: V is the normed raw k_proj output)
-            v = rms_norm(raw_v, None, self.eps)
-            ctx.attn.write(k_cache, v_cache, k, v, ctx.meta.write_slot[kind])
+        else:
+            q = norm_rope(linear(h, self.q_proj.weight).view(T, -1, hd), self.q_norm.weight, self.eps, cos, sin)
+            if not self.spec.kv_shared:
+                raw_k = linear(h, self.k_proj.weight).view(T, -1, hd)
+                raw_v = raw_k if self.v_proj is None else linear(h, self.v_proj.weight).view(T, -1, hd)
+                k = norm_rope(raw_k, self.k_norm.weight, self.eps, cos, sin)
+                # v_norm: no learned scale, no rotation (k_eq_v: V is the normed raw k_proj output)
+                v = rms_norm(raw_v, None, self.eps)
+                ctx.attn.write(k_cache, v_cache, k, v, ctx.meta.write_slot[kind])
         out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
-        return self.o_proj(out.reshape(T, -1))
+        return linear(out.reshape(T, -1), self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -200,7 +200,7 @@ class Gemma4Model(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the cap)."""
-        logits = hidden @ self.embed_tokens.weight.t()
+        logits = linear(hidden, self.embed_tokens.weight)
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -48,7 +48,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and (k := fused.on(x)) is not None:
-            return self.down_proj(k.gelu_tanh_mul(F.linear(x, self.gate_up)))
+            return fused.linear(k.gelu_tanh_mul(fused.linear(x, self.gate_up)), self.down_proj.weight)
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
