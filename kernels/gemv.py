@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_in_fp32, pdl_args, wait_for_producer
+from ._common import dot_in_fp32, next_pow2, pdl_args, sm_count, wait_for_producer
 
 MAX_ROWS = 16  # the dot's row tile; larger M goes to cuBLAS
 
@@ -26,43 +26,109 @@ def _dot(x, w, DT: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, DOT_FP32: tl.constexpr):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+def _in_split(row_ok, k0, kk, k_hi, EVEN_K: tl.constexpr):
+    """Load mask of the K tile at k0: its rows, and its columns inside the split unless K is a multiple of the
+    tile (then every tile is whole and the mask stays uniform along K, which keeps the loads vectorised)."""
+    if EVEN_K:
+        return tl.broadcast_to(row_ok, [row_ok.shape[0], kk.shape[0]])
+    return row_ok & (k0 + kk < k_hi)[None, :]
+
+
+@triton.jit(do_not_specialize=["k_per_split"])
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                 PDL: tl.constexpr, DOT_FP32: tl.constexpr):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
     n_ok = (n < N)[:, None]
     m_ok = (m < M)[:, None]
     DT: tl.constexpr = y_ptr.dtype.element_ty
+    # k_per_split is a multiple of BK; the hint keeps the loads 16 bytes wide (the split offset is not
+    # specialised, so the compiler cannot prove its alignment itself).
+    k_lo = tl.multiple_of(split * k_per_split, BK)
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
     x_ptrs = x_ptr + m[:, None] * stride_xm + kk[None, :]
     # Weights never depend on the previous kernel: start reading them before waiting for it.
-    w = tl.load(w_ptrs, mask=n_ok & (kk < K)[None, :], other=0.0, eviction_policy="evict_first")
+    w = tl.load(w_ptrs + k_lo, mask=_in_split(n_ok, k_lo, kk, k_hi, EVEN_K), other=0.0, eviction_policy="evict_first")
     wait_for_producer(PDL)
-    x = tl.load(x_ptrs, mask=m_ok & (kk < K)[None, :], other=0.0)
+    x = tl.load(x_ptrs + k_lo, mask=_in_split(m_ok, k_lo, kk, k_hi, EVEN_K), other=0.0)
     acc = _dot(x, w, DT, DOT_FP32)
-    for k0 in range(BK, K, BK):
-        k_ok = (k0 + kk < K)[None, :]
-        w = tl.load(w_ptrs + k0, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs + k0, mask=m_ok & k_ok, other=0.0)
+    for k0 in range(k_lo + BK, k_hi, BK):
+        k0 = tl.multiple_of(k0, BK)
+        w = tl.load(w_ptrs + k0, mask=_in_split(n_ok, k0, kk, k_hi, EVEN_K), other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, k_hi, EVEN_K), other=0.0)
         acc += _dot(x, w, DT, DOT_FP32)
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(DT), mask=m_ok & (n < N)[None, :])
+    out = y_ptr + m[:, None] * stride_ym + n[None, :]
+    out_ok = m_ok & (n < N)[None, :]
+    if SPLIT == 1:
+        tl.store(out, acc.to(DT), mask=out_ok)
+    else:
+        # Split-K: each split leaves its fp32 partial [BM, BN]; the split that finishes last for this tile sums
+        # them in split order (deterministic) and writes the output, so no second kernel is needed.
+        part = part_ptr + (split * BM + m[:, None]) * N + n[None, :]
+        tl.store(part, acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partial is issued before the release below
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros([BM, BN], tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(part_ptr + (s * BM + m[:, None]) * N + n[None, :], mask=out_ok, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out, total.to(DT), mask=out_ok)
+            tl.store(count_ptr + tile, 0)  # re-armed for the next launch (and graph replay)
 
 
-def gemv_config(n: int) -> tuple:
-    """(BN, BK, num_warps, num_stages): wide tiles for wide outputs, narrower ones where N alone would leave
-    the GPU under-filled (bench/bench_gemv.py's sweep on an H200)."""
-    return (64, 256, 4, 3) if n >= 16384 else (32, 256, 4, 4)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of the split-K tiles, zero between launches (the last split of a tile resets its own).
+    One buffer serves every launch on the device: kernels of a stream use it one after another."""
+    if device not in _counters:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        assert not capturing, "run gemv once before capturing a CUDA graph"
+        _counters[device] = torch.zeros(1024, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def splits_for(tiles: int, K: int, device: torch.device) -> int:
+    """K splits that give each SM about two programs when `tiles` column tiles alone would not fill the GPU,
+    each split at least two 256-wide K tiles long."""
+    sms = sm_count(device)
+    return 1 if tiles >= sms else max(1, min(next_pow2(triton.cdiv(2 * sms, tiles)), K // 512))
+
+
+def gemv_config(N: int, K: int, device: torch.device) -> tuple:
+    """(BN, BK, num_warps, num_stages, splits) by output width, from bench/bench_gemv.py's sweep on an H200:
+    wide outputs (qkv, gate_up, LM heads) stream 64-column tiles; outputs that fill the GPU with 32-column tiles
+    (o_proj, down of the 31B) use those; narrower ones (the drafter's 1024-wide projections) also split K (a
+    16-tile output would otherwise stream through 16 SMs)."""
+    if N >= 16384:
+        return 64, 256, 4, 3, 1
+    tiles = triton.cdiv(N, 32)
+    return 32, 256, 4, 4 if tiles >= sm_count(device) else 3, splits_for(tiles, K, device)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS."""
+    """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS; `config` overrides gemv_config (benchmarks, tests)."""
     M, K = x.shape
     N = w.shape[0]
     assert M <= MAX_ROWS and w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = config or gemv_config(N)
-    _gemv_kernel[(triton.cdiv(N, bn),)](
-        x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BM=MAX_ROWS, BN=bn, BK=bk,
-        DOT_FP32=dot_in_fp32(x.dtype), num_warps=warps, num_stages=stages, **pdl_args(x.device))
+    bn, bk, warps, stages, split = config or gemv_config(N, K, x.device)
+    tiles = triton.cdiv(N, bn)
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_per_split)  # no empty split (its first tile would be read unmasked)
+    if split > 1:
+        assert tiles <= len(_tile_counters(x.device))
+        part, counters = torch.empty(split, MAX_ROWS, N, dtype=torch.float32, device=x.device), _tile_counters(x.device)
+    else:
+        part = counters = y  # never touched
+    _gemv_kernel[(tiles, split)](
+        x, w, y, part, counters, M, N, K, k_per_split, x.stride(0), w.stride(0), y.stride(0),
+        BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype), num_warps=warps,
+        num_stages=stages, **pdl_args(x.device))
     return y

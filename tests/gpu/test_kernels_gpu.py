@@ -223,9 +223,9 @@ def test_gelu_tanh_mul_real_shape():
 
 # ---------------------------------------------------------------------------------------------- skinny GEMM
 @pytest.mark.parametrize("M", [1, 5, 16])
-@pytest.mark.parametrize("N,K", [(16384, 5376), (5376, 8192), (43008, 5376), (5376, 21504), (262144, 1024)])
+@pytest.mark.parametrize("N,K", [(16384, 5376), (5376, 8192), (43008, 5376), (5376, 21504), (262144, 1024), (1024, 10752)])
 def test_gemv_real_shapes(M, N, K):
-    """The 31B's projections, its drafter's LM head, at decode / verify / largest-tile row counts."""
+    """The 31B's projections, its drafter's LM head and split-K input projection, at decode / verify / tile rows."""
     g = torch.Generator(DEV).manual_seed(M)
     x = torch.randn(M, K, generator=g, device=DEV).to(BF16)
     w = (torch.randn(N, K, generator=g, device=DEV) * 0.02).to(BF16)
