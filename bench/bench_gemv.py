@@ -16,7 +16,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 import triton
-
 from gemma4serve_kernels import _common
 from gemma4serve_kernels.activation import gelu_tanh_mul
 from gemma4serve_kernels.gemv import gemv, splits_for
@@ -108,7 +107,6 @@ def main() -> None:
         tb = lambda ms: n * k * 2 * len(ws) / ms / 1e9  # noqa: E731
         print(f"| {name} | {M} | {us(t_cublas):.1f} | {tb(t_cublas):.2f} | {us(t_default):.1f} | {tb(t_default):.2f} "
               f"| {us(t):.1f} | {tb(t):.2f} | {cfg} |", flush=True)
-        del ws
 
     def chain(impl: str, x0: torch.Tensor):
         lin = F.linear if impl == "cuBLAS" else gemv

@@ -1,10 +1,10 @@
 """Skinny GEMM y = x @ W^T for the few-row steps (decode, verify, the draft loop), streaming W once.
 
 At M <= 16 a step is a read of the weights, so the kernel is built around that read: a column tile of W per
-program, the first K tile loaded *before* waiting on the previous kernel. Launched with programmatic dependent
-launch (PDL, Hopper), the next GEMM's programs start while the current one drains and have their first weight
-bytes in flight when its output lands, which hides the per-kernel ramp that separates cuBLAS from the copy
-bandwidth at batch 1.
+program (narrow outputs also split K), the first K tile loaded *before* waiting on the previous kernel.
+Launched with programmatic dependent launch (PDL, Hopper), its programs start while the previous kernel
+drains. Alone it ties cuBLAS (bench/bench_gemv.py); in the step it pays because a chain of Triton kernels
+keeps that overlap at every boundary, which a cuBLAS GEMM in between would end (docs/performance.md).
 """
 
 from __future__ import annotations

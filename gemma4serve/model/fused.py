@@ -1,7 +1,8 @@
 """The fused Triton kernels the model uses on CUDA (gemma4serve_kernels), or None where they cannot run.
 
-The torch ops in layers.py are the reference; the kernels keep the same rounding points. Set
-GEMMA4SERVE_DISABLE_FUSED=1 to run the reference ops on CUDA too (for comparisons).
+The torch ops in layers.py are the reference; the kernels keep the same rounding points. For comparisons:
+GEMMA4SERVE_DISABLE_FUSED=1 runs the reference ops on CUDA too, GEMMA4SERVE_GEMV_MAX_ROWS=0 sends every
+projection to cuBLAS, GEMMA4SERVE_DISABLE_PDL=1 launches the kernels without programmatic dependent launch.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ def on(x: torch.Tensor):
     return kernels() if x.is_cuda else None
 
 
-# Rows up to which `linear` uses the GEMV kernel (at most its tile, 16); 0 = always cuBLAS, for comparisons.
+# Rows up to which `linear` uses the GEMV kernel (at most its row tile, 16).
 GEMV_MAX_ROWS = int(os.environ.get("GEMMA4SERVE_GEMV_MAX_ROWS", "16"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T without bias. Few-row inputs on CUDA (decode, verify, the draft loop) go to the streaming
-    GEMV, which reads the weights closer to the copy bandwidth than cuBLAS at those shapes; the rest to cuBLAS."""
+    GEMV, so the step stays a chain of Triton kernels that overlap through PDL; the rest go to cuBLAS."""
     if ((k := on(x)) is not None and x.dim() == 2 and x.shape[0] <= min(GEMV_MAX_ROWS, k.GEMV_MAX_ROWS)
             and x.stride(1) == 1):
         return k.gemv(x, weight)
