@@ -59,21 +59,6 @@ def row_warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for kernels whose last-arriving program finishes a reduction (split-K GEMV,
-    split-KV attention); each such program resets its counter, so they are zero between launches and one
-    buffer serves every launch on the device (the kernels of a stream run one after another)."""
-    if device not in _counters:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        assert not capturing, "run the kernel once before capturing a CUDA graph"
-        _counters[device] = torch.zeros(1024, dtype=torch.int32, device=device)
-    assert n <= _counters[device].numel()
-    return _counters[device]
-
-
 PDL_ENABLED = os.environ.get("GEMMA4SERVE_DISABLE_PDL") != "1"  # benchmarks flip it to compare
 
 

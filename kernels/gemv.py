@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import arrival_counters, dot_in_fp32, next_pow2, pdl_args, sm_count, wait_for_producer
+from ._common import dot_in_fp32, next_pow2, pdl_args, sm_count, wait_for_producer
 
 MAX_ROWS = 16  # the dot's row tile; larger M goes to cuBLAS
 
@@ -81,6 +81,19 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
             tl.store(count_ptr + tile, 0)  # re-armed for the next launch (and graph replay)
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of the split-K tiles, zero between launches (the last split of a tile resets its own).
+    One buffer serves every launch on the device: kernels of a stream use it one after another."""
+    if device not in _counters:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        assert not capturing, "run gemv once before capturing a CUDA graph"
+        _counters[device] = torch.zeros(1024, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
 def splits_for(tiles: int, K: int, device: torch.device) -> int:
     """K splits that give each SM about two programs when `tiles` column tiles alone would not fill the GPU,
     each split at least two 256-wide K tiles long."""
@@ -110,8 +123,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None) -> torch
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)  # no empty split (its first tile would be read unmasked)
     if split > 1:
-        part = torch.empty(split, MAX_ROWS, N, dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, tiles)
+        assert tiles <= len(_tile_counters(x.device))
+        part, counters = torch.empty(split, MAX_ROWS, N, dtype=torch.float32, device=x.device), _tile_counters(x.device)
     else:
         part = counters = y  # never touched
     _gemv_kernel[(tiles, split)](

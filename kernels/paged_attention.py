@@ -9,9 +9,8 @@ Work split. A program owns one KV head of one sequence group (rows cu_seqlens_q[
 block of BLOCK_T consecutive query tokens of that group and all GROUP query heads that share the KV head, so
 every K/V tile is read once for BLOCK_T * GROUP query rows (the rows of the tl.dot). The KV range of the block
 [min start, max end) is split across num_splits programs (flash-decoding) when the grid would otherwise be too
-small to fill the GPU (batch-1 decode of a long context); the split that finishes last merges the partial
-results through their log-sum-exp (an arrival counter per KV head and query block), so it stays one launch.
-The grid depends only on host ints (groups, max_q_len, heads, splits): the loop bounds come
+small to fill the GPU (batch-1 decode of a long context); a second kernel merges the partial results through
+their log-sum-exp. The grid depends only on host ints (groups, max_q_len, heads, splits): the loop bounds come
 from the metadata tensors, so there is no host synchronisation and the launch can be captured in CUDA graphs.
 """
 
@@ -21,16 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    INTERPRET,
-    arrival_counters,
-    dot_in_fp32,
-    next_pow2,
-    pdl_args,
-    round_to,
-    sm_count,
-    wait_for_producer,
-)
+from ._common import INTERPRET, dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
 
@@ -40,7 +30,7 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
 # the split count, and the page-table width of an eager step.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_table"])
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr,
     token_seq_ptr, kv_end_ptr, table_ptr, cu_ptr,
     window, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -119,38 +109,39 @@ def _attn_kernel(
 
     has = l_i > 0.0  # a row with no visible key (never scheduled) yields zeros, not NaN
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    o = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    DT: tl.constexpr = o_ptr.dtype.element_ty
     if not SPLIT:
+        o = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        DT: tl.constexpr = o_ptr.dtype.element_ty
         tl.store(o, round_to(out, DT).to(DT), mask=row_ok[:, None])
     else:
         # Partials [T, num_q_heads, num_splits, (HEAD_DIM)]: every split writes its lse (-inf when empty), the
-        # normalised output only where it saw a key. The split that finishes last for this (group, query
-        # block, KV head) merges them through their log-sum-exp, in split order, so no merge kernel follows.
-        part = (tok * num_q_heads + head) * num_splits
+        # normalised output only where it saw a key; the merge reads outputs only where lse is finite.
+        part = (tok * num_q_heads + head) * num_splits + split
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part + split, lse, mask=row_ok)
-        tl.store(part_o_ptr + (part + split)[:, None] * HEAD_DIM + d[None, :], out, mask=(row_ok & has)[:, None])
-        tl.debug_barrier()  # every thread's partial is issued before the release below
-        counter = count_ptr + (g * tl.num_programs(1) + tl.program_id(1)) * (tl.num_programs(2) // num_splits) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for s in range(num_splits):
-                m_all = tl.maximum(m_all, tl.load(part_lse_ptr + part + s, mask=row_ok, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-            den = tl.zeros([BLOCK_M], tl.float32)
-            merged = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            for s in range(num_splits):
-                lse_s = tl.load(part_lse_ptr + part + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                w = tl.exp2(lse_s - m_all)
-                o_s = tl.load(part_o_ptr + (part + s)[:, None] * HEAD_DIM + d[None, :],
-                              mask=(row_ok & (lse_s > float("-inf")))[:, None], other=0.0, cache_modifier=".cg")
-                merged += o_s * w[:, None]
-                den += w
-            merged = merged / tl.where(den > 0.0, den, 1.0)[:, None]
-            tl.store(o, round_to(merged, DT).to(DT), mask=row_ok[:, None])
-            tl.store(counter, 0)  # re-armed for the next launch (and graph replay)
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=(row_ok & has)[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr, num_q_heads, num_splits, stride_ot, stride_oh,
+    SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_producer(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, HEAD_DIM)
+    part = (t * num_q_heads + h) * num_splits + s
+    lse = tl.load(part_lse_ptr + part, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    seen = lse > float("-inf")
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=seen[:, None], other=0.0)
+    den = tl.sum(w, axis=0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+    DT: tl.constexpr = o_ptr.dtype.element_ty
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + d, round_to(out, DT).to(DT))
 
 
 def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
@@ -233,11 +224,10 @@ def paged_attention(
     if num_splits > 1:
         part_o = torch.empty(T, nh, num_splits, hd, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
-        counters = arrival_counters(q.device, G * q_blocks * nkv)
     else:
-        part_o = part_lse = counters = out  # never touched
+        part_o = part_lse = out  # never touched
     _attn_kernel[(G, q_blocks, nkv * num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, counters,
+        q, k_cache, v_cache, out, part_o, part_lse,
         token_seq, kv_end, page_table, cu_seqlens_q,
         int(window), nh, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -250,4 +240,10 @@ def paged_attention(
         DOT_FP32=dot_in_fp32(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q.device),
     )
+    if num_splits > 1:
+        _merge_kernel[(T, nh)](
+            part_o, part_lse, out, nh, num_splits, out.stride(0), out.stride(1),
+            SPLITS_P=8 if num_splits <= 8 else next_pow2(num_splits), HEAD_DIM=hd,
+            num_warps=4 if hd <= 256 else 8, **pdl_args(q.device),
+        )
     return out
