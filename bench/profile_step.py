@@ -1,6 +1,9 @@
 """Where a decode step and a draft loop spend their GPU time: kernel totals from the torch profiler.
 
   python bench/profile_step.py --model configs/gemma-4-31B-it --draft configs/gemma-4-31B-it-assistant
+
+With programmatic dependent launch a kernel starts while its predecessor drains, so its profiled time includes
+that wait; run with GEMMA4SERVE_DISABLE_PDL=1 for per-kernel times.
 """
 
 from __future__ import annotations
