@@ -109,7 +109,7 @@ def gemv_config(N: int, K: int, device: torch.device) -> tuple:
     if N >= 16384:
         return 64, 256, 4, 3, 1
     tiles = triton.cdiv(N, 32)
-    return 32, 256, 4, 4 if tiles >= sm_count(device) else 3, splits_for(tiles, K, device)
+    return 32, 256, 4, (4 if tiles >= sm_count(device) else 3), splits_for(tiles, K, device)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
