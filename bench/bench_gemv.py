@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,9 @@ import triton
 from gemma4serve_kernels import _common
 from gemma4serve_kernels.activation import gelu_tanh_mul
 from gemma4serve_kernels.gemv import gemv, splits_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import copy_bandwidth, time_it  # noqa: E402
 
 LAYERS, H, Q, I = 60, 5376, 8192, 21504
 SHAPES = {"qkv": (2 * Q, H), "o_proj": (H, Q), "gate_up": (2 * I, H), "down": (H, I)}
@@ -31,39 +36,12 @@ CONFIGS = list(itertools.product((32, 64, 128), (128, 256), (4,), (3, 4, 5)))
 
 
 def replay_ms(fn, iters: int = 10) -> float:
-    """Median ms of one replay of a graph that runs `fn` once."""
+    """Median ms of one replay of a CUDA graph that runs `fn` once (captured after one eager run)."""
     fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
-    g.replay()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, read + write counted (the roofline's denominator)."""
-    a = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return 2 * a.numel() / (sorted(times)[10] / 1e3)
+    return time_it(graph.replay, iters) * 1e3
 
 
 def main() -> None:
@@ -73,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s")
     w = {name: [torch.empty(n, k, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02) for _ in range(LAYERS)]
          for name, (n, k) in SHAPES.items()}
