@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_in_fp32, next_pow2, pdl_args, sm_count, wait_for_producer
+from ._common import dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
+from .activation import gelu_tanh_f32
 
 MAX_ROWS = 16  # the dot's row tile; larger M goes to cuBLAS
 
@@ -38,13 +39,22 @@ def _in_split(row_ok, k0, kk, k_hi, EVEN_K: tl.constexpr):
 @triton.jit(do_not_specialize=["k_per_split"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                 PDL: tl.constexpr, DOT_FP32: tl.constexpr):
+                 PDL: tl.constexpr, DOT_FP32: tl.constexpr, GLU: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    n = tile * BN + tl.arange(0, BN)
+    if GLU:
+        # W is [gate; up] ([2N, K]): the program's BN rows are BN/2 gate rows and the matching up rows, so its
+        # output tile is gelu(gate) * up over BN/2 columns (the activation kernel's rounding points).
+        HALF: tl.constexpr = BN // 2
+        j = tl.arange(0, BN)
+        col = tile * HALF + j % HALF
+        n = col + (j // HALF) * N
+        n_ok = (col < N)[:, None]
+    else:
+        n = tile * BN + tl.arange(0, BN)
+        n_ok = (n < N)[:, None]
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
-    n_ok = (n < N)[:, None]
     m_ok = (m < M)[:, None]
     DT: tl.constexpr = y_ptr.dtype.element_ty
     # k_per_split is a multiple of BK; the hint keeps the loads 16 bytes wide (the split offset is not
@@ -63,6 +73,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
         w = tl.load(w_ptrs + k0, mask=_in_split(n_ok, k0, kk, k_hi, EVEN_K), other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, k_hi, EVEN_K), other=0.0)
         acc += _dot(x, w, DT, DOT_FP32)
+    if GLU:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, HALF]), (0, 2, 1)))
+        col = tile * HALF + tl.arange(0, HALF)
+        y = round_to(round_to(gelu_tanh_f32(round_to(gate, DT)), DT) * round_to(up, DT), DT)
+        tl.store(y_ptr + m[:, None] * stride_ym + col[None, :], y.to(DT), mask=m_ok & (col < N)[None, :])
+        return
     out = y_ptr + m[:, None] * stride_ym + n[None, :]
     out_ok = m_ok & (n < N)[None, :]
     if SPLIT == 1:
@@ -213,14 +229,20 @@ def gemv_config(N: int, K: int, device: torch.device) -> tuple:
     return 32, 256, 4, (4 if tiles >= sm_count(device) else 3), splits_for(tiles, K, device)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS; `config` overrides gemv_config (benchmarks, tests)."""
+def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: bool = False) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS; `config` overrides gemv_config (benchmarks, tests).
+    glu: w is a fused [gate; up] projection and the result is gelu_tanh(gate) * up, [M, N / 2]."""
     M, K = x.shape
     N = w.shape[0]
     assert M <= MAX_ROWS and w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages, split = config or gemv_config(N, K, x.device)
-    tiles = triton.cdiv(N, bn)
+    if glu:
+        assert N % 2 == 0
+        N, split = N // 2, 1  # the activation needs whole sums: no K split
+        tiles = triton.cdiv(N, bn // 2)
+    else:
+        tiles = triton.cdiv(N, bn)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if split == 0:  # stream-K, one program per SM
         kb = triton.cdiv(K, bk)
         programs = min(sm_count(x.device), tiles * kb)
@@ -240,6 +262,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None) -> torch
         part = counters = y  # never touched
     _gemv_kernel[(tiles, split)](
         x, w, y, part, counters, M, N, K, k_per_split, x.stride(0), w.stride(0), y.stride(0),
-        BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype), num_warps=warps,
-        num_stages=stages, **pdl_args(x.device))
+        BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype), GLU=glu,
+        num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return y

@@ -35,22 +35,26 @@ def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, n, inner, stride_x0, stride_x1, stride
 def _residual_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, w2_ptr, o_ptr, o2_ptr, n, stride_x, stride_h, stride_o,
                           stride_o2, eps, HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
                           PDL: tl.constexpr):
-    wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     DT: tl.constexpr = o_ptr.dtype.element_ty
+    # The weights before waiting on the kernel that computed h.
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALAR:
+        scalar = tl.load(s_ptr).to(tl.float32)
+    if HAS_NEXT:
+        w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wait_for_producer(PDL)
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-    normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps)
-    normed = round_to(normed * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32), DT)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = round_to(h * tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps) * w, DT)
     y = round_to(x + normed, DT)
     if HAS_SCALAR:  # layer_scalar multiplies the whole residual stream after the add (spec §3.4)
-        y = round_to(y * tl.load(s_ptr).to(tl.float32), DT)
+        y = round_to(y * scalar, DT)
     tl.store(o_ptr + row * stride_o + offs, y.to(DT), mask=mask)
     if HAS_NEXT:  # the next sublayer's input norm of the new residual, while it is in registers
-        z = y * tl.math.rsqrt(tl.sum(y * y, axis=0) / n + eps)
-        z = z * tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = y * tl.math.rsqrt(tl.sum(y * y, axis=0) / n + eps) * w2
         tl.store(o2_ptr + row * stride_o2 + offs, round_to(z, DT).to(DT), mask=mask)
 
 

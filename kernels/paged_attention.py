@@ -40,7 +40,6 @@ def _attn_kernel(
     BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, MIN_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_producer(PDL)
     g = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
@@ -67,13 +66,16 @@ def _attn_kernel(
     per_split = tl.maximum(tl.cdiv(n_blocks, num_splits), MIN_BLOCKS)
     b_lo = first + split * per_split
     b_hi = tl.minimum(b_lo + per_split, first + n_blocks)
+    table_row = table_ptr + tl.load(token_seq_ptr + row0).to(tl.int64) * stride_table
 
+    # All of the above reads metadata written before the step; q and the step's new keys come from the kernel
+    # just before (the qkv epilogue), so wait for it only now.
+    wait_for_producer(PDL)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    table_row = table_ptr + tl.load(token_seq_ptr + row0).to(tl.int64) * stride_table
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -14,23 +14,19 @@ from ._common import pdl_args, round_to, wait_for_producer
 
 
 @triton.jit
-def _normed(row_ptr, w_ptr, d, eps, HAS_W: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """RMSNorm of one head's row at dims d (fp32, before rounding), times w[d] when given."""
+def _normed(row_ptr, w, d, eps, HEAD_DIM: tl.constexpr):
+    """RMSNorm of one head's row at dims d (fp32, before rounding), times w (w[d], or 1.0 for no scale)."""
     x = tl.load(row_ptr + tl.arange(0, HEAD_DIM)).to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-    y = tl.load(row_ptr + d).to(tl.float32) * inv
-    if HAS_W:
-        y = y * tl.load(w_ptr + d).to(tl.float32)
-    return y
+    return tl.load(row_ptr + d).to(tl.float32) * inv * w
 
 
 @triton.jit
-def _norm_rope_row(row_ptr, w_ptr, c, s, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr):
-    d = tl.arange(0, HEAD_DIM)
+def _norm_rope_row(row_ptr, w, w_rot, d, d_rot, c, s, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr):
+    """RoPE(RMSNorm(row) * w): dim d pairs with d_rot = d + hd/2 (mod hd) in the half-split rotation."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    d_rot = (d + HALF) % HEAD_DIM  # dim d pairs with d + hd/2 in the half-split rotation
-    y = round_to(_normed(row_ptr, w_ptr, d, eps, True, HEAD_DIM), DT)
-    y_rot = round_to(tl.where(d < HALF, -1.0, 1.0) * _normed(row_ptr, w_ptr, d_rot, eps, True, HEAD_DIM), DT)
+    y = round_to(_normed(row_ptr, w, d, eps, HEAD_DIM), DT)
+    y_rot = round_to(tl.where(d < HALF, -1.0, 1.0) * _normed(row_ptr, w_rot, d_rot, eps, HEAD_DIM), DT)
     return round_to(round_to(y * c, DT) + round_to(y_rot * s, DT), DT)
 
 
@@ -39,24 +35,30 @@ def _qkv_epilogue_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr,
                          stride_xt, stride_ct, stride_st, stride_qt, stride_cslot, eps,
                          NH: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, K_EQ_V: tl.constexpr,
                          PDL: tl.constexpr):
-    wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
+    d_rot = (d + HEAD_DIM // 2) % HEAD_DIM
     DT: tl.constexpr = q_ptr.dtype.element_ty
+    # Before waiting on the qkv projection: what was written before the step (norm weights, the step's cos/sin
+    # and cache slots).
+    w_ptr = tl.where(h < NH, qw_ptr, kw_ptr)
+    w = tl.load(w_ptr + d).to(tl.float32)
+    w_rot = tl.load(w_ptr + d_rot).to(tl.float32)
     c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    wait_for_producer(PDL)
     row = x_ptr + t * stride_xt
     if h < NH:  # a query head
-        q = _norm_rope_row(row + h * HEAD_DIM, qw_ptr, c, s, eps, HEAD_DIM, DT)
+        q = _norm_rope_row(row + h * HEAD_DIM, w, w_rot, d, d_rot, c, s, eps, HEAD_DIM, DT)
         tl.store(q_ptr + t * stride_qt + h * HEAD_DIM + d, q.to(DT))
     else:  # a KV head: K and V, written straight into the cache
         kh = h - NH
         k_row = row + (NH + kh) * HEAD_DIM
-        k = _norm_rope_row(k_row, kw_ptr, c, s, eps, HEAD_DIM, DT)
+        k = _norm_rope_row(k_row, w, w_rot, d, d_rot, c, s, eps, HEAD_DIM, DT)
         v_row = k_row if K_EQ_V else row + (NH + NKV + kh) * HEAD_DIM
-        v = round_to(_normed(v_row, kw_ptr, d, eps, False, HEAD_DIM), DT)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
+        v = round_to(_normed(v_row, 1.0, d, eps, HEAD_DIM), DT)
         if slot >= 0:
             dst = slot * stride_cslot + kh * HEAD_DIM + d
             tl.store(kc_ptr + dst, k.to(DT))

@@ -336,6 +336,21 @@ def test_gemv_matches_linear(dtype, M, K):
         assert torch.equal(y, gemv(x, w, config=cfg))  # deterministic; the split counters were re-armed
 
 
+@pytest.mark.parametrize("M", [1, 5])
+def test_gemv_glu_epilogue(M):
+    """gemv(glu=True) on a fused [gate; up] weight = the activation kernel's gelu_tanh(gate) * up, rounding points
+    included (fp32 here: the interpreter's bf16 casts truncate); ragged output width."""
+    g = torch.Generator().manual_seed(8)
+    inter, K = 37, 256
+    x = torch.randn(M, K, generator=g).to(DEV)
+    w = (torch.randn(2 * inter, K, generator=g) / 8).to(DEV)
+    ref = gelu_tanh_mul(x @ w.T)
+    for cfg in (None, (32, 64, 4, 2, 1), (16, 128, 4, 3, 4)):  # a K split is ignored: the epilogue needs whole sums
+        y = gemv(x, w, config=cfg, glu=True)
+        assert y.shape == (M, inter)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------- MoE
 def _moe_cfg(E=8, k=3, H=32, inter=16):
     return SimpleNamespace(num_experts=E, top_k_experts=k, hidden_size=H, moe_intermediate_size=inter,

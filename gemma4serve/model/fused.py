@@ -37,10 +37,23 @@ GEMV_MAX_ROWS = int(os.environ.get("GEMMA4SERVE_GEMV_MAX_ROWS", "16"))
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T without bias. Few-row inputs on CUDA (decode, verify, the draft loop) go to the streaming
     GEMV, so the step stays a chain of Triton kernels that overlap through PDL; the rest go to cuBLAS."""
-    if ((k := on(x)) is not None and x.dim() == 2 and x.shape[0] <= min(GEMV_MAX_ROWS, k.GEMV_MAX_ROWS)
-            and x.stride(1) == 1):
-        return k.gemv(x, weight)
+    if _gemv_fits(x):
+        return kernels().gemv(x, weight)
     return F.linear(x, weight)
+
+
+def _gemv_fits(x: torch.Tensor) -> bool:
+    """A few-row 2-D input on CUDA (decode, verify, the draft loop), within the GEMV's row tile."""
+    return ((k := on(x)) is not None and x.dim() == 2 and x.shape[0] <= min(GEMV_MAX_ROWS, k.GEMV_MAX_ROWS)
+            and x.stride(1) == 1)
+
+
+def linear_gelu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x @ gate^T) * (x @ up^T) for a fused [gate; up] weight: in the GEMV's epilogue for few-row
+    inputs (no [T, 2I] intermediate, one launch fewer), else the GEMM and then the activation kernel."""
+    if _gemv_fits(x):
+        return kernels().gemv(x, gate_up, glu=True)
+    return kernels().gelu_tanh_mul(F.linear(x, gate_up))
 
 
 def concat_weights(*linears) -> torch.Tensor:

@@ -47,8 +47,8 @@ class MLP(nn.Module):
         self.gate_up = fused.concat_weights(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None and (k := fused.on(x)) is not None:
-            return fused.linear(k.gelu_tanh_mul(fused.linear(x, self.gate_up)), self.down_proj.weight)
+        if self.gate_up is not None and fused.on(x) is not None:
+            return fused.linear(fused.linear_gelu_mul(x, self.gate_up), self.down_proj.weight)
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
