@@ -232,6 +232,17 @@ def test_gemv_real_shapes(M, N, K):
     ref = x.float() @ w.float().T
     y = gemv(x, w)
     assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3  # bf16 output rounding only
+    assert torch.equal(y, gemv(x, w))  # deterministic, stream-K and split-K included
+
+
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("inter,H", [(21504, 5376), (8192, 1024), (6144, 1536)])
+def test_gemv_glu_epilogue_equals_activation_kernel(M, inter, H):
+    """The gate_up GEMV's GELU·up epilogue = gemv then the activation kernel, bit for bit (31B, its drafter, E2B)."""
+    g = torch.Generator(DEV).manual_seed(M)
+    x = torch.randn(M, H, generator=g, device=DEV).to(BF16)
+    w = (torch.randn(2 * inter, H, generator=g, device=DEV) * 0.05).to(BF16)
+    assert torch.equal(gemv(x, w, glu=True), gelu_tanh_mul(gemv(x, w)))
 
 
 def test_pdl_chain_graph_replay_is_stable():
