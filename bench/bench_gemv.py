@@ -1,7 +1,8 @@
 """Skinny GEMMs of a decode step: cuBLAS against kernels/gemv.py, inside a CUDA graph as the engine runs them.
 
 The 31B's 60 layers of projections (sliding-layer shapes) as one dependent chain per step: qkv -> o_proj ->
-gate_up -> gelu·up -> down -> next layer, weights 57.5 GB, captured once and replayed. Timing the chain, not
+gate_up + gelu·up (the GEMV's epilogue; cuBLAS then the activation kernel) -> down -> next layer, weights
+57.5 GB, captured once and replayed. Timing the chain, not
 single kernels, counts what matters at batch 1: the ramp and drain between consecutive GEMMs, which
 programmatic dependent launch (PDL) overlaps. First a tile sweep per shape, then the chains.
 
@@ -71,8 +72,9 @@ def main() -> None:
         t_cublas = replay_ms(lambda: [F.linear(x, wi) for wi in ws])
         t_default = replay_ms(lambda: [gemv(x, wi) for wi in ws])
         results = []
-        for cfg in CONFIGS:
-            cfg = (*cfg, splits_for(triton.cdiv(n, cfg[0]), k, x.device))
+        # Each tile with its K splits, and (outputs narrower than 16384) also stream-K (splits 0).
+        for cfg in [(*c, splits_for(triton.cdiv(n, c[0]), k, x.device)) for c in CONFIGS] + \
+                [(*c, 0) for c in CONFIGS if n < 16384]:
             try:
                 y = gemv(x, ws[0], config=cfg).float()
             except Exception as e:  # a tile that does not fit (shared memory): skip it
@@ -89,13 +91,16 @@ def main() -> None:
     def chain(impl: str, x0: torch.Tensor):
         lin = F.linear if impl == "cuBLAS" else gemv
 
+        def gate_up(x, wi):  # the GEMV does GELU·up in its epilogue, as in the engine
+            return gelu_tanh_mul(F.linear(x, wi)) if impl == "cuBLAS" else gemv(x, wi, glu=True)
+
         def run():
             _common.PDL_ENABLED = impl == "gemv + PDL"
             h = x0
             for i in range(LAYERS):
                 qkv = lin(h, w["qkv"][i])
                 o = lin(qkv[:, :Q], w["o_proj"][i])
-                h = lin(gelu_tanh_mul(lin(o, w["gate_up"][i])), w["down"][i])
+                h = lin(gate_up(o, w["gate_up"][i]), w["down"][i])
             return h
         return run
 

@@ -100,6 +100,8 @@ def main():
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--layers", default="full,sliding")
     parser.add_argument("--phases", default="decode,verify")
+    parser.add_argument("--warps", default="4,8", help="num_warps options of the sweep")
+    parser.add_argument("--stages", default="3,5", help="num_stages options of the sweep")
     a = parser.parse_args()
 
     torch.manual_seed(0)
@@ -123,7 +125,8 @@ def main():
                     if a.sweep:
                         base = attention_config(shape["hd"], shape["nh"] // shape["nkv"], rows)
                         tiles = dict(warps_opts=(base["num_warps"],), stages_opts=(base["num_stages"],)) \
-                            if a.splits_only else {}
+                            if a.splits_only else dict(warps_opts=tuple(map(int, a.warps.split(","))),
+                                                       stages_opts=tuple(map(int, a.stages.split(","))))
                         best_ms, cfg = sweep(args, shape["hd"], shape["nh"] // shape["nkv"], rows, **tiles)
                         line += f"   {best_ms * 1e3:.1f} us ({100 * nbytes / (best_ms * 1e-3) / 1e9 / bw:.0f}%) {cfg}"
                     print(line, flush=True)
