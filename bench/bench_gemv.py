@@ -2,9 +2,9 @@
 
 The 31B's 60 layers of projections (sliding-layer shapes) as one dependent chain per step: qkv -> o_proj ->
 gate_up + gelu·up (the GEMV's epilogue; cuBLAS then the activation kernel) -> down -> next layer, weights
-57.5 GB, captured once and replayed. Timing the chain, not
-single kernels, counts what matters at batch 1: the ramp and drain between consecutive GEMMs, which
-programmatic dependent launch (PDL) overlaps. First a tile sweep per shape, then the chains.
+57.5 GB, captured once and replayed. Timing the chain, not single kernels, counts what matters at batch 1:
+the ramp and drain between consecutive GEMMs, which programmatic dependent launch (PDL) overlaps. First a
+tile sweep per shape, then the chains.
 
   python bench/bench_gemv.py [--rows 1 5 8 16]
 """
