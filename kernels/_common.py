@@ -80,8 +80,12 @@ def pdl_args(device: torch.device) -> dict:
 @triton.jit
 def wait_for_producer(PDL: tl.constexpr):
     """Under PDL: wait until the previous kernel has finished and its writes are visible, then let the next
-    kernel launch (its programs only get SM slots as this kernel's programs retire). Everything a kernel does
-    before this call may only read what no earlier kernel of the step writes (weights)."""
+    kernel launch (its programs only get SM slots as this kernel's programs retire). Because every kernel
+    waits before it lets the next one launch, a kernel starts only after all kernels but the one just before
+    it have finished (and a kernel launched without PDL, a torch op, always finishes before the next starts).
+    So before this call a kernel may read anything except what its immediate predecessor may write: weights,
+    and the step's inputs and metadata (cos/sin, cache slots, page tables), but never the activations it
+    consumes."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

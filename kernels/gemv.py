@@ -2,7 +2,9 @@
 
 At M <= 16 a step is a read of the weights, so the kernel is built around that read: a column tile of W per
 program (narrow outputs also split K; narrow outputs with a long K go stream-K, every program streaming an
-equal share of the weight), the first K tile loaded *before* waiting on the previous kernel.
+equal share of the weight), the first K tile loaded *before* waiting on the previous kernel. A fused
+[gate; up] weight can apply GELU·up in the epilogue (`glu=True`), each program holding matching gate and up
+rows.
 Launched with programmatic dependent launch (PDL, Hopper), its programs start while the previous kernel
 drains. Alone it ties cuBLAS (bench/bench_gemv.py); in the step it pays because a chain of Triton kernels
 keeps that overlap at every boundary, which a cuBLAS GEMM in between would end (docs/performance.md).
@@ -127,7 +129,7 @@ def _streamk_step(acc, x, w, u, u_lo, u_hi, p, y_ptr, part_ptr, m, bn, m_ok, N, 
 
 
 @triton.jit
-def _streamk_fixup(t, p, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym,
+def _streamk_fixup(t, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym,
                    BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
     """Tile t was left partial by this program: count its arrival; the last of its programs to arrive sums all
     of the tile's partials in program order (deterministic) and stores the output."""
@@ -190,9 +192,9 @@ def _gemv_streamk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, KB, 
     hi_partial = (t_hi != t_lo) & (u_hi % KB != 0)
     tl.debug_barrier()  # every thread's partial is issued before the release below
     if lo_partial:
-        _streamk_fixup(t_lo, p, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym, BM, BN, DT)
+        _streamk_fixup(t_lo, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym, BM, BN, DT)
     if hi_partial:
-        _streamk_fixup(t_hi, p, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym, BM, BN, DT)
+        _streamk_fixup(t_hi, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym, BM, BN, DT)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -248,10 +250,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: boo
     if split == 0:  # stream-K, one program per SM
         kb = triton.cdiv(K, bk)
         programs = min(sm_count(x.device), tiles * kb)
-        assert tiles <= len(_tile_counters(x.device))
+        counters = _tile_counters(x.device)
+        assert tiles <= len(counters)
         part = torch.empty(2 * programs, MAX_ROWS, bn, dtype=torch.float32, device=x.device)
         _gemv_streamk_kernel[(programs,)](
-            x, w, y, part, _tile_counters(x.device), M, N, K, kb, tiles * kb, x.stride(0), w.stride(0), y.stride(0),
+            x, w, y, part, counters, M, N, K, kb, tiles * kb, x.stride(0), w.stride(0), y.stride(0),
             BM=MAX_ROWS, BN=bn, BK=bk, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype), num_warps=warps,
             num_stages=stages, **pdl_args(x.device))
         return y
