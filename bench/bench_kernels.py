@@ -66,18 +66,33 @@ def time_case(args, **kw):
     return ms, graph_ms
 
 
-def sweep(args, hd, group, rows, warps_opts=(4, 8), stages_opts=(3, 5)):
-    """Tile configs and split counts around the defaults; returns (best ms, its settings).
+DEFAULT_SPLITS = (dict(), dict(min_split_keys=32), dict(min_split_keys=64), dict(min_split_keys=256),
+                  dict(num_splits=1), dict(num_splits=8, min_split_keys=64), dict(num_splits=32, min_split_keys=32))
+
+
+def parse_splits(text: str) -> tuple[dict, ...]:
+    """"8:64,16:32" -> ({num_splits: 8, min_split_keys: 64}, ...); "default" is the engine's own choice."""
+    out = []
+    for item in text.split(","):
+        if item == "default":
+            out.append(dict())
+        else:
+            n, keys = map(int, item.split(":"))
+            out.append(dict(num_splits=n, min_split_keys=keys))
+    return tuple(out)
+
+
+def sweep(args, hd, group, rows, warps_opts=(4, 8), stages_opts=(3, 5), block_n_opts=(16, 32, 64),
+          split_opts=DEFAULT_SPLITS):
+    """Tile configs and split counts around the defaults; returns [(ms, settings)], fastest first.
 
     The K/V loads are indirect (through the page table), so the software pipeliner spends one stage on the
-    page ids: with triton 3.9, num_stages 2-4 keep one K/V tile in flight ahead of the math and 5 keeps two
+    page ids: with triton 3.6, num_stages 2-4 keep one K/V tile in flight ahead of the math and 5 keeps two
     (more shared memory, fewer resident programs); check on the GPU's triton."""
     base = attention_config(hd, group, rows)
-    best = None
+    results = []
     out = torch.empty_like(args[0])
-    split_opts = (dict(), dict(min_split_keys=32), dict(min_split_keys=64), dict(min_split_keys=256),
-                  dict(num_splits=1), dict(num_splits=8, min_split_keys=64), dict(num_splits=32, min_split_keys=32))
-    for block_n, warps, stages, split in itertools.product((16, 32, 64), warps_opts, stages_opts, split_opts):
+    for block_n, warps, stages, split in itertools.product(block_n_opts, warps_opts, stages_opts, split_opts):
         cfg = dict(base, block_n=block_n, num_warps=warps, num_stages=stages)
         fn = lambda: paged_attention(*args, out=out, config=cfg, **split)  # noqa: E731
         try:
@@ -86,9 +101,8 @@ def sweep(args, hd, group, rows, warps_opts=(4, 8), stages_opts=(3, 5)):
             continue
         # Replayed from a CUDA graph, as the engine runs it: at batch 1 a launch costs more than the kernel.
         ms = do_bench_cudagraph(fn, rep=20)
-        if best is None or ms < best[0]:
-            best = (ms, dict(block_n=block_n, num_warps=warps, num_stages=stages, **split))
-    return best
+        results.append((ms, dict(block_n=block_n, num_warps=warps, num_stages=stages, **split)))
+    return sorted(results, key=lambda r: r[0])
 
 
 def main():
@@ -102,6 +116,9 @@ def main():
     parser.add_argument("--phases", default="decode,verify")
     parser.add_argument("--warps", default="4,8", help="num_warps options of the sweep")
     parser.add_argument("--stages", default="3,5", help="num_stages options of the sweep")
+    parser.add_argument("--top", type=int, default=1, help="how many of the sweep's fastest settings to print")
+    parser.add_argument("--block-n", default="16,32,64", help="block_n options of the sweep")
+    parser.add_argument("--splits", help='split settings of the sweep, "num_splits:min_split_keys,..." or "default"')
     a = parser.parse_args()
 
     torch.manual_seed(0)
@@ -127,8 +144,12 @@ def main():
                         tiles = dict(warps_opts=(base["num_warps"],), stages_opts=(base["num_stages"],)) \
                             if a.splits_only else dict(warps_opts=tuple(map(int, a.warps.split(","))),
                                                        stages_opts=tuple(map(int, a.stages.split(","))))
-                        best_ms, cfg = sweep(args, shape["hd"], shape["nh"] // shape["nkv"], rows, **tiles)
-                        line += f"   {best_ms * 1e3:.1f} us ({100 * nbytes / (best_ms * 1e-3) / 1e9 / bw:.0f}%) {cfg}"
+                        if a.splits:
+                            tiles["split_opts"] = parse_splits(a.splits)
+                        tiles["block_n_opts"] = tuple(map(int, a.block_n.split(",")))
+                        ranked = sweep(args, shape["hd"], shape["nh"] // shape["nkv"], rows, **tiles)
+                        line += "".join(f"\n      {ms * 1e3:6.1f} us ({100 * nbytes / (ms * 1e-3) / 1e9 / bw:3.0f}%) {cfg}"
+                                        for ms, cfg in ranked[:a.top])
                     print(line, flush=True)
                     del args
                     torch.cuda.empty_cache()

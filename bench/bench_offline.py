@@ -116,6 +116,7 @@ class Level:
     accepted_len: float  # tokens per verify step, bonus included (1.0 without MTP)
     draft_share: float  # of the sequences' token-producing steps, those that verified drafts
     slow_steps: list = field(default_factory=list)  # (seconds, what ran) of steps far above the median
+    step_s: list = field(default_factory=list)  # wall time of every engine step that delivered tokens
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -144,7 +145,7 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], concurrency: int, out
         t0 = time.perf_counter()
         outs = engine.step()  # returns after the step's device -> host copy: the tokens exist now
         now = time.perf_counter()
-        step_times.append((now - t0, engine.runner.last_launch))
+        step_times.append((now - t0, engine.runner.last_launch, bool(outs)))
         for out in outs:
             req = inflight[out.request_id]
             n = len(out.outputs[0].new_token_ids)
@@ -158,11 +159,12 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], concurrency: int, out
     steps = after.spec_num_steps - before.spec_num_steps
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     seq_steps = after.seq_steps - before.seq_steps
-    median = sorted(t for t, _ in step_times)[len(step_times) // 2]
-    slow = sorted((x for x in step_times if x[0] > 10 * median), key=lambda x: x[0], reverse=True)[:3]
+    median = sorted(t for t, _, _ in step_times)[len(step_times) // 2]
+    slow = sorted((x[:2] for x in step_times if x[0] > 10 * median), key=lambda x: x[0], reverse=True)[:3]
     return Level(
         concurrency, done, elapsed, sum(map(len, prompts)), len(prompts) * output_len,
         1.0 + accepted / steps if steps else 1.0, steps / seq_steps if seq_steps else 0.0, slow,
+        [t for t, _, delivered in step_times if delivered],
     )  # fmt: skip
 
 
@@ -478,6 +480,10 @@ def main(argv=None) -> None:
         rf = roofline(engine, c, args.input_len + args.output_len // 2, bw)
         levels.append((lv, rf))
         print(table_row(lv, rf), flush=True)
+        st = [t * 1e3 for t in lv.step_s]
+        print(f"      engine steps that delivered tokens: {len(st)}, ms p10 {percentile(st, 10):.2f} "
+              f"p50 {percentile(st, 50):.2f} p90 {percentile(st, 90):.2f} p99 {percentile(st, 99):.2f} "
+              f"max {max(st):.2f}", flush=True)
         for t, what in lv.slow_steps:  # tail-latency hunting: what the slowest steps ran
             print(f"      slow step {t * 1e3:.0f} ms, last launch: {what}", flush=True)
         if compiled:

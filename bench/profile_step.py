@@ -1,6 +1,11 @@
 """Where a decode step and a draft loop spend their GPU time: kernel totals from the torch profiler.
 
   python bench/profile_step.py --model configs/gemma-4-31B-it --draft configs/gemma-4-31B-it-assistant
+  python bench/profile_step.py --engine-loop --draft ''   # the served decode loop, graphs and all
+
+--engine-loop profiles the engine's own step loop (one greedy request, async scheduling) instead of bare graph
+replays: it prints the wall time per step next to the graph replay alone, and the kernels launched outside
+the graph (continuation inputs, acceptance, the copy to the host), which is what TPOT pays on top of a step.
 
 With programmatic dependent launch a kernel starts while its predecessor drains, so its profiled time includes
 that wait; run with GEMMA4SERVE_DISABLE_PDL=1 for per-kernel times.
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +42,41 @@ def report(prof, title: str, steps: int) -> None:
         print(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}% x{c:<5} {name[:110]}")
 
 
+def engine_loop(a) -> None:
+    """Wall time per step of the served decode loop against its graph replay, and the kernels around it."""
+    from gemma4serve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineArgs(model=a.model, draft=a.draft or None, load_format="dummy", device="cuda",
+                                  dtype="bfloat16", max_num_seqs=a.batch, num_draft_tokens=a.k if a.draft else 0,
+                                  max_model_len=a.context + 512))
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    for i in range(a.batch):
+        engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 10 for j in range(a.context)], params)
+    for _ in range(40):  # prefill, graph warm-up
+        engine.step()
+    torch.cuda.synchronize()
+    steps, t0 = 100, time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    graph = engine.runner.graphs.target_graphs[(engine.runner.graphs.bucket(a.batch), 1)][0]
+    replay = CudaGraphs._time(graph, reps=20)
+    print(f"\n## engine loop, batch {a.batch}: {wall * 1e3:.3f} ms per step; decode graph replay alone "
+          f"{replay * 1e3:.3f} ms; difference {1e3 * (wall - replay):.3f} ms")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            engine.step()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count < 20 * 8:  # the graph's are x60 layers
+            rows[e.key] = (e.device_time_total / 20, e.count / 20)
+    print(f"kernels and copies run fewer than 8 times per step (outside the layers): "
+          f"{sum(t for t, _ in rows.values()) / 1e3:.3f} ms per step")
+    for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
+        print(f"{t:9.1f} us x{c:<4.1f} {name[:110]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="configs/gemma-4-31B-it")
@@ -43,7 +84,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--context", type=int, default=1128)
+    ap.add_argument("--engine-loop", action="store_true", help="profile the served step loop (see above)")
     a = ap.parse_args()
+    if a.engine_loop:
+        return engine_loop(a)
     engine = LLMEngine(EngineArgs(model=a.model, draft=a.draft, load_format="dummy", device="cuda",
                                   dtype="bfloat16", max_num_seqs=a.batch, num_draft_tokens=a.k,
                                   max_model_len=a.context + 64, enforce_eager=True))
