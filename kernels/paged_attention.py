@@ -60,12 +60,14 @@ def _attn_kernel(
     hi = tl.max(tl.where(row_ok, end, 0), axis=0)
     lo = tl.min(tl.where(row_ok, start, hi), axis=0)
 
-    # This program's share of the key tiles covering [lo, hi). Tiles start at lo, not at multiples of BLOCK_N: a
-    # sliding window of 1,024 keys is then exactly 16 splits of 64 wherever it starts (11 of 96 if aligned).
-    n_blocks = tl.cdiv(hi - lo, BLOCK_N)
+    # This program's share of the key blocks (absolute BLOCK_N-aligned tiles covering [lo, hi)). Starting the
+    # tiles at lo instead makes an unaligned sliding window exactly 16 splits of 64 keys at batch 1 (10.5 -> 9.3
+    # us per layer) but costs more at batch 32 (E4B decode 5.16 -> 5.25 ms per step), so they stay aligned.
+    first = lo // BLOCK_N
+    n_blocks = tl.cdiv(hi, BLOCK_N) - first
     per_split = tl.maximum(tl.cdiv(n_blocks, num_splits), MIN_BLOCKS)
-    b_lo = split * per_split
-    b_hi = tl.minimum(b_lo + per_split, n_blocks)
+    b_lo = first + split * per_split
+    b_hi = tl.minimum(b_lo + per_split, first + n_blocks)
     table_row = table_ptr + tl.load(token_seq_ptr + row0).to(tl.int64) * stride_table
 
     # All of the above reads metadata written before the step; q and the step's new keys come from the kernel
@@ -81,7 +83,7 @@ def _attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for b in range(b_lo, b_hi):
-        pos = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos = b * BLOCK_N + tl.arange(0, BLOCK_N)
         # Keys outside [lo, hi) are neither looked up nor loaded: their table entries may be the null page
         # (freed sliding pages) or lie past the end of the table row.
         kv_ok = (pos >= lo) & (pos < hi)
@@ -168,12 +170,14 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
 
 def split_limits(window: int, max_q_len: int) -> tuple[int, int]:
     """(most KV splits, fewest keys per split), from `bench/bench_kernels.py --sweep` on an H200 (graph replay).
-    A sliding layer's queries see window + q - 1 keys: 64-key splits of the window (16 at batch 1) beat 128-key
-    ones (11.5 -> 9.4 us per layer at batch 1), more only launch programs that find nothing and widen the merge. Full layers decode fastest with short 32-key splits (18 -> 10 us at 1k keys, 21 -> 18 us
+    A sliding layer's queries see window + q - 1 keys, split in up to 128-key pieces: more only launch programs
+    that find nothing and widen the merge. Decode splits the window in 64-key pieces (16 at batch 1: 11.5 ->
+    9.4 us per layer; also faster at batch 8 and 32 on every model), which made verification of E2B / E4B at
+    batch 32 slower (4.83 -> 4.91 ms per step), so verification keeps 128. Full layers decode fastest with short 32-key splits (18 -> 10 us at 1k keys, 21 -> 18 us
     at 4k); their verify tiles hold 4 tokens x 8 heads of 512 dims, one program per SM, so at most 16 splits
     (one wave at batch 1: 33.6 -> 15.9 us at 1k keys, 149 -> 91 us at 16k)."""
     if window > 0:
-        return max(1, window // 64), 64
+        return (max(1, window // 64), 64) if max_q_len == 1 else (triton.cdiv(window + max_q_len - 1, 128), 128)
     return (32, 32) if max_q_len == 1 else (16, 64)
 
 
@@ -223,8 +227,8 @@ def paged_attention(
     min_split_keys = min_split_keys or default_min_keys
     if num_splits is None:
         num_splits = choose_splits(G * q_blocks * nkv, q.device, max_splits)
-    if not config and window > 0 and triton.cdiv(window, num_splits) <= 64:
-        # A split of at most 64 keys: two 32-key tiles in flight beat one of 64 (10.1 -> 9.4 us at batch 1).
+    if not config and window > 0 and max_q_len == 1 and triton.cdiv(window, num_splits) <= 64:
+        # A decode split of at most 64 keys: two 32-key tiles in flight beat one of 64 (10.1 -> 9.4 us, batch 1).
         cfg.update(block_n=32, num_stages=2)
     if not config and q.dtype == torch.float32 and not INTERPRET:
         cfg.update(block_n=16, num_stages=1)  # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
