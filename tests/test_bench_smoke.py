@@ -31,8 +31,10 @@ def table(out: str) -> dict[int, dict[str, float]]:
     rows = {}
     for line in lines[start + 1 :]:
         cells = line.split()
-        if not cells or not cells[0].isdigit():
+        if not cells:
             break
+        if not cells[0].isdigit():  # a level's detail lines: step times, slow steps
+            continue
         assert len(cells) == len(COLUMNS), line
         rows[int(cells[0])] = dict(zip(COLUMNS, map(float, cells)))
     return rows
