@@ -171,11 +171,11 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
 def split_limits(window: int, max_q_len: int) -> tuple[int, int]:
     """(most KV splits, fewest keys per split), from `bench/bench_kernels.py --sweep` on an H200 (graph replay).
     A sliding layer's queries see window + q - 1 keys, split in up to 128-key pieces: more only launch programs
-    that find nothing and widen the merge. Decode splits the window in 64-key pieces (16 at batch 1: 11.5 ->
-    9.4 us per layer; also faster at batch 8 and 32 on every model), which made verification of E2B / E4B at
-    batch 32 slower (4.83 -> 4.91 ms per step), so verification keeps 128. Full layers decode fastest with short 32-key splits (18 -> 10 us at 1k keys, 21 -> 18 us
-    at 4k); their verify tiles hold 4 tokens x 8 heads of 512 dims, one program per SM, so at most 16 splits
-    (one wave at batch 1: 33.6 -> 15.9 us at 1k keys, 149 -> 91 us at 16k)."""
+    that find nothing and widen the merge. Decode splits the window in 64-key pieces (16 at batch 1: 11.5 -> 9.4
+    us per layer; decode got faster at batch 1, 8 and 32 on every model); verification keeps 128 (64 made E4B's
+    batch-32 verify step slower, 6.73 -> 6.82 ms). Full layers decode fastest with short 32-key splits (18 -> 10
+    us at 1k keys, 21 -> 18 us at 4k); their verify tiles hold 4 tokens x 8 heads of 512 dims, one program per
+    SM, so at most 16 splits (one wave at batch 1: 33.6 -> 15.9 us at 1k keys, 149 -> 91 us at 16k)."""
     if window > 0:
         return (max(1, window // 64), 64) if max_q_len == 1 else (triton.cdiv(window + max_q_len - 1, 128), 128)
     return (32, 32) if max_q_len == 1 else (16, 64)
