@@ -82,14 +82,17 @@ def parse_splits(text: str) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def sweep(args, hd, group, rows, warps_opts=(4, 8), stages_opts=(3, 5), block_n_opts=(16, 32, 64),
+def sweep(args, hd, group, rows, warps_opts=None, stages_opts=None, block_n_opts=(16, 32, 64),
           split_opts=DEFAULT_SPLITS):
-    """Tile configs and split counts around the defaults; returns [(ms, settings)], fastest first.
+    """Tile configs and split counts around the defaults; returns [(ms, settings)], fastest first. Warps and
+    stages not given stay the engine's default for the case.
 
     The K/V loads are indirect (through the page table), so the software pipeliner spends one stage on the
     page ids: with triton 3.6, num_stages 2-4 keep one K/V tile in flight ahead of the math and 5 keeps two
     (more shared memory, fewer resident programs); check on the GPU's triton."""
     base = attention_config(hd, group, rows)
+    warps_opts = warps_opts or (base["num_warps"],)
+    stages_opts = stages_opts or (base["num_stages"],)
     results = []
     out = torch.empty_like(args[0])
     for block_n, warps, stages, split in itertools.product(block_n_opts, warps_opts, stages_opts, split_opts):
@@ -120,6 +123,11 @@ def main():
     parser.add_argument("--block-n", default="16,32,64", help="block_n options of the sweep")
     parser.add_argument("--splits", help='split settings of the sweep, "num_splits:min_split_keys,..." or "default"')
     a = parser.parse_args()
+    options = dict(block_n_opts=tuple(map(int, a.block_n.split(","))))
+    if not a.splits_only:
+        options.update(warps_opts=tuple(map(int, a.warps.split(","))), stages_opts=tuple(map(int, a.stages.split(","))))
+    if a.splits:
+        options.update(split_opts=parse_splits(a.splits))
 
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -140,14 +148,7 @@ def main():
                     line = (f"{name:8s} {phase:7s} {batch:5d} {ctx:6d} {nbytes / 1e6:9.1f} {ms * 1e3:8.1f} "
                             f"{gbs:7.0f} {100 * gbs / bw:6.1f}% {graph_ms * 1e3:9.1f}")
                     if a.sweep:
-                        base = attention_config(shape["hd"], shape["nh"] // shape["nkv"], rows)
-                        tiles = dict(warps_opts=(base["num_warps"],), stages_opts=(base["num_stages"],)) \
-                            if a.splits_only else dict(warps_opts=tuple(map(int, a.warps.split(","))),
-                                                       stages_opts=tuple(map(int, a.stages.split(","))))
-                        if a.splits:
-                            tiles["split_opts"] = parse_splits(a.splits)
-                        tiles["block_n_opts"] = tuple(map(int, a.block_n.split(",")))
-                        ranked = sweep(args, shape["hd"], shape["nh"] // shape["nkv"], rows, **tiles)
+                        ranked = sweep(args, shape["hd"], shape["nh"] // shape["nkv"], rows, **options)
                         line += "".join(f"\n      {ms * 1e3:6.1f} us ({100 * nbytes / (ms * 1e-3) / 1e9 / bw:3.0f}%) {cfg}"
                                         for ms, cfg in ranked[:a.top])
                     print(line, flush=True)

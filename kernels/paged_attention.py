@@ -227,11 +227,12 @@ def paged_attention(
     min_split_keys = min_split_keys or default_min_keys
     if num_splits is None:
         num_splits = choose_splits(G * q_blocks * nkv, q.device, max_splits)
-    if not config and window > 0 and max_q_len == 1 and triton.cdiv(window, num_splits) <= 64:
-        # A decode split of at most 64 keys: two 32-key tiles in flight beat one of 64 (10.1 -> 9.4 us, batch 1).
-        cfg.update(block_n=32, num_stages=2)
-    if not config and q.dtype == torch.float32 and not INTERPRET:
-        cfg.update(block_n=16, num_stages=1)  # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
+    if not config:
+        if window > 0 and max_q_len == 1 and triton.cdiv(window, num_splits) <= 64:
+            # A decode split of at most 64 keys: two 32-key tiles in flight beat one of 64 (10.1 -> 9.4 us).
+            cfg.update(block_n=32, num_stages=2)
+        if q.dtype == torch.float32 and not INTERPRET:
+            cfg.update(block_n=16, num_stages=1)  # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
     if num_splits > 1:
         part_o = torch.empty(T, nh, num_splits, hd, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
