@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True,
                         help="Stop drafting at batch sizes where a verify + draft step costs more than the measured "
                              "acceptance gains (step costs are measured on the CUDA graphs at start; default: on).")
-    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
     engine.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="Queue the next decode step before reading the current one's tokens, so host work "

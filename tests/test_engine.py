@@ -762,3 +762,15 @@ def test_text_prompts_start_with_bos(tiny_checkpoints):
     assert out.prompt_token_ids[0] == 2 and out.prompt_token_ids[1] != 2
     again = llm.generate(["<bos>Hello world"], SamplingParams(max_tokens=1, temperature=0.0))[0]
     assert again.prompt_token_ids == out.prompt_token_ids
+
+
+def test_attention_backend_choice_on_cpu():
+    """auto is the torch reference off CUDA; FlashInfer (an optional extra, CUDA only) is refused with a clear
+    error, never half-used."""
+    from gemma4serve.attention.torch_backend import TorchAttention
+    from gemma4serve.config import ConfigError
+    from gemma4serve.engine.models import make_attention_backend
+
+    assert isinstance(make_attention_backend("auto", torch.device("cpu")), TorchAttention)
+    with pytest.raises(ConfigError, match="flashinfer"):
+        make_attention_backend("flashinfer", torch.device("cpu"))

@@ -25,6 +25,16 @@ from gemma4serve.config import FULL, SLIDING
 
 
 @dataclass
+class HostBatch:
+    """Host copies of an eager step's layout, for a backend that plans on the host (FlashInfer): the query rows
+    of each group, the keys its last query sees (its last position + 1), and the page tables per kind."""
+
+    cu_seqlens_q: torch.Tensor  # [G+1] int32
+    kv_len: torch.Tensor  # [G] int32
+    page_table: dict  # kind -> [G, max_pages] int32
+
+
+@dataclass
 class AttentionMetadata:
     token_seq: torch.Tensor  # [T] int32: the page-table row of query token t
     kv_end: torch.Tensor  # [T] int32: exclusive end position of the keys token t sees
@@ -33,6 +43,7 @@ class AttentionMetadata:
     window: dict  # kind -> visible keys ending at kv_end (0 = unlimited)
     cu_seqlens_q: torch.Tensor  # [G+1] int32: query rows cu[g]:cu[g+1] are one sequence's consecutive tokens
     max_q_len: int  # host-side bound on the rows of one group (grid sizing)
+    host: HostBatch | None = None  # eager target steps only (graphed and drafter steps have none)
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +76,8 @@ def page_tables(pages: list) -> dict:
 
 
 def causal_metadata(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, window: dict,
-                    cu_seqlens_q: torch.Tensor, max_q_len: int, page_size: int) -> AttentionMetadata:
+                    cu_seqlens_q: torch.Tensor, max_q_len: int, page_size: int,
+                    host: HostBatch | None = None) -> AttentionMetadata:
     """Metadata of a target pass, derived on the device: each token sees keys up to its own position and
     writes its K/V to the slot its page table maps its position to."""
     rows = token_seq.long()
@@ -77,4 +89,5 @@ def causal_metadata(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, wi
         window=window,
         cu_seqlens_q=cu_seqlens_q,
         max_q_len=max_q_len,
+        host=host,
     )

@@ -23,7 +23,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.90  # fraction of total GPU memory the engine may use (weights + KV)
     kv_cache_memory: int | None = None  # bytes for KV pages; overrides gpu_memory_utilization
     kv_cache_tokens: int | None = None  # test knob: the full pool's capacity in tokens
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
+    # auto: triton on CUDA (prefill through flashinfer when that extra is installed), torch elsewhere
+    attention_backend: str = "auto"  # | torch | triton | flashinfer
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = True  # queue the next decode step before reading the current one's tokens
     seed: int = 0  # seeds dummy weights and the per-request seeds drawn when a request gives none

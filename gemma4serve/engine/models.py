@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass
@@ -73,9 +74,12 @@ def _load(module, path: Path | None, args: EngineArgs, device, dtype, what: str)
     log.info("%s: %.1fM parameters loaded in %.1fs", what, n / 1e6, time.monotonic() - t0)
 
 
-def make_attention_backend(name: str, device: torch.device):
-    if name == "auto":  # the Triton kernels are the fast path on CUDA; torch is the reference everywhere
+def make_attention_backend(name: str, device: torch.device, cfg=None, page_size: int = 16, dtype=None):
+    if name == "auto":  # the Triton kernels are the fast path on CUDA (with FlashInfer's prefill when it is
+        # installed: measured faster, docs/performance.md); torch is the reference everywhere
         name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton" and dtype == torch.bfloat16 and importlib.util.find_spec("flashinfer") is not None:
+            name = "flashinfer"
     if name == "torch":
         from gemma4serve.attention.torch_backend import TorchAttention
 
@@ -84,7 +88,18 @@ def make_attention_backend(name: str, device: torch.device):
         from gemma4serve.attention.triton_backend import TritonAttention
 
         return TritonAttention()
-    raise ConfigError(f"attention backend {name!r} is not supported (auto, torch, triton)")
+    if name == "flashinfer":
+        if device.type != "cuda" or importlib.util.find_spec("flashinfer") is None:
+            raise ConfigError("attention backend 'flashinfer' needs CUDA and the flashinfer extra "
+                              "(pip install 'gemma4serve[flashinfer]')")
+        from gemma4serve.attention.flashinfer_backend import FlashInferAttention
+
+        layouts = {}
+        for kind in (SLIDING, FULL):
+            hd, nkv = cfg.kind_spec(kind)
+            layouts[kind] = (cfg.num_heads, nkv, hd)
+        return FlashInferAttention(device, layouts, page_size)
+    raise ConfigError(f"attention backend {name!r} is not supported (auto, torch, triton, flashinfer)")
 
 
 def _kv_budget(args: EngineArgs, device: torch.device) -> int | None:
@@ -141,7 +156,8 @@ def load_models(args: EngineArgs) -> ModelState:
         plan.bytes / 2**30, plan.full_pages - 1, (plan.full_pages - 1) * args.page_size, plan.sliding_pages - 1,
         plan.max_model_len,
     )
+    attn = make_attention_backend(args.attention_backend, device, cfg, args.page_size, dtype)
     return ModelState(
-        target=target, draft=draft, kv=kv, kv_plan=plan, attn=make_attention_backend(args.attention_backend, device),
+        target=target, draft=draft, kv=kv, kv_plan=plan, attn=attn,
         device=device, dtype=dtype, page_size=args.page_size, target_dir=target_dir, draft_dir=draft_dir,
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gemma4serve.attention.metadata import causal_metadata, page_tables, to_device
+from gemma4serve.attention.metadata import HostBatch, causal_metadata, page_tables, to_device
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import ModelState
@@ -118,10 +118,14 @@ class ModelRunner:
         dev = self.s.device
         ids, positions, token_seq, cu = pack_chunks(chunks)
         pos_t = to_device(torch.tensor(positions, dtype=torch.int64), dev)
-        tables = {kind: to_device(t, dev) for kind, t in page_tables([ch.seq.pages for ch in chunks]).items()}
+        host_tables = page_tables([ch.seq.pages for ch in chunks])
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        kv_len = torch.tensor([ch.start + ch.num_query for ch in chunks], dtype=torch.int32)
+        host = HostBatch(cu_t, kv_len, host_tables)
         meta = causal_metadata(
-            to_device(torch.tensor(token_seq, dtype=torch.int32), dev), pos_t, tables, self.window,
-            to_device(torch.tensor(cu, dtype=torch.int32), dev), max(ch.num_query for ch in chunks), self.s.page_size,
+            to_device(torch.tensor(token_seq, dtype=torch.int32), dev), pos_t,
+            {kind: to_device(t, dev) for kind, t in host_tables.items()}, self.window, to_device(cu_t, dev),
+            max(ch.num_query for ch in chunks), self.s.page_size, host,
         )
         return to_device(torch.tensor(ids, dtype=torch.int64), dev), pos_t, meta
 

@@ -1,0 +1,123 @@
+"""Paged attention, our Triton kernel against FlashInfer (when installed), on the 31B's layer shapes.
+
+Prefill chunks (causal, with and without a cached prefix) through each backend's `forward`, exactly as the
+model calls it, and decode batches through FlashInfer's decode wrapper for comparison (the backend keeps
+decode on Triton). Eager launches, median of 20 after warm-up; `plan()` is host time per step, reported apart.
+The roofline is max(bytes / copy bandwidth, FLOPs / measured bf16 matmul rate).
+
+  pip install flashinfer-python  # the `flashinfer` extra; JIT-builds its kernels on first use (needs nvcc)
+  python bench/bench_attention_backends.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import copy_bandwidth  # noqa: E402
+from gemma4serve.attention.flashinfer_backend import FlashInferAttention, _plan  # noqa: E402
+from gemma4serve.attention.metadata import HostBatch, causal_metadata  # noqa: E402
+from gemma4serve.attention.triton_backend import TritonAttention  # noqa: E402
+from gemma4serve.config import FULL, SLIDING  # noqa: E402
+
+PAGE = 16
+LAYOUTS = {SLIDING: (32, 16, 256), FULL: (32, 4, 512)}  # the 31B: (q heads, kv heads, head_dim)
+WINDOW = {SLIDING: 1024, FULL: 0}
+
+
+def median_us(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(ts)
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    return 2 * 8192**3 / (median_us(lambda: a @ a, 10) * 1e-6)
+
+
+def make_step(kind: str, seqs: int, q_len: int, ctx: int):
+    """seqs sequences, each with q_len new tokens ending at position ctx (the earlier keys are cached)."""
+    nh, nkv, hd = LAYOUTS[kind]
+    pages = -(-ctx // PAGE)
+    k = torch.randn(seqs * pages + 1, PAGE, nkv, hd, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    table = (1 + torch.arange(seqs * pages, dtype=torch.int32)).view(seqs, pages)
+    q = torch.randn(seqs * q_len, nh, hd, dtype=torch.bfloat16, device="cuda")
+    pos = (ctx - q_len + torch.arange(q_len)).repeat(seqs)
+    cu = torch.arange(seqs + 1, dtype=torch.int32) * q_len
+    host = HostBatch(cu, torch.full((seqs,), ctx, dtype=torch.int32), {kind: table})
+    meta = causal_metadata(torch.arange(seqs, dtype=torch.int32).repeat_interleave(q_len).cuda(), pos.cuda(),
+                           {kind: table.cuda()}, WINDOW, cu.cuda(), q_len, PAGE, host)
+    keys = min(ctx, WINDOW[kind] or ctx)
+    visible = sum(min(p + 1, WINDOW[kind] or p + 1) for p in range(ctx - q_len, ctx)) * seqs
+    flops = 4 * nh * hd * visible
+    bytes_ = 2 * (seqs * keys * nkv * hd * 2 + 2 * q.numel())
+    return q, k, v, meta, flops, bytes_
+
+
+def main() -> None:
+    import flashinfer
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}")
+    bw, rate = copy_bandwidth(torch.device("cuda")), matmul_rate()
+    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    triton_attn = TritonAttention()
+    fi = FlashInferAttention(torch.device("cuda"), LAYOUTS, PAGE)
+    print("\n| layer | sequences x new tokens @ context | roofline us | Triton us | FlashInfer us | plan() ms "
+          "| rel diff |")
+    print("|---|---|---|---|---|---|---|")
+    for kind in (SLIDING, FULL):
+        for seqs, q_len, ctx in [(1, 1000, 1000), (2, 1024, 1024), (1, 2048, 6144), (8, 1, 1128), (32, 1, 1128)]:
+            q, k, v, meta, flops, bytes_ = make_step(kind, seqs, q_len, ctx)
+            roof = max(bytes_ / bw, flops / rate) * 1e6
+            ref = triton_attn.forward(q, k, v, meta, kind)
+            t_triton = median_us(lambda: triton_attn.forward(q, k, v, meta, kind))
+            nh, nkv, hd = LAYOUTS[kind]
+            try:
+                if q_len == 1:  # FlashInfer's decode wrapper (the backend itself keeps decode on Triton)
+                    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True)
+                    host = meta.host
+                    pages = (host.kv_len + PAGE - 1) // PAGE
+                    t0 = time.perf_counter()
+                    w.plan(torch.cat([torch.zeros(1, dtype=torch.int32), pages.cumsum(0).int()]),
+                           host.page_table[kind].flatten(), host.kv_len - (pages - 1) * PAGE, nh, nkv, hd, PAGE,
+                           window_left=WINDOW[kind] - 1 if WINDOW[kind] else -1, sm_scale=1.0,
+                           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                    plan_ms = (time.perf_counter() - t0) * 1e3
+                    run = lambda: w.run(q, (k, v))  # noqa: E731
+                elif kind in fi.wrappers:
+                    t0 = time.perf_counter()
+                    _plan(fi.wrappers[kind], meta, kind, nh, nkv, hd, PAGE, torch.bfloat16)
+                    plan_ms = (time.perf_counter() - t0) * 1e3
+                    fi.planned[kind] = meta.host
+                    run = lambda: fi.forward(q, k, v, meta, kind)  # noqa: E731
+                else:
+                    raise RuntimeError("no FlashInfer prefill kernel for this head_dim")
+                out = run()
+                diff = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                t_fi, cells = median_us(run), None
+            except Exception as e:  # noqa: BLE001
+                cells = f"– ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
+            fi_cols = f"{cells} | – | –" if cells else f"{t_fi:.1f} | {plan_ms:.2f} | {diff:.1e}"
+            print(f"| {kind} hd{hd} | {seqs} x {q_len} @ {ctx} | {roof:.1f} | {t_triton:.1f} | {fi_cols} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

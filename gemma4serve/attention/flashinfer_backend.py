@@ -1,0 +1,89 @@
+"""FlashInfer's paged prefill kernels for the eager multi-token target steps (prefill chunks, mixed steps).
+
+Chosen by measurement (docs/performance.md, `bench/bench_attention_backends.py`): on the 31B's sliding layers
+(head_dim 256) FlashInfer's prefill ran 2.1-2.3x faster than our Triton kernel. Everything else stays on the
+Triton kernels: decode, verification and the draft loop run inside CUDA graphs and, under async scheduling,
+without host-side sequence lengths, which FlashInfer's `plan()` needs before every step (its decode kernel was
+also 1.7x slower at batch 32); and the full layers' head_dim 512 has no FlashInfer prefill kernel on Hopper
+(0.6.1: the FA3 build fails, FA2 rejects the configuration). A head_dim whose kernel fails to build or run in
+the warm-up (no CUDA compiler, say) falls back to Triton too, so installing the extra can never break serving.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gemma4serve.attention.metadata import AttentionMetadata
+from gemma4serve.attention.triton_backend import TritonAttention
+
+log = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 128 << 20
+HEAD_DIMS = (64, 128, 256)  # FlashInfer's prefill head dims on Hopper
+
+
+class FlashInferAttention(TritonAttention):
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device, layouts: dict, page_size: int):
+        """layouts: kind -> (num_q_heads, num_kv_heads, head_dim) of the model's layer types."""
+        import flashinfer
+
+        self.page_size = page_size
+        self.wrappers = {}  # kind -> a prefill wrapper, for the kinds whose head_dim FlashInfer runs
+        self.planned = {}  # kind -> the HostBatch the wrapper was last planned for
+        for kind, (nh, nkv, hd) in layouts.items():
+            if hd not in HEAD_DIMS:
+                continue
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD")
+            try:  # builds (JIT, once per machine) or loads the kernel now, not in the middle of serving
+                _warm_up(w, device, nh, nkv, hd, page_size)
+            except Exception as e:  # noqa: BLE001 - any build or launch failure means: Triton serves it
+                log.warning("FlashInfer prefill for %s layers (head_dim %d) unavailable, Triton serves them: %s",
+                            kind, hd, (str(e).splitlines() or [type(e).__name__])[0][:200])
+                continue
+            self.wrappers[kind] = w
+        log.info("attention: FlashInfer prefill for %s layers, Triton for the rest",
+                 ", ".join(sorted(self.wrappers)) or "no")
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                kind: str) -> torch.Tensor:
+        w = self.wrappers.get(kind)
+        if w is None or meta.host is None or meta.max_q_len == 1 or q.dtype != torch.bfloat16:
+            return super().forward(q, k_cache, v_cache, meta, kind)
+        if self.planned.get(kind) is not meta.host:  # once per step and kind, not per layer
+            _plan(w, meta, kind, q.shape[1], k_cache.shape[2], q.shape[2], self.page_size, q.dtype)
+            self.planned[kind] = meta.host
+        return w.run(q, (k_cache, v_cache))
+
+
+def _plan(w, meta: AttentionMetadata, kind: str, nh: int, nkv: int, hd: int, page_size: int, dtype) -> None:
+    host = meta.host
+    pages = (host.kv_len + page_size - 1) // page_size
+    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
+    torch.cumsum(pages, 0, out=indptr[1:])
+    table = host.page_table[kind]
+    indices = torch.cat([table[g, : int(n)] for g, n in enumerate(pages)])
+    last = host.kv_len - (pages - 1) * page_size
+    window = meta.window[kind]
+    # window = visible keys ending at the query's own position; FlashInfer counts the keys left of it
+    w.plan(host.cu_seqlens_q, indptr, indices, last.to(torch.int32), nh, nkv, hd, page_size, causal=True,
+           window_left=window - 1 if window else -1, sm_scale=1.0, q_data_type=dtype, kv_data_type=dtype)
+
+
+def _warm_up(w, device, nh: int, nkv: int, hd: int, page_size: int) -> None:
+    """Plan and run one small causal prefill of this shape (the JIT build happens here, once per machine)."""
+    from gemma4serve.attention.metadata import HostBatch
+
+    T = 2 * page_size
+    k = torch.zeros(3, page_size, nkv, hd, dtype=torch.bfloat16, device=device)
+    host = HostBatch(cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), kv_len=torch.tensor([T], dtype=torch.int32),
+                     page_table={"any": torch.tensor([[1, 2]], dtype=torch.int32)})
+    meta = AttentionMetadata(token_seq=None, kv_end=None, page_table=None, write_slot=None, window={"any": 0},
+                             cu_seqlens_q=None, max_q_len=T, host=host)
+    _plan(w, meta, "any", nh, nkv, hd, page_size, torch.bfloat16)
+    w.run(torch.zeros(T, nh, hd, dtype=torch.bfloat16, device=device), (k, k))
+    torch.cuda.synchronize(device)
