@@ -1,4 +1,4 @@
-"""Paged-attention bandwidth on the GPU: decode and 5-row verify at the 31B shapes.
+"""Paged-attention bandwidth on the GPU: decode, 5-row verify and 1024-token prefill chunks at the 31B shapes.
 
     python bench/bench_kernels.py            # the table
     python bench/bench_kernels.py --sweep --layers full --batches 1   # also search configs (slow: limit it)
@@ -28,6 +28,7 @@ SHAPES = {  # 31B: 32 query heads
 }
 PAGE = 16
 DT = torch.bfloat16
+PHASE_ROWS = {"decode": 1, "verify": 5, "prefill": 1024}  # query rows per sequence (prefill: one chunk)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -83,7 +84,7 @@ def parse_splits(text: str) -> tuple[dict, ...]:
 
 
 def sweep(args, hd, group, rows, warps_opts=None, stages_opts=None, block_n_opts=(16, 32, 64),
-          split_opts=DEFAULT_SPLITS):
+          split_opts=DEFAULT_SPLITS, block_t_opts=None):
     """Tile configs and split counts around the defaults; returns [(ms, settings)], fastest first. Warps and
     stages not given stay the engine's default for the case.
 
@@ -93,10 +94,14 @@ def sweep(args, hd, group, rows, warps_opts=None, stages_opts=None, block_n_opts
     base = attention_config(hd, group, rows)
     warps_opts = warps_opts or (base["num_warps"],)
     stages_opts = stages_opts or (base["num_stages"],)
+    block_t_opts = block_t_opts or (base["block_t"],)
     results = []
     out = torch.empty_like(args[0])
-    for block_n, warps, stages, split in itertools.product(block_n_opts, warps_opts, stages_opts, split_opts):
-        cfg = dict(base, block_n=block_n, num_warps=warps, num_stages=stages)
+    for block_t, block_n, warps, stages, split in itertools.product(block_t_opts, block_n_opts, warps_opts,
+                                                                    stages_opts, split_opts):
+        # query tokens per program (times the GQA group: the accumulator's rows)
+        cfg = dict(base, block_t=block_t, block_m=max(16, block_t * triton.next_power_of_2(group)), block_n=block_n,
+                   num_warps=warps, num_stages=stages)
         fn = lambda: paged_attention(*args, out=out, config=cfg, **split)  # noqa: E731
         try:
             fn()
@@ -104,7 +109,7 @@ def sweep(args, hd, group, rows, warps_opts=None, stages_opts=None, block_n_opts
             continue
         # Replayed from a CUDA graph, as the engine runs it: at batch 1 a launch costs more than the kernel.
         ms = do_bench_cudagraph(fn, rep=20)
-        results.append((ms, dict(block_n=block_n, num_warps=warps, num_stages=stages, **split)))
+        results.append((ms, dict(block_t=block_t, block_n=block_n, num_warps=warps, num_stages=stages, **split)))
     return sorted(results, key=lambda r: r[0])
 
 
@@ -121,6 +126,7 @@ def main():
     parser.add_argument("--stages", default="3,5", help="num_stages options of the sweep")
     parser.add_argument("--top", type=int, default=1, help="how many of the sweep's fastest settings to print")
     parser.add_argument("--block-n", default="16,32,64", help="block_n options of the sweep")
+    parser.add_argument("--block-t", help="query tokens per program options of the sweep (default: the engine's)")
     parser.add_argument("--splits", help='split settings of the sweep, "num_splits:min_split_keys,..." or "default"')
     a = parser.parse_args()
     options = dict(block_n_opts=tuple(map(int, a.block_n.split(","))))
@@ -128,6 +134,8 @@ def main():
         options.update(warps_opts=tuple(map(int, a.warps.split(","))), stages_opts=tuple(map(int, a.stages.split(","))))
     if a.splits:
         options.update(split_opts=parse_splits(a.splits))
+    if a.block_t:
+        options.update(block_t_opts=tuple(map(int, a.block_t.split(","))))
 
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -139,7 +147,7 @@ def main():
     for name in a.layers.split(","):
         shape = SHAPES[name]
         for phase in a.phases.split(","):
-            rows = {"decode": 1, "verify": 5}[phase]
+            rows = PHASE_ROWS[phase]
             for batch in map(int, a.batches.split(",")):
                 for ctx in map(int, a.contexts.split(",")):
                     args, nbytes = build(shape, batch, ctx, rows)

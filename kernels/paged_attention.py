@@ -154,6 +154,14 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
     The fp32 accumulator holds BLOCK_M x head_dim values, so wide heads get fewer rows per program.
     """
     group_p = next_pow2(group)
+    if max_q_len > 8:
+        # Prefill / extend chunks (`bench_kernels.py --phases prefill --sweep`, 1024-token chunk, H200): 64 rows
+        # per program and 32-key tiles, 3 stages; 8 warps only for the 512-wide tiles. Full layers 481 -> 310 us
+        # at 1k context and 2922 -> 1671 us at 4k; sliding layers 147 -> 118 us and 221 -> 155 us.
+        block_t = max(1, min(next_pow2(max_q_len), 64 // group_p))
+        block_m = max(16, block_t * group_p)
+        return dict(block_t=block_t, block_m=block_m, block_n=32,
+                    num_warps=8 if block_m * head_dim > 16384 else 4, num_stages=3)
     max_rows = 64 if head_dim <= 256 else 32
     block_t = max(1, min(next_pow2(max_q_len), max_rows // group_p))
     block_m = max(16, block_t * group_p)
@@ -164,7 +172,7 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
         # enough threads that the accumulator stays around 64 fp32 registers per thread (a 512-wide decode
         # tile of 16 rows runs faster on 4 warps than 8: 9.8 -> 9.3 us at batch 1, 45.5 -> 36.0 us at batch 8)
         num_warps=8 if block_m * head_dim >= 16384 else 4,
-        num_stages=3 if max_q_len <= 8 else 2,
+        num_stages=3,
     )
 
 
