@@ -11,7 +11,6 @@ The roofline is max(bytes / copy bandwidth, FLOPs / measured bf16 matmul rate).
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import copy_bandwidth  # noqa: E402
-from gemma4serve.attention.flashinfer_backend import FlashInferAttention, _plan  # noqa: E402
+from bench_step import copy_bandwidth, time_it  # noqa: E402
+from gemma4serve.attention.flashinfer_backend import FlashInferAttention, paged_kv, plan  # noqa: E402
 from gemma4serve.attention.metadata import HostBatch, causal_metadata  # noqa: E402
 from gemma4serve.attention.triton_backend import TritonAttention  # noqa: E402
 from gemma4serve.config import FULL, SLIDING  # noqa: E402
@@ -32,18 +31,7 @@ WINDOW = {SLIDING: 1024, FULL: 0}
 
 
 def median_us(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(ts)
+    return time_it(fn, iters) * 1e6  # (bench_step's timer, in seconds)
 
 
 def matmul_rate() -> float:
@@ -93,18 +81,15 @@ def main() -> None:
                 if q_len == 1:  # FlashInfer's decode wrapper (the backend itself keeps decode on Triton)
                     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                         torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True)
-                    host = meta.host
-                    pages = (host.kv_len + PAGE - 1) // PAGE
                     t0 = time.perf_counter()
-                    w.plan(torch.cat([torch.zeros(1, dtype=torch.int32), pages.cumsum(0).int()]),
-                           host.page_table[kind].flatten(), host.kv_len - (pages - 1) * PAGE, nh, nkv, hd, PAGE,
+                    w.plan(*paged_kv(meta.host, kind, PAGE), nh, nkv, hd, PAGE,
                            window_left=WINDOW[kind] - 1 if WINDOW[kind] else -1, sm_scale=1.0,
                            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
                     plan_ms = (time.perf_counter() - t0) * 1e3
                     run = lambda: w.run(q, (k, v))  # noqa: E731
                 elif kind in fi.wrappers:
                     t0 = time.perf_counter()
-                    _plan(fi.wrappers[kind], meta, kind, nh, nkv, hd, PAGE, torch.bfloat16)
+                    plan(fi.wrappers[kind], meta, kind, nh, nkv, hd, PAGE, torch.bfloat16)
                     plan_ms = (time.perf_counter() - t0) * 1e3
                     fi.planned[kind] = meta.host
                     run = lambda: fi.forward(q, k, v, meta, kind)  # noqa: E731

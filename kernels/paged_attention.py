@@ -151,7 +151,8 @@ def _merge_kernel(
 def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
     """Tile shapes by head dim and phase. Starting points to tune on the GPU (bench/bench_kernels.py).
 
-    The fp32 accumulator holds BLOCK_M x head_dim values, so wide heads get fewer rows per program.
+    The fp32 accumulator holds BLOCK_M x head_dim values, so in decode and verification wide heads get fewer
+    rows per program; prefill chunks (more than 8 query rows) have their own measured tiles.
     """
     group_p = next_pow2(group)
     if max_q_len > 8:

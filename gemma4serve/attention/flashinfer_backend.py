@@ -6,8 +6,8 @@ retuned, which gained 1.2-1.4x back). Everything else stays on the Triton kernel
 the draft loop run inside CUDA graphs and, under async scheduling, without host-side sequence lengths, which
 FlashInfer's `plan()` needs before every step (its decode kernel was also 1.7x slower at batch 32); and the
 full layers' head_dim 512 has no FlashInfer prefill kernel on Hopper (0.6.1: the FA3 build fails, FA2
-rejects the configuration). A head_dim whose kernel fails to build or run in
-the warm-up (no CUDA compiler, say) falls back to Triton too, so installing the extra can never break serving.
+rejects the configuration). A head_dim whose kernel fails to build or run in the warm-up (no CUDA compiler,
+say) falls back to Triton too, so installing the extra can never break serving.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from gemma4serve.attention.metadata import AttentionMetadata
+from gemma4serve.attention.metadata import AttentionMetadata, HostBatch
 from gemma4serve.attention.triton_backend import TritonAttention
 
 log = logging.getLogger(__name__)
@@ -56,35 +56,39 @@ class FlashInferAttention(TritonAttention):
         if w is None or meta.host is None or meta.max_q_len == 1 or q.dtype != torch.bfloat16:
             return super().forward(q, k_cache, v_cache, meta, kind)
         if self.planned.get(kind) is not meta.host:  # once per step and kind, not per layer
-            _plan(w, meta, kind, q.shape[1], k_cache.shape[2], q.shape[2], self.page_size, q.dtype)
+            plan(w, meta, kind, q.shape[1], k_cache.shape[2], q.shape[2], self.page_size, q.dtype)
             self.planned[kind] = meta.host
         return w.run(q, (k_cache, v_cache))
 
 
-def _plan(w, meta: AttentionMetadata, kind: str, nh: int, nkv: int, hd: int, page_size: int, dtype) -> None:
-    host = meta.host
+def paged_kv(host: HostBatch, kind: str, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's paged-KV description of a step: (pages per group as offsets, the groups' pages in order,
+    the used slots of each group's last page)."""
     pages = (host.kv_len + page_size - 1) // page_size
     indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
     torch.cumsum(pages, 0, out=indptr[1:])
     table = host.page_table[kind]
     indices = torch.cat([table[g, : int(n)] for g, n in enumerate(pages)])
-    last = host.kv_len - (pages - 1) * page_size
+    return indptr, indices, host.kv_len - (pages - 1) * page_size
+
+
+def plan(w, meta: AttentionMetadata, kind: str, nh: int, nkv: int, hd: int, page_size: int, dtype) -> None:
+    """Plan a prefill wrapper for this step's layers of `kind` (host work, once per step)."""
+    indptr, indices, last = paged_kv(meta.host, kind, page_size)
     window = meta.window[kind]
     # window = visible keys ending at the query's own position; FlashInfer counts the keys left of it
-    w.plan(host.cu_seqlens_q, indptr, indices, last.to(torch.int32), nh, nkv, hd, page_size, causal=True,
+    w.plan(meta.host.cu_seqlens_q, indptr, indices, last, nh, nkv, hd, page_size, causal=True,
            window_left=window - 1 if window else -1, sm_scale=1.0, q_data_type=dtype, kv_data_type=dtype)
 
 
 def _warm_up(w, device, nh: int, nkv: int, hd: int, page_size: int) -> None:
     """Plan and run one small causal prefill of this shape (the JIT build happens here, once per machine)."""
-    from gemma4serve.attention.metadata import HostBatch
-
     T = 2 * page_size
     k = torch.zeros(3, page_size, nkv, hd, dtype=torch.bfloat16, device=device)
     host = HostBatch(cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), kv_len=torch.tensor([T], dtype=torch.int32),
                      page_table={"any": torch.tensor([[1, 2]], dtype=torch.int32)})
     meta = AttentionMetadata(token_seq=None, kv_end=None, page_table=None, write_slot=None, window={"any": 0},
                              cu_seqlens_q=None, max_q_len=T, host=host)
-    _plan(w, meta, "any", nh, nkv, hd, page_size, torch.bfloat16)
+    plan(w, meta, "any", nh, nkv, hd, page_size, torch.bfloat16)
     w.run(torch.zeros(T, nh, hd, dtype=torch.bfloat16, device=device), (k, k))
     torch.cuda.synchronize(device)
