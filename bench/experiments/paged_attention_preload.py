@@ -1,0 +1,302 @@
+"""Paged attention over the shared layout of `gemma4serve/attention/metadata.py`, one kernel for every phase.
+
+Prefill/extend chunks, single-token decode, k+1-row causal verification and the drafter's query-only reads all
+go through `paged_attention`: query token t (of page-table row `token_seq[t]`) attends to the keys at positions
+[max(0, kv_end[t] - window), kv_end[t]) read through the page table. Gemma 4 numerics: scaling 1.0, no
+softcap, GQA with contiguous head groups, softmax in fp32 (online, exp2 domain), output in q's dtype.
+
+Work split. A program owns one KV head of one sequence group (rows cu_seqlens_q[g]:cu_seqlens_q[g+1]), a
+block of BLOCK_T consecutive query tokens of that group and all GROUP query heads that share the KV head, so
+every K/V tile is read once for BLOCK_T * GROUP query rows (the rows of the tl.dot). The KV range of the block
+[min start, max end) is split across num_splits programs (flash-decoding) when the grid would otherwise be too
+small to fill the GPU (batch-1 decode of a long context); a second kernel merges the partial results through
+their log-sum-exp. The grid depends only on host ints (groups, max_q_len, heads, splits): the loop bounds come
+from the metadata tensors, so there is no host synchronisation and the launch can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
+
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
+
+
+@triton.jit
+def _tile(b, lo, hi, table_row, kvh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+          BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Key tile b: its positions, which of them lie in [lo, hi), and their K and V row offsets. Keys outside
+    [lo, hi) are neither looked up nor loaded: their table entries may be the null page (freed sliding pages)
+    or lie past the end of the table row."""
+    pos = b * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (pos >= lo) & (pos < hi)
+    page = tl.load(table_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+    in_page = pos % PAGE
+    return pos, ok, page * stride_kp + in_page * stride_ks + kvh * stride_kh, page * stride_vp + in_page * stride_vs + kvh * stride_vh
+
+
+@triton.jit
+def _attend(q, k, v, pos, start, end, m_i, l_i, acc, DOT_FP32: tl.constexpr):
+    """One key tile into the online softmax: returns the updated (max, sum, accumulator)."""
+    if DOT_FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    visible = (pos[None, :] < end[:, None]) & (pos[None, :] >= start[:, None])
+    s = tl.where(visible, s * LOG2E, float("-inf"))  # scaling 1.0 (q_norm/k_norm replace 1/sqrt(d))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        pv = tl.dot(round_to(p, v.dtype), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+# Arguments that change from step to step are not specialised (Triton would compile a variant per value ==1 /
+# divisible by 16, each a multi-second stall while serving): the window (the target's W, the drafter's W_a + 1),
+# the split count, and the page-table width of an eager step.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_table"])
+def _attn_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+    token_seq_ptr, kv_end_ptr, table_ptr, cu_ptr,
+    window, num_q_heads, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_table,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_BLOCKS: tl.constexpr, PRELOAD: tl.constexpr, DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    g = tl.program_id(0)
+    kvh = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    first_row = tl.load(cu_ptr + g)
+    row0 = first_row + tl.program_id(1) * BLOCK_T
+    row_end = tl.load(cu_ptr + g + 1)
+    if row0 >= row_end:
+        return
+
+    # Rows of the dot: token-major, GROUP_P head slots per token (padding slots and tokens are masked).
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = row0 + offs_m // GROUP_P
+    slot = offs_m % GROUP_P
+    row_ok = (offs_m // GROUP_P < BLOCK_T) & (tok < row_end) & (slot < GROUP)
+    tok = tl.where(row_ok, tok, row0).to(tl.int64)
+    head = kvh * GROUP + tl.where(row_ok, slot, 0)
+    end = tl.load(kv_end_ptr + tok)
+    start = tl.where(window > 0, tl.maximum(end - window, 0), 0)
+    hi = tl.max(tl.where(row_ok, end, 0), axis=0)
+    lo = tl.min(tl.where(row_ok, start, hi), axis=0)
+
+    # This program's share of the key blocks (absolute BLOCK_N-aligned tiles covering [lo, hi)). Starting the
+    # tiles at lo instead makes an unaligned sliding window exactly 16 splits of 64 keys at batch 1 (10.5 -> 9.3
+    # us per layer) but costs more at batch 32 (E4B decode 5.16 -> 5.25 ms per step), so they stay aligned.
+    first = lo // BLOCK_N
+    n_blocks = tl.cdiv(hi, BLOCK_N) - first
+    per_split = tl.maximum(tl.cdiv(n_blocks, num_splits), MIN_BLOCKS)
+    b_lo = first + split * per_split
+    b_hi = tl.minimum(b_lo + per_split, first + n_blocks)
+    table_row = table_ptr + tl.load(token_seq_ptr + row0).to(tl.int64) * stride_table
+    d = tl.arange(0, HEAD_DIM)
+    if PRELOAD:
+        # Decode, verification and the draft loop are short: start reading the first K/V tile before waiting
+        # on the kernel just before (the qkv epilogue), so the read overlaps it. Only this step's own keys
+        # depend on that kernel; they are read again below.
+        pos0, ok0, k_off0, v_off0 = _tile(b_lo, lo, hi, table_row, kvh, stride_kp, stride_ks, stride_kh,
+                                          stride_vp, stride_vs, stride_vh, BLOCK_N, PAGE)
+        k0 = tl.load(k_ptr + k_off0[:, None] + d[None, :], mask=ok0[:, None], other=0.0)
+        v0 = tl.load(v_ptr + v_off0[:, None] + d[None, :], mask=ok0[:, None], other=0.0)
+
+    # All of the above reads what was written before the step or by earlier kernels; q and the step's new keys
+    # come from the kernel just before, so wait for it only now.
+    wait_for_producer(PDL)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    b_next = b_lo
+    if PRELOAD:
+        # The group's tokens wrote their keys at positions kv_end - 1 from its first token on.
+        fresh = ok0 & (pos0 >= tl.load(kv_end_ptr + first_row) - 1)
+        k0 = tl.where(fresh[:, None], tl.load(k_ptr + k_off0[:, None] + d[None, :], mask=fresh[:, None]), k0)
+        v0 = tl.where(fresh[:, None], tl.load(v_ptr + v_off0[:, None] + d[None, :], mask=fresh[:, None]), v0)
+        m_i, l_i, acc = _attend(q, k0, v0, pos0, start, end, m_i, l_i, acc, DOT_FP32)
+        b_next += 1
+    for b in range(b_next, b_hi):
+        pos, ok, k_off, v_off = _tile(b, lo, hi, table_row, kvh, stride_kp, stride_ks, stride_kh,
+                                      stride_vp, stride_vs, stride_vh, BLOCK_N, PAGE)
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        m_i, l_i, acc = _attend(q, k, v, pos, start, end, m_i, l_i, acc, DOT_FP32)
+
+    has = l_i > 0.0  # a row with no visible key (never scheduled) yields zeros, not NaN
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if not SPLIT:
+        o = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        DT: tl.constexpr = o_ptr.dtype.element_ty
+        tl.store(o, round_to(out, DT).to(DT), mask=row_ok[:, None])
+    else:
+        # Partials [T, num_q_heads, num_splits, (HEAD_DIM)]: every split writes its lse (-inf when empty), the
+        # normalised output only where it saw a key; the merge reads outputs only where lse is finite.
+        part = (tok * num_q_heads + head) * num_splits + split
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=(row_ok & has)[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr, num_q_heads, num_splits, stride_ot, stride_oh,
+    SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_producer(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    d = tl.arange(0, HEAD_DIM)
+    part = (t * num_q_heads + h) * num_splits + s
+    lse = tl.load(part_lse_ptr + part, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    seen = lse > float("-inf")
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=seen[:, None], other=0.0)
+    den = tl.sum(w, axis=0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+    DT: tl.constexpr = o_ptr.dtype.element_ty
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + d, round_to(out, DT).to(DT))
+
+
+def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
+    """Tile shapes by head dim and phase. Starting points to tune on the GPU (bench/bench_kernels.py).
+
+    The fp32 accumulator holds BLOCK_M x head_dim values, so in decode and verification wide heads get fewer
+    rows per program; prefill chunks (more than 8 query rows) have their own measured tiles.
+    """
+    group_p = next_pow2(group)
+    if max_q_len > 8:
+        # Prefill / extend chunks (`bench_kernels.py --phases prefill --sweep`, 1024-token chunk, H200): 64 rows
+        # per program and 32-key tiles, 3 stages; 8 warps only for the 512-wide tiles. Full layers 481 -> 310 us
+        # at 1k context and 2922 -> 1671 us at 4k; sliding layers 147 -> 118 us and 221 -> 155 us.
+        block_t = max(1, min(next_pow2(max_q_len), 64 // group_p))
+        block_m = max(16, block_t * group_p)
+        return dict(block_t=block_t, block_m=block_m, block_n=32,
+                    num_warps=8 if block_m * head_dim > 16384 else 4, num_stages=3)
+    max_rows = 64 if head_dim <= 256 else 32
+    block_t = max(1, min(next_pow2(max_q_len), max_rows // group_p))
+    block_m = max(16, block_t * group_p)
+    return dict(
+        block_t=block_t,
+        block_m=block_m,
+        block_n=64 if head_dim <= 256 else 32,
+        # enough threads that the accumulator stays around 64 fp32 registers per thread (a 512-wide decode
+        # tile of 16 rows runs faster on 4 warps than 8: 9.8 -> 9.3 us at batch 1, 45.5 -> 36.0 us at batch 8)
+        num_warps=8 if block_m * head_dim >= 16384 else 4,
+        num_stages=3,
+    )
+
+
+def split_limits(window: int, max_q_len: int) -> tuple[int, int]:
+    """(most KV splits, fewest keys per split), from `bench/bench_kernels.py --sweep` on an H200 (graph replay).
+    A sliding layer's queries see window + q - 1 keys, split in up to 128-key pieces: more only launch programs
+    that find nothing and widen the merge. Decode splits the window in 64-key pieces (16 at batch 1: 11.5 -> 9.4
+    us per layer; decode got faster at batch 1, 8 and 32 on every model); verification keeps 128 (64 made E4B's
+    batch-32 verify step slower, 6.73 -> 6.82 ms). Full layers decode fastest with short 32-key splits (18 -> 10
+    us at 1k keys, 21 -> 18 us at 4k); their verify tiles hold 4 tokens x 8 heads of 512 dims, one program per
+    SM, so at most 16 splits (one wave at batch 1: 33.6 -> 15.9 us at 1k keys, 149 -> 91 us at 16k)."""
+    if window > 0:
+        import os
+        dk = int(os.environ.get("EXP_DECODE_KEYS", "64"))
+        return (max(1, window // dk), dk) if max_q_len == 1 else (triton.cdiv(window + max_q_len - 1, 128), 128)
+    return (32, 32) if max_q_len == 1 else (16, 64)
+
+
+def choose_splits(programs: int, device: torch.device, max_splits: int = 64) -> int:
+    """Enough KV splits for about two waves of programs; 1 when the batch already fills the GPU."""
+    target = 2 * sm_count(device)
+    if programs >= target:
+        return 1
+    return min(max_splits, next_pow2(triton.cdiv(target, programs)))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, nh, hd]
+    k_cache: torch.Tensor,  # [num_pages, page_size, nkv, hd]
+    v_cache: torch.Tensor,
+    token_seq: torch.Tensor,  # [T] int32
+    kv_end: torch.Tensor,  # [T] int32
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    cu_seqlens_q: torch.Tensor,  # [G+1] int32
+    max_q_len: int,
+    window: int,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    min_split_keys: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    T, nh, hd = q.shape
+    page_size, nkv = k_cache.shape[1], k_cache.shape[2]
+    assert nh % nkv == 0 and hd >= 16 and hd & (hd - 1) == 0, "head_dim must be a power of two >= 16"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert page_table.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    G = cu_seqlens_q.shape[0] - 1
+    if T == 0 or G == 0:
+        return out
+    group = nh // nkv
+    cfg = attention_config(hd, group, max_q_len)
+    if config:  # a benchmark's explicit tiles
+        cfg.update(config)
+        if "block_m" not in config:
+            cfg["block_m"] = max(16, cfg["block_t"] * next_pow2(group))
+    assert cfg["block_m"] >= cfg["block_t"] * next_pow2(group)
+    q_blocks = triton.cdiv(max(1, max_q_len), cfg["block_t"])
+    max_splits, default_min_keys = split_limits(window, max_q_len)
+    min_split_keys = min_split_keys or default_min_keys
+    if num_splits is None:
+        num_splits = choose_splits(G * q_blocks * nkv, q.device, max_splits)
+    if not config:
+        if window > 0 and max_q_len == 1 and triton.cdiv(window, num_splits) <= 64:
+            # A decode split of at most 64 keys: two 32-key tiles in flight beat one of 64 (10.1 -> 9.4 us).
+            cfg.update(block_n=32, num_stages=2)
+        if q.dtype == torch.float32 and not INTERPRET:
+            cfg.update(block_n=16, num_stages=1)  # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
+    if num_splits > 1:
+        part_o = torch.empty(T, nh, num_splits, hd, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # never touched
+    _attn_kernel[(G, q_blocks, nkv * num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        token_seq, kv_end, page_table, cu_seqlens_q,
+        int(window), nh, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0),
+        GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=hd, PAGE=page_size,
+        BLOCK_T=cfg["block_t"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        SPLIT=num_splits > 1, MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
+        PRELOAD=max_q_len <= 8 and __import__('os').environ.get('EXP_PRELOAD', '1') == '1', DOT_FP32=dot_in_fp32(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q.device),
+    )
+    if num_splits > 1:
+        _merge_kernel[(T, nh)](
+            part_o, part_lse, out, nh, num_splits, out.stride(0), out.stride(1),
+            SPLITS_P=8 if num_splits <= 8 else next_pow2(num_splits), HEAD_DIM=hd,
+            num_warps=4 if hd <= 256 else 8, **pdl_args(q.device),
+        )
+    return out
