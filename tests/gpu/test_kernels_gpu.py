@@ -149,14 +149,17 @@ def _last_slots(meta, page_size, kv_end):
 
 
 @pytest.mark.parametrize("shape", ["sliding", "full"])
-def test_decode_step_cuda_graph(shape):
-    """write + attention of a batch-8 decode step captured once, replayed on new inputs: equal to eager."""
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_decode_step_cuda_graph(shape, q_len):
+    """write + attention of a batch-8 decode (q_len 1) or verify (5) step captured once, replayed on new inputs:
+    equal to eager. Before each replay the slots the step writes hold NaN: attention starts reading K/V before
+    its producer (the write) finishes, so it must read this step's own keys again after waiting."""
     backend = TritonAttention()
-    # The pool holds 800 positions past each decode row, so later steps can move kv_end forward in place
-    # (moving it back would put the sliding window on pages the builder freed).
-    q, kc, vc, meta = _batch(shape, [(L + 800, [L]) for L in _contexts(8, seed=2)])
-    nkv, hd = kc.shape[2], kc.shape[3]
-    k_new = torch.randn(8, nkv, hd, device=DEV).to(BF16)
+    # The pool holds 800 positions past each row, so later steps can move kv_end forward in place (moving it
+    # back would put the sliding window on pages the builder freed).
+    q, kc, vc, meta = _batch(shape, [(L + 800, list(range(L - q_len + 1, L + 1))) for L in _contexts(8, seed=2)])
+    T, nkv, hd = q.shape[0], kc.shape[2], kc.shape[3]
+    k_new = torch.randn(T, nkv, hd, device=DEV).to(BF16)
     v_new = torch.randn_like(k_new)
     slots = _last_slots(meta, 16, meta.kv_end)
 
@@ -182,6 +185,8 @@ def test_decode_step_cuda_graph(shape):
         kc_ref, vc_ref = kc.clone(), vc.clone()
         kv_write(kc_ref, vc_ref, k_new, v_new, slots)
         eager = backend.forward(q, kc_ref, vc_ref, meta, KIND)
+        kc.view(-1, nkv, hd)[slots] = float("nan")
+        vc.view(-1, nkv, hd)[slots] = float("nan")
         graph.replay()
         torch.cuda.synchronize()
         # page 0 is the NaN-filled null page (NaN != NaN): it must stay untouched, the rest equal
