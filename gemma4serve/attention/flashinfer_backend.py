@@ -2,8 +2,8 @@
 
 Chosen by measurement (docs/performance.md, `bench/bench_attention_backends.py`): on the 31B's sliding layers
 (head_dim 256) FlashInfer's prefill runs 1.5x faster than our Triton kernel (2.1-2.3x before our prefill tiles
-were retuned). Everything else stays on the Triton kernels: decode, verification and
-the draft loop run inside CUDA graphs and, under async scheduling, without host-side sequence lengths, which
+were retuned). Everything else stays on the Triton kernels: decode, verification and the draft loop run
+inside CUDA graphs and, under async scheduling, without host-side sequence lengths, which
 FlashInfer's `plan()` needs before every step (its decode kernel was also 1.7x slower at batch 32); and the
 full layers' head_dim 512 has no FlashInfer prefill kernel on Hopper (0.6.1: the FA3 build fails, FA2
 rejects the configuration). A head_dim whose kernel fails to build or run in the warm-up (no CUDA compiler,
