@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from gemma4serve_kernels import attention_config, paged_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import copy_bandwidth  # noqa: E402
 
 SHAPES = {  # 31B: 32 query heads
     "full": dict(nh=32, nkv=4, hd=512, window=0),
@@ -29,13 +34,6 @@ SHAPES = {  # 31B: 32 query heads
 PAGE = 16
 DT = torch.bfloat16
 PHASE_ROWS = {"decode": 1, "verify": 5, "prefill": 1024}  # query rows per sequence (prefill: one chunk)
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    src = torch.empty(nbytes // 2, dtype=DT, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def build(shape: dict, batch: int, ctx: int, rows: int):
@@ -138,7 +136,7 @@ def main():
         options.update(block_t_opts=tuple(map(int, a.block_t.split(","))))
 
     torch.manual_seed(0)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s
     print(f"device: {torch.cuda.get_device_name()}   measured copy bandwidth: {bw:,.0f} GB/s\n")
     head = (f"{'layer':8s} {'phase':7s} {'batch':>5s} {'ctx':>6s} {'MB moved':>9s} {'us':>8s} {'GB/s':>7s} "
             f"{'% copy':>7s} {'graph us':>9s}")
