@@ -4,9 +4,10 @@ The 31B's 60 layers of projections (sliding-layer shapes) as one dependent chain
 gate_up + gelu·up (the GEMV's epilogue; cuBLAS then the activation kernel) -> down -> next layer, weights
 57.5 GB, captured once and replayed. Timing the chain, not single kernels, counts what matters at batch 1:
 the ramp and drain between consecutive GEMMs, which programmatic dependent launch (PDL) overlaps. First a
-tile sweep per shape, then the chains.
+tile sweep per shape, then the MLP pair as two GEMVs against gemv_mlp (down awaiting gate_up's flags) with a
+sweep of down's split-K tiles, then the chains.
 
-  python bench/bench_gemv.py [--rows 1 5 8 16]
+  python bench/bench_gemv.py [--rows 1 5 8 16] [--skip-shapes]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 import triton
 from gemma4serve_kernels import _common
 from gemma4serve_kernels.activation import gelu_tanh_mul
-from gemma4serve_kernels.gemv import gemv, splits_for
+from gemma4serve_kernels.gemv import gemv, gemv_mlp, mlp_down_config, splits_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import copy_bandwidth, time_it  # noqa: E402
@@ -34,6 +35,7 @@ SWEEP_ONLY = {  # the LM head, and the 31B drafter's projections (H 1024, I 8192
     "draft lm_head": (262144, 1024),
 }
 CONFIGS = list(itertools.product((32, 64, 128), (128, 256), (4,), (3, 4, 5)))
+MLP_DOWN_CONFIGS = list(itertools.product((32, 64, 128), (256,), (4,), (3, 4), (3, 4, 6, 7, 12)))
 
 
 def replay_ms(fn, iters: int = 10) -> float:
@@ -45,10 +47,39 @@ def replay_ms(fn, iters: int = 10) -> float:
     return time_it(graph.replay, iters) * 1e3
 
 
+def mlp_table(hidden: int, inter: int, M: int, bw: float) -> None:
+    """The MLP pair over 60 layers' weights (gate_up + GELU·up, then down) as two GEMVs, and as gemv_mlp with its
+    default and each swept down tile."""
+    ws = [(torch.empty(2 * inter, hidden, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02),
+           torch.empty(hidden, inter, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)) for _ in range(LAYERS)]
+    x = torch.randn(M, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
+    nbytes = LAYERS * 3 * inter * hidden * 2
+    us = lambda ms: ms * 1e3 / LAYERS  # noqa: E731
+
+    def row(label, ms):
+        print(f"| {label} | {us(ms):.1f} | {nbytes / ms / 1e9:.2f} | {100 * nbytes / bw / (ms / 1e3):.1f}% |",
+              flush=True)
+
+    print(f"\nMLP pair H {hidden}, I {inter} (gate_up with GELU·up, then down), M = {M}, µs per layer; roofline "
+          f"{us(nbytes / bw * 1e3):.1f} µs")
+    print("| impl (down: BN, BK, warps, stages, splits) | µs | TB/s | % of roofline |")
+    print("|---|---|---|---|")
+    row("two GEMVs (gemv_config)", replay_ms(lambda: [gemv(gemv(x, gu, glu=True), d) for gu, d in ws]))
+    row(f"gemv_mlp {mlp_down_config(hidden, inter, x.device)}", replay_ms(lambda: [gemv_mlp(x, gu, d) for gu, d in ws]))
+    ref = gemv(gemv(x, ws[0][0], glu=True), ws[0][1]).float()
+    results = []
+    for cfg in MLP_DOWN_CONFIGS:
+        assert (gemv_mlp(x, *ws[0], config=cfg).float() - ref).norm() <= 1e-2 * ref.norm()
+        results.append((replay_ms(lambda: [gemv_mlp(x, gu, d, config=cfg) for gu, d in ws]), cfg))
+    for t, cfg in sorted(results)[:6]:
+        row(f"gemv_mlp {cfg}", t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 16])
     ap.add_argument("--sweep-rows", type=int, default=1)
+    ap.add_argument("--skip-shapes", action="store_true", help="no per-shape tile sweep")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -63,7 +94,7 @@ def main() -> None:
     print("\n| shape | M | cuBLAS µs | cuBLAS TB/s | gemv µs (gemv_config) | gemv TB/s | best µs | best TB/s | "
           "best (BN, BK, warps, stages, splits) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, (n, k) in {**SHAPES, **SWEEP_ONLY}.items():
+    for name, (n, k) in ({} if args.skip_shapes else {**SHAPES, **SWEEP_ONLY}).items():
         # Enough copies of the weight (>= 3 GB in all, or the 60 layers) that no read comes from L2.
         ws = w[name] if name in w else [torch.empty(n, k, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
                                          for _ in range(max(2, min(LAYERS, -(-3 * 10**9 // (n * k * 2)))))]
@@ -88,6 +119,9 @@ def main() -> None:
         print(f"| {name} | {M} | {us(t_cublas):.1f} | {tb(t_cublas):.2f} | {us(t_default):.1f} | {tb(t_default):.2f} "
               f"| {us(t):.1f} | {tb(t):.2f} | {cfg} |", flush=True)
 
+    for hidden, inter in ((H, I), (1024, 8192)):  # the 31B's MLP, its drafter's
+        mlp_table(hidden, inter, M, bw)
+
     def chain(impl: str, x0: torch.Tensor):
         lin = F.linear if impl == "cuBLAS" else gemv
 
@@ -95,12 +129,15 @@ def main() -> None:
             return gelu_tanh_mul(F.linear(x, wi)) if impl == "cuBLAS" else gemv(x, wi, glu=True)
 
         def run():
-            _common.PDL_ENABLED = impl == "gemv + PDL"
+            _common.PDL_ENABLED = impl.endswith("PDL")
             h = x0
             for i in range(LAYERS):
                 qkv = lin(h, w["qkv"][i])
                 o = lin(qkv[:, :Q], w["o_proj"][i])
-                h = lin(gate_up(o, w["gate_up"][i]), w["down"][i])
+                if impl == "gemv_mlp + PDL":
+                    h = gemv_mlp(o, w["gate_up"][i], w["down"][i])
+                else:
+                    h = lin(gate_up(o, w["gate_up"][i]), w["down"][i])
             return h
         return run
 
@@ -111,7 +148,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for M in args.rows:
         x0 = torch.randn(M, H, dtype=torch.bfloat16, device="cuda") * 0.1
-        for impl in ("cuBLAS", "gemv", "gemv + PDL"):
+        for impl in ("cuBLAS", "gemv", "gemv + PDL", "gemv_mlp + PDL"):
             t = replay_ms(chain(impl, x0))
             print(f"| {M} | {impl} | {t:.2f} | {nbytes / t / 1e9:.2f} | {100 * nbytes / bw / (t / 1e3):.1f}% |",
                   flush=True)

@@ -5,7 +5,7 @@ All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
 
 from .activation import gelu_tanh_mul
 from .gemv import MAX_ROWS as GEMV_MAX_ROWS
-from .gemv import gemv
+from .gemv import gemv, gemv_mlp
 from .kv_write import kv_write
 from .moe import moe_align, moe_experts, moe_route
 from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_residual_add_scale, rmsnorm_rope
@@ -17,6 +17,7 @@ __all__ = [
     "GEMV_MAX_ROWS",
     "gelu_tanh_mul",
     "gemv",
+    "gemv_mlp",
     "kv_write",
     "moe_align",
     "moe_experts",

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from ._common import dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
 from .activation import gelu_tanh_f32
 
@@ -38,10 +40,28 @@ def _in_split(row_ok, k0, kk, k_hi, EVEN_K: tl.constexpr):
     return row_ok & (k0 + kk < k_hi)[None, :]
 
 
-@triton.jit(do_not_specialize=["k_per_split"])
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                 PDL: tl.constexpr, DOT_FP32: tl.constexpr, GLU: tl.constexpr):
+@triton.jit
+def _await_columns(flag_ptr, split, k_lo, k_hi, cols_per_signal, PDL: tl.constexpr):
+    """Dataflow wait of a K-split consumer (down after gate_up): spin until every producer tile writing x[:, k_lo:k_hi]
+    has signalled its flag, instead of waiting for the whole producer kernel to end. Then this program counts
+    itself in; the split's last consumer re-arms the flag (zero) for the next launch and graph replay."""
+    need = tl.cdiv(k_hi - k_lo, cols_per_signal)
+    while tl.atomic_add(flag_ptr + split, 0, sem="acquire") < need:
+        pass
+    if PDL:
+        gdc_launch_dependents()
+    if tl.atomic_add(flag_ptr + split, 1, sem="relaxed") == need + tl.num_programs(0) - 1:
+        tl.atomic_xchg(flag_ptr + split, 0, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["k_per_split", "flag_cols"])
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, flag_ptr, M, N, K, k_per_split, flag_cols, stride_xm,
+                 stride_wn, stride_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr, DOT_FP32: tl.constexpr, GLU: tl.constexpr,
+                 SIGNAL: tl.constexpr, AWAIT: tl.constexpr):
+    """SIGNAL (a GLU producer): after storing its tile, add one to flag[first column // flag_cols]. AWAIT (a K-split
+    consumer of that output): wait on flag[split] for flag_cols-column producer tiles instead of on the producer
+    kernel, and read x past L1 (the lines are written while this kernel runs)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     if GLU:
@@ -67,19 +87,26 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
     x_ptrs = x_ptr + m[:, None] * stride_xm + kk[None, :]
     # Weights never depend on the previous kernel: start reading them before waiting for it.
     w = tl.load(w_ptrs + k_lo, mask=_in_split(n_ok, k_lo, kk, k_hi, EVEN_K), other=0.0, eviction_policy="evict_first")
-    wait_for_producer(PDL)
-    x = tl.load(x_ptrs + k_lo, mask=_in_split(m_ok, k_lo, kk, k_hi, EVEN_K), other=0.0)
+    if AWAIT:
+        _await_columns(flag_ptr, split, k_lo, k_hi, flag_cols, PDL)
+    else:
+        wait_for_producer(PDL)
+    X_CACHE: tl.constexpr = ".cg" if AWAIT else ""
+    x = tl.load(x_ptrs + k_lo, mask=_in_split(m_ok, k_lo, kk, k_hi, EVEN_K), other=0.0, cache_modifier=X_CACHE)
     acc = _dot(x, w, DT, DOT_FP32)
     for k0 in range(k_lo + BK, k_hi, BK):
         k0 = tl.multiple_of(k0, BK)
         w = tl.load(w_ptrs + k0, mask=_in_split(n_ok, k0, kk, k_hi, EVEN_K), other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, k_hi, EVEN_K), other=0.0)
+        x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, k_hi, EVEN_K), other=0.0, cache_modifier=X_CACHE)
         acc += _dot(x, w, DT, DOT_FP32)
     if GLU:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, HALF]), (0, 2, 1)))
         col = tile * HALF + tl.arange(0, HALF)
         y = round_to(round_to(gelu_tanh_f32(round_to(gate, DT)), DT) * round_to(up, DT), DT)
         tl.store(y_ptr + m[:, None] * stride_ym + col[None, :], y.to(DT), mask=m_ok & (col < N)[None, :])
+        if SIGNAL:
+            tl.debug_barrier()  # every thread's store is issued before the release below
+            tl.atomic_add(flag_ptr + tile * HALF // flag_cols, 1, sem="release")
         return
     out = y_ptr + m[:, None] * stride_ym + n[None, :]
     out_ok = m_ok & (n < N)[None, :]
@@ -197,17 +224,18 @@ def _gemv_streamk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, KB, 
         _streamk_fixup(t_hi, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym, BM, BN, DT)
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
+_scratch: dict[torch.device, torch.Tensor] = {}
 
 
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """Arrival counters of the split-K tiles, zero between launches (the last split of a tile resets its own).
-    One buffer serves every launch on the device: kernels of a stream use it one after another."""
-    if device not in _counters:
+def _zeroed_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(arrival counters of the split-K tiles, dataflow flags of gemv_mlp), zero between launches: the last split of
+    a tile resets its counter, the last consumer of a flag resets the flag. One buffer serves every launch on the
+    device: kernels of a stream use it one after another."""
+    if device not in _scratch:
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         assert not capturing, "run gemv once before capturing a CUDA graph"
-        _counters[device] = torch.zeros(1024, dtype=torch.int32, device=device)
-    return _counters[device]
+        _scratch[device] = torch.zeros(2, 1024, dtype=torch.int32, device=device)
+    return _scratch[device][0], _scratch[device][1]
 
 
 def splits_for(tiles: int, K: int, device: torch.device) -> int:
@@ -233,40 +261,88 @@ def gemv_config(N: int, K: int, device: torch.device, glu: bool = False) -> tupl
     return 32, 256, 2, (4 if tiles >= sms else 3), splits_for(tiles, K, device)
 
 
+def mlp_down_config(N: int, K: int, device: torch.device) -> tuple:
+    """gemv_mlp's down projection: always split along K (the splits are what it awaits one by one)."""
+    return 64, 256, 4, 3, 7
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS; `config` overrides gemv_config (benchmarks, tests).
     glu: w is a fused [gate; up] projection and the result is gelu_tanh(gate) * up, [M, N / 2]."""
     M, K = x.shape
     N = w.shape[0]
-    assert M <= MAX_ROWS and w.shape[1] == K and x.stride(1) == 1 and w.stride(1) == 1
+    _check(x, w)
     bn, bk, warps, stages, split = config or gemv_config(N, K, x.device, glu)
+    y = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
+    if split != 0 or glu:
+        _launch_columns(x, w, y, (bn, bk, warps, stages, split), glu=glu)
+        return y
+    # stream-K, one program per SM
+    tiles, kb = triton.cdiv(N, bn), triton.cdiv(K, bk)
+    programs = min(sm_count(x.device), tiles * kb)
+    counters, _ = _zeroed_scratch(x.device)
+    assert tiles <= len(counters)
+    part = torch.empty(2 * programs, MAX_ROWS, bn, dtype=torch.float32, device=x.device)
+    _gemv_streamk_kernel[(programs,)](
+        x, w, y, part, counters, M, N, K, kb, tiles * kb, x.stride(0), w.stride(0), y.stride(0),
+        BM=MAX_ROWS, BN=bn, BK=bk, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype), num_warps=warps,
+        num_stages=stages, **pdl_args(x.device))
+    return y
+
+
+def gemv_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+    """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for M <= MAX_ROWS, with no kernel boundary between the two GEMVs:
+    down runs split along K, and each of its splits starts as soon as the gate_up tiles that write its K range
+    have stored (they count themselves in on a flag per range), not when all of gate_up has ended. Launched under
+    PDL, down's programs take the SMs that gate_up's last wave leaves idle. `config` overrides down's
+    mlp_down_config (its splits must be > 0)."""
+    M, H = x.shape
+    N, inter = down.shape
+    _check(x, gate_up)
+    assert gate_up.shape[0] == 2 * inter and N == H and down.stride(1) == 1
+    up_cfg = gemv_config(2 * inter, H, x.device, glu=True)
+    down_cfg = config or mlp_down_config(N, inter, x.device)
+    act = torch.empty(M, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    k_per_split, splits = _k_splits(inter, down_cfg[1], down_cfg[4])
+    _, flags = _zeroed_scratch(x.device)
+    assert splits <= len(flags) and k_per_split % (up_cfg[0] // 2) == 0
+    _launch_columns(x, gate_up, act, up_cfg, glu=True, flags=flags, flag_cols=k_per_split, signal=True)
+    _launch_columns(act, down, y, down_cfg, flags=flags, flag_cols=up_cfg[0] // 2, wait_on_flags=True)
+    return y
+
+
+def _check(x: torch.Tensor, w: torch.Tensor) -> None:
+    assert x.shape[0] <= MAX_ROWS and w.shape[1] == x.shape[1] and x.stride(1) == 1 and w.stride(1) == 1
+
+
+def _k_splits(K: int, bk: int, split: int) -> tuple[int, int]:
+    """(K per split, a multiple of the K tile; splits), with no empty split (its first tile would be read unmasked)."""
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    return k_per_split, triton.cdiv(K, k_per_split)
+
+
+def _launch_columns(x, w, y, config: tuple, glu: bool = False, flags=None, flag_cols: int = 0, signal: bool = False,
+                    wait_on_flags: bool = False) -> None:
+    """_gemv_kernel over column tiles of w (and K splits): y = x @ w^T, or the GLU epilogue's [M, N / 2]."""
+    M, K = x.shape
+    N = w.shape[0]
+    bn, bk, warps, stages, split = config
     if glu:
         assert N % 2 == 0
         N, split = N // 2, 1  # the activation needs whole sums: no K split
         tiles = triton.cdiv(N, bn // 2)
     else:
         tiles = triton.cdiv(N, bn)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if split == 0:  # stream-K, one program per SM
-        kb = triton.cdiv(K, bk)
-        programs = min(sm_count(x.device), tiles * kb)
-        counters = _tile_counters(x.device)
-        assert tiles <= len(counters)
-        part = torch.empty(2 * programs, MAX_ROWS, bn, dtype=torch.float32, device=x.device)
-        _gemv_streamk_kernel[(programs,)](
-            x, w, y, part, counters, M, N, K, kb, tiles * kb, x.stride(0), w.stride(0), y.stride(0),
-            BM=MAX_ROWS, BN=bn, BK=bk, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype), num_warps=warps,
-            num_stages=stages, **pdl_args(x.device))
-        return y
-    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    split = triton.cdiv(K, k_per_split)  # no empty split (its first tile would be read unmasked)
+    k_per_split, split = _k_splits(K, bk, split)
     if split > 1:
-        assert tiles <= len(_tile_counters(x.device))
-        part, counters = torch.empty(split, MAX_ROWS, N, dtype=torch.float32, device=x.device), _tile_counters(x.device)
+        counters, _ = _zeroed_scratch(x.device)
+        assert tiles <= len(counters)
+        part = torch.empty(split, MAX_ROWS, N, dtype=torch.float32, device=x.device)
     else:
         part = counters = y  # never touched
     _gemv_kernel[(tiles, split)](
-        x, w, y, part, counters, M, N, K, k_per_split, x.stride(0), w.stride(0), y.stride(0),
-        BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype), GLU=glu,
-        num_warps=warps, num_stages=stages, **pdl_args(x.device))
-    return y
+        x, w, y, part, counters, flags if flags is not None else y, M, N, K, k_per_split, flag_cols, x.stride(0),
+        w.stride(0), y.stride(0), BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0,
+        DOT_FP32=dot_in_fp32(x.dtype), GLU=glu, SIGNAL=signal, AWAIT=wait_on_flags, num_warps=warps,
+        num_stages=stages, **pdl_args(x.device))

@@ -34,6 +34,7 @@ from gemma4serve.model.layers import (  # noqa: E402
 from gemma4serve_kernels import (  # noqa: E402
     gelu_tanh_mul,
     gemv,
+    gemv_mlp,
     kv_write,
     moe_align,
     moe_experts,
@@ -43,6 +44,7 @@ from gemma4serve_kernels import (  # noqa: E402
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
 from gemma4serve_kernels import rmsnorm_residual_add, rmsnorm_rope  # noqa: E402
+from gemma4serve_kernels.gemv import mlp_down_config  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KIND = "attn"
@@ -349,6 +351,26 @@ def test_gemv_glu_epilogue(M):
         y = gemv(x, w, config=cfg, glu=True)
         assert y.shape == (M, inter)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_gemv_mlp_equals_two_gemvs(M):
+    """gemv_mlp (down awaiting gate_up's per-range flags) = the GLU GEMV then down with the same K splits, bit for
+    bit, and close to the float64 MLP; repeated launches re-arm the flags (a flag left set would let down read
+    before gate_up wrote)."""
+    g = torch.Generator().manual_seed(9)
+    H, inter = 96, 600
+    x = torch.randn(M, H, generator=g).to(DEV)
+    gate_up = (torch.randn(2 * inter, H, generator=g) / 8).to(DEV)
+    down = (torch.randn(H, inter, generator=g) / 16).to(DEV)
+    act = x.double() @ gate_up.double().T
+    ref = (torch.nn.functional.gelu(act[:, :inter], approximate="tanh") * act[:, inter:]) @ down.double().T
+    for cfg in (None, (16, 64, 4, 2, 4), (32, 128, 4, 2, 3), (16, 64, 4, 2, 1)):
+        y = gemv_mlp(x, gate_up, down, config=cfg)
+        two = gemv(gemv(x, gate_up, glu=True), down, config=cfg or mlp_down_config(H, inter, x.device))
+        assert torch.equal(y, two), cfg
+        assert torch.equal(y, gemv_mlp(x, gate_up, down, config=cfg))
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
 # ---------------------------------------------------------------------------------------------- MoE

@@ -48,12 +48,15 @@ def _gemv_fits(x: torch.Tensor) -> bool:
             and x.stride(1) == 1)
 
 
-def linear_gelu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(x @ gate^T) * (x @ up^T) for a fused [gate; up] weight: in the GEMV's epilogue for few-row
-    inputs (no [T, 2I] intermediate, one launch fewer), else the GEMM and then the activation kernel."""
+def gelu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for a fused [gate; up] weight. Few-row inputs: the GLU GEMV and the
+    down GEMV chained by per-range flags (gemv_mlp: no [T, 2I] intermediate, no kernel boundary); else the GEMM,
+    the activation kernel and the down GEMM."""
+    if _gemv_fits(x) and os.environ.get("G4_MLP_DATAFLOW", "1") == "1":
+        return kernels().gemv_mlp(x, gate_up, down)
     if _gemv_fits(x):
-        return kernels().gemv(x, gate_up, glu=True)
-    return kernels().gelu_tanh_mul(F.linear(x, gate_up))
+        return kernels().gemv(kernels().gemv(x, gate_up, glu=True), down)
+    return F.linear(kernels().gelu_tanh_mul(F.linear(x, gate_up)), down)
 
 
 def concat_weights(*linears) -> torch.Tensor:

@@ -48,7 +48,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and fused.on(x) is not None:
-            return fused.linear(fused.linear_gelu_mul(x, self.gate_up), self.down_proj.weight)
+            return fused.gelu_mlp(x, self.gate_up, self.down_proj.weight)
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 

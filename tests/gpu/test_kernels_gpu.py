@@ -38,6 +38,7 @@ from gemma4serve.model.layers import Experts, rms_norm, rope_cos_sin, rope_inv_f
 from gemma4serve_kernels import (  # noqa: E402
     gelu_tanh_mul,
     gemv,
+    gemv_mlp,
     kv_write,
     moe_experts,
     moe_route,
@@ -45,6 +46,7 @@ from gemma4serve_kernels import (  # noqa: E402
     rmsnorm_rope,
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
+from gemma4serve_kernels.gemv import mlp_down_config  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -250,10 +252,26 @@ def test_gemv_glu_epilogue_equals_activation_kernel(M, inter, H):
     assert torch.equal(gemv(x, w, glu=True), gelu_tanh_mul(gemv(x, w)))
 
 
-def test_pdl_chain_graph_replay_is_stable():
-    """A decode-like chain of PDL kernels (each may launch while its producer drains) in one CUDA graph: every
-    replay equals the eager run bit for bit, and the eager run matches the torch reference. A missing wait
-    would show up as replays that differ from each other or from the reference."""
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("inter,H", [(21504, 5376), (8192, 1024), (6144, 1536)])
+def test_gemv_mlp_equals_two_gemvs(M, inter, H):
+    """gemv_mlp, down awaiting gate_up's flags under PDL, = the GLU GEMV then down with the same K splits, bit for
+    bit, launch after launch (31B, its drafter, E2B)."""
+    g = torch.Generator(DEV).manual_seed(M)
+    x = torch.randn(M, H, generator=g, device=DEV).to(BF16)
+    gate_up = (torch.randn(2 * inter, H, generator=g, device=DEV) * 0.05).to(BF16)
+    down = (torch.randn(H, inter, generator=g, device=DEV) * 0.02).to(BF16)
+    two = gemv(gemv(x, gate_up, glu=True), down, config=mlp_down_config(H, inter, DEV))
+    for _ in range(5):
+        assert torch.equal(gemv_mlp(x, gate_up, down), two)
+
+
+@pytest.mark.parametrize("dataflow_mlp", [False, True])
+def test_pdl_chain_graph_replay_is_stable(dataflow_mlp):
+    """A decode-like chain of PDL kernels (each may launch while its producer drains; with `dataflow_mlp` down
+    also starts before gate_up has ended, on flags) in one CUDA graph: every replay equals the eager run bit for
+    bit, and the eager run matches the torch reference. A missing wait would show up as replays that differ
+    from each other or from the reference."""
     g = torch.Generator(DEV).manual_seed(7)
     H, I = 5376, 21504
     w_in = (torch.randn(2 * I, H, generator=g, device=DEV) * 0.02).to(BF16)
@@ -265,8 +283,8 @@ def test_pdl_chain_graph_replay_is_stable():
         h, normed = x, None
         for _ in range(8):
             normed = normed if normed is not None else k_rms_norm(h, norm_w, 1e-6)
-            h, normed = rmsnorm_residual_add(h, gemv(gelu_tanh_mul(gemv(normed, w_in)), w_out), norm_w, 1e-6,
-                                             next_weight=norm_w)
+            mlp = gemv_mlp(normed, w_in, w_out) if dataflow_mlp else gemv(gelu_tanh_mul(gemv(normed, w_in)), w_out)
+            h, normed = rmsnorm_residual_add(h, mlp, norm_w, 1e-6, next_weight=norm_w)
         return h
 
     def reference():
