@@ -4,7 +4,8 @@ At M <= 16 a step is a read of the weights, so the kernel is built around that r
 program (narrow outputs also split K; narrow outputs with a long K go stream-K, every program streaming an
 equal share of the weight), the first K tile loaded *before* waiting on the previous kernel. A fused
 [gate; up] weight can apply GELU·up in the epilogue (`glu=True`), each program holding matching gate and up
-rows.
+rows. `gemv_mlp` chains that GEMV and the down projection without a kernel boundary: down's K splits start on
+flags the gate_up tiles raise as they store.
 Launched with programmatic dependent launch (PDL, Hopper), its programs start while the previous kernel
 drains. Alone it ties cuBLAS (bench/bench_gemv.py); in the step it pays because a chain of Triton kernels
 keeps that overlap at every boundary, which a cuBLAS GEMM in between would end (docs/performance.md).
@@ -15,7 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from ._common import dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
@@ -261,9 +261,11 @@ def gemv_config(N: int, K: int, device: torch.device, glu: bool = False) -> tupl
     return 32, 256, 2, (4 if tiles >= sms else 3), splits_for(tiles, K, device)
 
 
-def mlp_down_config(N: int, K: int, device: torch.device) -> tuple:
-    """gemv_mlp's down projection: always split along K (the splits are what it awaits one by one)."""
-    return 64, 256, 4, 3, 7
+def mlp_down_config(N: int, K: int, device: torch.device) -> tuple | None:
+    """gemv_mlp's down projection, split along K (the splits are what it awaits one by one); None where chaining
+    does not pay and gemv_mlp runs the two GEMVs (bench/bench_gemv.py, H200, M = 1: the 31B's MLP 165.8 ->
+    162.1 us, its drafter's 18.0 -> 17.1 alone but slower in the draft loop)."""
+    return (32, 256, 4, 3, 7) if K >= 16384 else None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: bool = False) -> torch.Tensor:
@@ -300,8 +302,10 @@ def gemv_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config:
     N, inter = down.shape
     _check(x, gate_up)
     assert gate_up.shape[0] == 2 * inter and N == H and down.stride(1) == 1
-    up_cfg = gemv_config(2 * inter, H, x.device, glu=True)
     down_cfg = config or mlp_down_config(N, inter, x.device)
+    if down_cfg is None:
+        return gemv(gemv(x, gate_up, glu=True), down)
+    up_cfg = gemv_config(2 * inter, H, x.device, glu=True)
     act = torch.empty(M, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     k_per_split, splits = _k_splits(inter, down_cfg[1], down_cfg[4])

@@ -49,13 +49,11 @@ def _gemv_fits(x: torch.Tensor) -> bool:
 
 
 def gelu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for a fused [gate; up] weight. Few-row inputs: the GLU GEMV and the
-    down GEMV chained by per-range flags (gemv_mlp: no [T, 2I] intermediate, no kernel boundary); else the GEMM,
-    the activation kernel and the down GEMM."""
-    if _gemv_fits(x) and os.environ.get("G4_MLP_DATAFLOW", "1") == "1":
-        return kernels().gemv_mlp(x, gate_up, down)
+    """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for a fused [gate; up] weight. Few-row inputs: gemv_mlp (the GEMV
+    with the GELU·up epilogue, so no [T, 2I] intermediate, then down; for wide MLPs without a kernel boundary
+    between them); else the GEMM, the activation kernel and the down GEMM."""
     if _gemv_fits(x):
-        return kernels().gemv(kernels().gemv(x, gate_up, glu=True), down)
+        return kernels().gemv_mlp(x, gate_up, down)
     return F.linear(kernels().gelu_tanh_mul(F.linear(x, gate_up)), down)
 
 
