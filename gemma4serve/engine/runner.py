@@ -112,6 +112,7 @@ class ModelRunner:
         self.forced = forced
         self.graphs = graphs
         self.window = {SLIDING: state.target.cfg.sliding_window, FULL: 0}
+        self._continuation_index: dict[tuple[int, int], tuple] = {}
 
     def prepare(self, chunks: list[ScheduledChunk]):
         """Host -> device: the packed token ids, positions and attention metadata of a step."""
@@ -194,10 +195,11 @@ class ModelRunner:
         many drafts again. `pages` must already map every position that step can write."""
         dev = self.s.device
         B, Q = prev.tokens.shape[0], prev.draft_len + 1
+        rows, num_drafts, table_rows, offsets = self._continuation_indices(B, Q)
         P = prev.inputs.first_pos + prev.num_emitted  # position of each newest token
         newest = prev.tokens.gather(1, (prev.num_emitted - 1)[:, None])
         ids = torch.cat([newest, prev.next_drafts], dim=1) if prev.draft_len else newest
-        pos = P[:, None] + torch.arange(Q, device=dev)
+        pos = P[:, None] + offsets
         host_tables = page_tables(pages)
         graphed = self.graphs is not None and self.graphs.fits(B, Q, max(len(p.full) for p in pages))
         if graphed:
@@ -214,16 +216,22 @@ class ModelRunner:
         # The drafts as copied into `ids`: `prev.next_drafts` is a graph output, and graphs share one memory
         # pool, so the target replay below may overwrite it.
         drafts = ids[:, 1:]
-        inp = SamplingInputs(
-            seqs=prev.inputs.seqs,
-            rows=torch.arange(B * Q, device=dev).view(B, Q),
-            first_pos=P,
-            drafts=drafts,
-            num_drafts=torch.full((B,), Q - 1, device=dev, dtype=torch.int64),
-            table_rows=torch.arange(B, device=dev, dtype=torch.int32),
-            sb=prev.inputs.sb,
-        )
+        inp = SamplingInputs(seqs=prev.inputs.seqs, rows=rows, first_pos=P, drafts=drafts, num_drafts=num_drafts,
+                             table_rows=table_rows, sb=prev.inputs.sb)
         return self._verify_and_draft(inp, hidden, logits, tables, graphed, [Q - 1] * B, prev.draft_len, True)
+
+    def _continuation_indices(self, B: int, Q: int) -> tuple:
+        """(rows [B, Q], num_drafts [B], table_rows [B], offsets [Q]): the same for every continued step of B
+        sequences x Q rows, so made once (each would be a launch between two steps; nothing writes them)."""
+        if (B, Q) not in self._continuation_index:
+            dev = self.s.device
+            self._continuation_index[(B, Q)] = (
+                torch.arange(B * Q, device=dev).view(B, Q),
+                torch.full((B,), Q - 1, device=dev, dtype=torch.int64),
+                torch.arange(B, device=dev, dtype=torch.int32),
+                torch.arange(Q, device=dev),
+            )
+        return self._continuation_index[(B, Q)]
 
     def _verify_and_draft(self, inp: SamplingInputs, hidden, all_logits, tables, graphed: bool,
                           drafted: list[int], draft_len: int, continuable: bool) -> StepHandle:
@@ -233,7 +241,7 @@ class ModelRunner:
         B, K1 = rows.shape
         flat_rows = rows.view(-1)
         logits = all_logits[flat_rows] if all_logits is not None else s.target.logits(hidden[flat_rows])
-        res = accept(logits.float().view(B, K1, -1), drafts, num_drafts, first_pos, inp.sb)
+        res = accept(logits.view(B, K1, -1), drafts, num_drafts, first_pos, inp.sb)
         tokens, num_emitted = res.tokens, res.num_emitted
         if self.forced is not None and K1 > 1:
             tokens, num_emitted = self.forced.apply(tokens, num_emitted, drafts, num_drafts, first_pos)

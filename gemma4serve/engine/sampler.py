@@ -334,7 +334,8 @@ def accept(
 ) -> AcceptResult:
     """Verify drafts against the target and pick the tokens to emit (K = 0: plain decode / end of prefill).
 
-    logits [B, K+1, V] f32: row j is the target's output for the input token at position first_position + j
+    logits [B, K+1, V] (f32, or the model dtype: converted here where sampling, penalties or logprobs need f32):
+      row j is the target's output for the input token at position first_position + j
       (the last committed token for j = 0, draft d_j after), so it predicts the token at
       first_position + j + 1, following [..., d_1, ..., d_j].
     drafts [B, K] int64 (d_1..d_K, -1 padded); num_drafts [B] int64 (rows j > num_drafts are padding);
@@ -347,14 +348,18 @@ def accept(
     K = K1 - 1
     device = logits.device
     j = torch.arange(K1, device=device)
-    row_seq = torch.arange(B, device=device).repeat_interleave(K1)
-    position = (first_position[:, None] + j + 1).reshape(-1)
-    # Row j's history also holds d_1..d_j, which are not in sb.output_tokens yet.
-    extra = torch.where(torch.arange(K, device=device) < j[:, None], drafts[:, None, :], -1)  # [B, K1, K]
-
     flat = logits.reshape(B * K1, V)
-    processed = process_logits(flat, sb, row_seq, extra.reshape(B * K1, K))
-    chosen = choose(processed, sb, row_seq, position).view(B, K1)
+    if sb.all_greedy and not sb.any_penalty:
+        # The argmax needs no per-row keys, histories or f32 copy (bf16 -> f32 is exact): a few launches fewer
+        # between decode steps, which at batch 1 run back to back on the GPU with the step.
+        chosen = flat.argmax(-1).view(B, K1)
+    else:
+        row_seq = torch.arange(B, device=device).repeat_interleave(K1)
+        position = (first_position[:, None] + j + 1).reshape(-1)
+        # Row j's history also holds d_1..d_j, which are not in sb.output_tokens yet.
+        extra = torch.where(torch.arange(K, device=device) < j[:, None], drafts[:, None, :], -1)  # [B, K1, K]
+        processed = process_logits(flat.float(), sb, row_seq, extra.reshape(B * K1, K))
+        chosen = choose(processed, sb, row_seq, position).view(B, K1)
 
     # Accepted prefix length: cumprod of "draft matches and is a real draft" along the draft axis.
     match = (drafts == chosen[:, :K]) & (j[:K] < num_drafts[:, None])
