@@ -44,7 +44,7 @@ from gemma4serve_kernels import (  # noqa: E402
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
 from gemma4serve_kernels import rmsnorm_residual_add, rmsnorm_rope  # noqa: E402
-from gemma4serve_kernels.gemv import mlp_down_config  # noqa: E402
+from gemma4serve_kernels.gemv import _zeroed_scratch, mlp_down_config  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KIND = "attn"
@@ -356,8 +356,8 @@ def test_gemv_glu_epilogue(M):
 @pytest.mark.parametrize("M", [1, 5])
 def test_gemv_mlp_equals_two_gemvs(M):
     """gemv_mlp (down awaiting gate_up's per-range flags) = the GLU GEMV then down with the same K splits, bit for
-    bit, and close to the float64 MLP; repeated launches re-arm the flags (a flag left set would let down read
-    before gate_up wrote)."""
+    bit, and close to the float64 MLP; every launch leaves the flags re-armed at zero (a flag left set would let
+    the next launch's down read before its gate_up wrote)."""
     g = torch.Generator().manual_seed(9)
     H, inter = 96, 600
     x = torch.randn(M, H, generator=g).to(DEV)
@@ -367,6 +367,7 @@ def test_gemv_mlp_equals_two_gemvs(M):
     ref = (torch.nn.functional.gelu(act[:, :inter], approximate="tanh") * act[:, inter:]) @ down.double().T
     for cfg in (None, (16, 64, 4, 2, 4), (32, 128, 4, 2, 3), (16, 64, 4, 2, 1)):
         y = gemv_mlp(x, gate_up, down, config=cfg)
+        assert not _zeroed_scratch(x.device)[1].any()
         two = gemv(gemv(x, gate_up, glu=True), down, config=cfg or mlp_down_config(H, inter, x.device))
         assert torch.equal(y, two), cfg
         assert torch.equal(y, gemv_mlp(x, gate_up, down, config=cfg))

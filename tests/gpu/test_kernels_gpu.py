@@ -46,7 +46,7 @@ from gemma4serve_kernels import (  # noqa: E402
     rmsnorm_rope,
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
-from gemma4serve_kernels.gemv import mlp_down_config  # noqa: E402
+from gemma4serve_kernels.gemv import _zeroed_scratch, mlp_down_config  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -265,6 +265,7 @@ def test_gemv_mlp_equals_two_gemvs(M, inter, H):
     two = gemv(gemv(x, gate_up, glu=True), down, config=cfg)
     for _ in range(5):
         assert torch.equal(gemv_mlp(x, gate_up, down, config=cfg), two)
+        assert not _zeroed_scratch(DEV)[1].any()  # the flags are re-armed for the next launch
 
 
 @pytest.mark.parametrize("dataflow_mlp", [False, True])
