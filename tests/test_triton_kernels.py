@@ -41,6 +41,8 @@ from gemma4serve_kernels import (  # noqa: E402
     moe_route,
     paged_attention,
     qkv_epilogue,
+    rope_tables,
+    write_slots,
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
 from gemma4serve_kernels import rmsnorm_residual_add, rmsnorm_rope  # noqa: E402
@@ -188,6 +190,41 @@ def test_kv_write(dtype):
     write_kv(kr, vr, k[keep], v[keep], slots[keep])
     kv_write(k_cache, v_cache, k, v, slots)
     assert torch.equal(k_cache, kr) and torch.equal(v_cache, vr)
+
+
+def _torch_rope(inv: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
+    emb = pos.float()[:, None] * inv[None, :]
+    emb = torch.cat([emb, emb], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables(dtype):
+    """One launch = the torch ops' tables (proportional RoPE: the pass-through pairs give cos 1, sin 0); here np.cos
+    against torch's CPU cos, so within an ulp of fp32 / bf16 (tests/gpu checks the CUDA path bit for bit)."""
+    pos = torch.tensor([0, 1, 7, 15, 16, 300, 1000, 131071], dtype=torch.int64)
+    for hd, pairs in ((16, 8), (32, 4)):
+        inv = rope_inv_freq(RopeSpec(theta=1e4, head_dim=hd, rotated_pairs=pairs))
+        cos, sin = rope_tables(inv.to(DEV), pos.to(DEV), dtype)
+        ref_cos, ref_sin = _torch_rope(inv, pos, dtype)
+        tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=2**-8)
+        torch.testing.assert_close(cos.cpu(), ref_cos, **tol)
+        torch.testing.assert_close(sin.cpu(), ref_sin, **tol)
+        assert torch.equal(cos[:, pairs:hd // 2].cpu(), torch.ones(len(pos), hd // 2 - pairs, dtype=dtype))
+
+
+def test_write_slots():
+    """kv_end = pos + 1 and each token's slot through its row of both page tables, as the torch ops (padding rows
+    on the null-page row write slot 0..page_size-1 of page 0)."""
+    page_size = 4
+    tables = {"full": torch.tensor([[3, 5, 8], [2, 0, 0], [0, 0, 0]], dtype=torch.int32),
+              "sliding": torch.tensor([[1, 4, 6], [7, 0, 0], [0, 0, 0]], dtype=torch.int32)}
+    token_seq = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
+    pos = torch.tensor([5, 9, 2, 0], dtype=torch.int64)
+    kv_end, slots = write_slots(token_seq.to(DEV), pos.to(DEV), {k: t.to(DEV) for k, t in tables.items()}, page_size)
+    assert kv_end.tolist() == [6, 10, 3, 1] and kv_end.dtype == torch.int32
+    assert slots["full"].tolist() == [5 * 4 + 1, 8 * 4 + 1, 2 * 4 + 2, 0] and slots["full"].dtype == torch.int64
+    assert slots["sliding"].tolist() == [4 * 4 + 1, 6 * 4 + 1, 7 * 4 + 2, 0]
 
 
 # ---------------------------------------------------------------------------------------------- norms / act

@@ -118,6 +118,8 @@ def rope_inv_freq(spec: RopeSpec) -> torch.Tensor:
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
     """cos/sin at `positions` in fp32, rounded to the model dtype (spec §4)."""
+    if (k := fused.on(positions)) is not None and positions.is_contiguous():
+        return k.rope_tables(inv_freq, positions, dtype)  # one launch instead of seven
     theta = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([theta, theta], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -1,0 +1,80 @@
+"""What a step derives from its positions before the first layer: RoPE tables and the KV write slots.
+
+In torch each is a chain of small launches (positions to float, the angle product, cat, cos, sin, two casts per
+layer kind; a gather, divisions and casts per page table), about 2 us each at batch 1, where they run back to
+back with the step inside its CUDA graph. Here each is one launch, with the torch ops' rounding points: the
+angle is the same fp32 product, cos and sin are libdevice's (what torch's CUDA kernels call; `tl.cos` is an
+approximation), rounded once to the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from ._common import INTERPRET, next_pow2, round_to
+
+
+@triton.jit
+def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                        LIBDEVICE: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, 2 * HALF)
+    ok = (t < T)[:, None]
+    theta = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)[:, None] * tl.load(inv_ptr + d % HALF)[None, :]
+    if LIBDEVICE:
+        c, s = libdevice.cos(theta), libdevice.sin(theta)
+    else:  # the interpreter has no libdevice
+        c, s = tl.cos(theta), tl.sin(theta)
+    DT: tl.constexpr = cos_ptr.dtype.element_ty
+    out = t[:, None] * (2 * HALF) + d[None, :]
+    tl.store(cos_ptr + out, round_to(c, DT).to(DT), mask=ok)
+    tl.store(sin_ptr + out, round_to(s, DT).to(DT), mask=ok)
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """(cos, sin) [T, 2 * len(inv_freq)] in `dtype` of the angles positions x inv_freq (fp32), the half-split
+    layout (the angle table repeated twice), as layers.rope_cos_sin."""
+    T, half = positions.shape[0], inv_freq.shape[0]
+    assert half & (half - 1) == 0 and positions.is_contiguous() and inv_freq.dtype == torch.float32
+    cos = torch.empty(T, 2 * half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if T:
+        block_t = max(1, min(next_pow2(T), 4096 // (2 * half)))
+        _rope_tables_kernel[(triton.cdiv(T, block_t),)](positions, inv_freq, cos, sin, T, HALF=half, BLOCK_T=block_t,
+                                                         LIBDEVICE=not INTERPRET, num_warps=4)
+    return cos, sin
+
+
+@triton.jit
+def _write_slots_kernel(token_seq_ptr, pos_ptr, table_a_ptr, table_b_ptr, stride_a, stride_b, kv_end_ptr,
+                        slot_a_ptr, slot_b_ptr, T, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < T
+    pos = tl.load(pos_ptr + t, mask=ok, other=0).to(tl.int64)
+    row = tl.load(token_seq_ptr + t, mask=ok, other=0).to(tl.int64)
+    page, in_page = pos // PAGE, pos % PAGE
+    page_a = tl.load(table_a_ptr + row * stride_a + page, mask=ok, other=0).to(tl.int64)
+    page_b = tl.load(table_b_ptr + row * stride_b + page, mask=ok, other=0).to(tl.int64)
+    tl.store(slot_a_ptr + t, page_a * PAGE + in_page, mask=ok)
+    tl.store(slot_b_ptr + t, page_b * PAGE + in_page, mask=ok)
+    tl.store(kv_end_ptr + t, (pos + 1).to(tl.int32), mask=ok)
+
+
+def write_slots(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, page_size: int):
+    """(kv_end [T] int32 = pos + 1, {kind: slot [T] int64}): the cache slot each token's K/V goes to, through
+    its sequence's row of each of the two page tables, as attention.metadata.causal_metadata."""
+    (kind_a, table_a), (kind_b, table_b) = tables.items()
+    T = pos.shape[0]
+    assert token_seq.is_contiguous() and pos.is_contiguous() and table_a.stride(1) == 1 and table_b.stride(1) == 1
+    kv_end = torch.empty(T, dtype=torch.int32, device=pos.device)
+    slot_a = torch.empty(T, dtype=torch.int64, device=pos.device)
+    slot_b = torch.empty_like(slot_a)
+    if T:
+        block = min(1024, next_pow2(T))
+        _write_slots_kernel[(triton.cdiv(T, block),)](token_seq, pos, table_a, table_b, table_a.stride(0),
+                                                      table_b.stride(0), kv_end, slot_a, slot_b, T, PAGE=page_size,
+                                                      BLOCK=block, num_warps=4)
+    return kv_end, {kind_a: slot_a, kind_b: slot_b}
