@@ -11,7 +11,7 @@ from .moe import moe_align, moe_experts, moe_route
 from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_residual_add_scale, rmsnorm_rope
 from .paged_attention import attention_config, paged_attention
 from .qkv_epilogue import qkv_epilogue
-from .step_inputs import rope_tables, write_slots
+from .step_inputs import rope_tables
 
 __all__ = [
     "attention_config",
@@ -30,5 +30,4 @@ __all__ = [
     "rmsnorm_residual_add_scale",
     "rmsnorm_rope",
     "rope_tables",
-    "write_slots",
 ]
