@@ -305,6 +305,7 @@ def gemv_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config:
     down_cfg = config or mlp_down_config(N, inter, x.device)
     if down_cfg is None:
         return gemv(gemv(x, gate_up, glu=True), down)
+    assert down_cfg[4] > 0, "down awaits its K splits: stream-K has none"
     up_cfg = gemv_config(2 * inter, H, x.device, glu=True)
     act = torch.empty(M, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
