@@ -157,7 +157,7 @@ class CudaGraphs:
             self._token_seq_key = (T, Q, B)
         for kind, host in tables.items():
             last = self._copied_tables.get(kind)
-            if last is None or last.shape != host.shape or not torch.equal(last, host):
+            if last is None or not torch.equal(last, host):  # (False for another shape too)
                 copy_into(self.tables[kind][:n, : host.shape[1]], host)
                 self._copied_tables[kind] = host
         graph, hidden, logits = self.target_graphs[(B, Q)]
