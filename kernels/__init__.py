@@ -5,10 +5,10 @@ All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
 
 from .activation import gelu_tanh_mul
 from .gemv import MAX_ROWS as GEMV_MAX_ROWS
-from .gemv import gemv, gemv_mlp
+from .gemv import ResidualNorm, gemv, gemv_mlp
 from .kv_write import kv_write
 from .moe import moe_align, moe_experts, moe_route
-from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_residual_add_scale, rmsnorm_rope
+from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_rope
 from .paged_attention import attention_config, paged_attention
 from .qkv_epilogue import qkv_epilogue
 from .step_inputs import rope_tables
@@ -25,9 +25,9 @@ __all__ = [
     "moe_route",
     "paged_attention",
     "qkv_epilogue",
+    "ResidualNorm",
     "rms_norm",
     "rmsnorm_residual_add",
-    "rmsnorm_residual_add_scale",
     "rmsnorm_rope",
     "rope_tables",
 ]

@@ -131,11 +131,6 @@ def rmsnorm_residual_add(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
     return out.view(x.shape), out2.view(x.shape)
 
 
-def rmsnorm_residual_add_scale(x, h, weight, layer_scalar, eps):
-    """(x + RMSNorm(h; weight)) * layer_scalar: the last residual add of a decoder layer without PLE."""
-    return rmsnorm_residual_add(x, h, weight, eps, layer_scalar)
-
-
 def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """apply_rope(rms_norm(x, weight), cos, sin) for x [T, heads, hd] (q_norm/k_norm + half-split RoPE);
