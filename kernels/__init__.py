@@ -5,7 +5,7 @@ All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
 
 from .activation import gelu_tanh_mul
 from .gemv import MAX_ROWS as GEMV_MAX_ROWS
-from .gemv import ResidualNorm, gemv, gemv_mlp
+from .gemv import gemv, gemv_mlp
 from .kv_write import kv_write
 from .moe import moe_align, moe_experts, moe_route
 from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_rope
@@ -25,7 +25,6 @@ __all__ = [
     "moe_route",
     "paged_attention",
     "qkv_epilogue",
-    "ResidualNorm",
     "rms_norm",
     "rmsnorm_residual_add",
     "rmsnorm_rope",

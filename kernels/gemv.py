@@ -4,8 +4,7 @@ At M <= 16 a step is a read of the weights, so the kernel is built around that r
 program (narrow outputs also split K; narrow outputs with a long K go stream-K, every program streaming an
 equal share of the weight), the first K tile loaded *before* waiting on the previous kernel. A fused
 [gate; up] weight can apply GELU·up in the epilogue (`glu=True`), each program holding matching gate and up
-rows. A one-row input may be a `ResidualNorm` (a residual add and two RMSNorms) that every program computes in its
-prologue, so no norm kernel sits between two weight streams. `gemv_mlp` chains that GEMV and the down projection without a kernel boundary: down's K splits start on
+rows. `gemv_mlp` chains that GEMV and the down projection without a kernel boundary: down's K splits start on
 flags the gate_up tiles raise as they store.
 Launched with programmatic dependent launch (PDL, Hopper), its programs start while the previous kernel
 drains. Alone it ties cuBLAS (bench/bench_gemv.py); in the step it pays because a chain of Triton kernels
@@ -13,8 +12,6 @@ keeps that overlap at every boundary, which a cuBLAS GEMM in between would end (
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -25,73 +22,6 @@ from ._common import dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_
 from .activation import gelu_tanh_f32
 
 MAX_ROWS = 16  # the dot's row tile; larger M goes to cuBLAS
-
-
-@dataclass
-class ResidualNorm:
-    """A one-row GEMV input computed in the GEMV's prologue: RMSNorm(r; next_weight) of the new residual stream
-    r = (x + RMSNorm(h; weight)) * scale (scale optional, a 1-element tensor), which the kernel stores into
-    `residual`. Every program computes the row itself from L2 (a few KB), so the GEMV starts when the kernel that
-    produced h ends instead of after a norm kernel. Rounding points as norm.rmsnorm_residual_add's (only the fp32
-    sums run in another order)."""
-
-    x: torch.Tensor
-    h: torch.Tensor
-    weight: torch.Tensor
-    next_weight: torch.Tensor
-    eps: float
-    scale: torch.Tensor | None = None
-    residual: torch.Tensor = field(init=False)
-
-    def __post_init__(self):
-        assert self.x.shape == self.h.shape and self.x.shape[0] == 1 and self.x.is_contiguous() and self.h.is_contiguous()
-        self.residual = torch.empty_like(self.x)
-
-    @property
-    def shape(self):
-        return self.x.shape
-
-
-@triton.jit
-def _residual_chunk(x_ptr, h_ptr, w_ptr, s_ptr, k, inv_h, K, HAS_SCALAR: tl.constexpr, DT: tl.constexpr):
-    """(x + RMSNorm(h; w)) * scale at columns k of the one-row residual stream (fp32, rounded like the norm kernel)."""
-    ok = k < K
-    h = tl.load(h_ptr + k, mask=ok, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + k, mask=ok, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + k, mask=ok, other=0.0).to(tl.float32)
-    r = round_to(x + round_to(h * inv_h * w, DT), DT)
-    if HAS_SCALAR:  # layer_scalar multiplies the whole residual stream after the add (spec §3.4)
-        r = round_to(r * tl.load(s_ptr).to(tl.float32), DT)
-    return r
-
-
-@triton.jit
-def _residual_norm_prologue(x_ptr, h_ptr, w_ptr, s_ptr, r_ptr, K, eps, store, HAS_SCALAR: tl.constexpr,
-                            CH: tl.constexpr, NCH: tl.constexpr, DT: tl.constexpr):
-    """(1 / rms(h), 1 / rms(r)) of a ResidualNorm row; stores r when `store` (one program does). The chunks are
-    unrolled, so each pass issues all of its loads at once."""
-    offs = tl.arange(0, CH)
-    ss = 0.0
-    for c in tl.static_range(NCH):
-        h = tl.load(h_ptr + c * CH + offs, mask=c * CH + offs < K, other=0.0).to(tl.float32)
-        ss += tl.sum(h * h, axis=0)
-    inv_h = tl.math.rsqrt(ss / K + eps)
-    ss = 0.0
-    for c in tl.static_range(NCH):
-        r = _residual_chunk(x_ptr, h_ptr, w_ptr, s_ptr, c * CH + offs, inv_h, K, HAS_SCALAR, DT)
-        ss += tl.sum(r * r, axis=0)
-        tl.store(r_ptr + c * CH + offs, r.to(DT), mask=tl.where(store, c * CH + offs < K, False))
-    return inv_h, tl.math.rsqrt(ss / K + eps)
-
-
-@triton.jit
-def _normed_tile(x_ptr, h_ptr, w_ptr, s_ptr, w2_ptr, k0, kk, m, inv_h, inv_r, K, HAS_SCALAR: tl.constexpr,
-                 DT: tl.constexpr):
-    """The [BM, BK] input tile at k0 of a ResidualNorm: RMSNorm(r; w2) in row 0, zeros below."""
-    k = k0 + kk
-    r = _residual_chunk(x_ptr, h_ptr, w_ptr, s_ptr, k, inv_h, K, HAS_SCALAR, DT)
-    z = round_to(r * inv_r * tl.load(w2_ptr + k, mask=k < K, other=0.0).to(tl.float32), DT)
-    return tl.where(m[:, None] == 0, z[None, :], 0.0)
 
 
 @triton.jit
@@ -125,15 +55,13 @@ def _await_columns(flag_ptr, split, k_lo, k_hi, cols_per_signal, PDL: tl.constex
 
 
 @triton.jit(do_not_specialize=["k_per_split", "flag_cols"])
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, flag_ptr, h_ptr, nw_ptr, s_ptr, nw2_ptr, r_ptr, eps,
-                 M, N, K, k_per_split, flag_cols, stride_xm, stride_wn, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                 DOT_FP32: tl.constexpr, GLU: tl.constexpr, SIGNAL: tl.constexpr, AWAIT: tl.constexpr,
-                 NORM: tl.constexpr, HAS_SCALAR: tl.constexpr, NORM_CH: tl.constexpr, NORM_NCH: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, flag_ptr, M, N, K, k_per_split, flag_cols, stride_xm,
+                 stride_wn, stride_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr, DOT_FP32: tl.constexpr, GLU: tl.constexpr,
+                 SIGNAL: tl.constexpr, AWAIT: tl.constexpr):
     """SIGNAL (a GLU producer): after storing its tile, add one to flag[first column // flag_cols]. AWAIT (a K-split
     consumer of that output): wait on flag[split] for flag_cols-column producer tiles instead of on the producer
-    kernel, and read x past L1 (the lines are written while this kernel runs). NORM: the input is a ResidualNorm
-    row (x_ptr its x, then h, weight, scale, next_weight and the residual to store), computed here."""
+    kernel, and read x past L1 (the lines are written while this kernel runs)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     if GLU:
@@ -164,20 +92,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, flag_ptr, h_ptr, nw_p
     else:
         wait_for_producer(PDL)
     X_CACHE: tl.constexpr = ".cg" if AWAIT else ""
-    if NORM:
-        inv_h, inv_r = _residual_norm_prologue(x_ptr, h_ptr, nw_ptr, s_ptr, r_ptr, K, eps, (tile == 0) & (split == 0),
-                                               HAS_SCALAR, NORM_CH, NORM_NCH, DT)
-        x = _normed_tile(x_ptr, h_ptr, nw_ptr, s_ptr, nw2_ptr, k_lo, kk, m, inv_h, inv_r, K, HAS_SCALAR, DT)
-    else:
-        x = tl.load(x_ptrs + k_lo, mask=_in_split(m_ok, k_lo, kk, k_hi, EVEN_K), other=0.0, cache_modifier=X_CACHE)
+    x = tl.load(x_ptrs + k_lo, mask=_in_split(m_ok, k_lo, kk, k_hi, EVEN_K), other=0.0, cache_modifier=X_CACHE)
     acc = _dot(x, w, DT, DOT_FP32)
     for k0 in range(k_lo + BK, k_hi, BK):
         k0 = tl.multiple_of(k0, BK)
         w = tl.load(w_ptrs + k0, mask=_in_split(n_ok, k0, kk, k_hi, EVEN_K), other=0.0, eviction_policy="evict_first")
-        if NORM:
-            x = _normed_tile(x_ptr, h_ptr, nw_ptr, s_ptr, nw2_ptr, k0, kk, m, inv_h, inv_r, K, HAS_SCALAR, DT)
-        else:
-            x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, k_hi, EVEN_K), other=0.0, cache_modifier=X_CACHE)
+        x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, k_hi, EVEN_K), other=0.0, cache_modifier=X_CACHE)
         acc += _dot(x, w, DT, DOT_FP32)
     if GLU:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, HALF]), (0, 2, 1)))
@@ -348,19 +268,17 @@ def mlp_down_config(N: int, K: int, device: torch.device) -> tuple | None:
     return (32, 256, 4, 3, 7) if K >= 16384 else None
 
 
-def gemv(x: torch.Tensor | ResidualNorm, w: torch.Tensor, config: tuple | None = None, glu: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS; `config` overrides gemv_config (benchmarks, tests).
-    glu: w is a fused [gate; up] projection and the result is gelu_tanh(gate) * up, [M, N / 2]. x may be a
-    ResidualNorm row, computed in the prologue (column tiles only)."""
+    glu: w is a fused [gate; up] projection and the result is gelu_tanh(gate) * up, [M, N / 2]."""
     M, K = x.shape
     N = w.shape[0]
     _check(x, w)
-    bn, bk, warps, stages, split = config or gemv_config(N, K, w.device, glu)
-    y = torch.empty(M, N // 2 if glu else N, dtype=w.dtype, device=w.device)
+    bn, bk, warps, stages, split = config or gemv_config(N, K, x.device, glu)
+    y = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
     if split != 0 or glu:
         _launch_columns(x, w, y, (bn, bk, warps, stages, split), glu=glu)
         return y
-    assert not isinstance(x, ResidualNorm), "the ResidualNorm prologue runs in the column-tile kernel"
     # stream-K, one program per SM
     tiles, kb = triton.cdiv(N, bn), triton.cdiv(K, bk)
     programs = min(sm_count(x.device), tiles * kb)
@@ -374,36 +292,33 @@ def gemv(x: torch.Tensor | ResidualNorm, w: torch.Tensor, config: tuple | None =
     return y
 
 
-def gemv_mlp(x: torch.Tensor | ResidualNorm, gate_up: torch.Tensor, down: torch.Tensor,
-             config: tuple | None = None) -> torch.Tensor:
+def gemv_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
     """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for M <= MAX_ROWS, with no kernel boundary between the two GEMVs:
     down runs split along K, and each of its splits starts as soon as the gate_up tiles that write its K range
     have stored (they count themselves in on a flag per range), not when all of gate_up has ended. Launched under
     PDL, down's programs take the SMs that gate_up's last wave leaves idle. `config` overrides down's
-    mlp_down_config (its splits must be > 0). x may be a ResidualNorm row (computed in gate_up's prologue)."""
+    mlp_down_config (its splits must be > 0)."""
     M, H = x.shape
     N, inter = down.shape
     _check(x, gate_up)
     assert gate_up.shape[0] == 2 * inter and N == H and down.stride(1) == 1
-    down_cfg = config or mlp_down_config(N, inter, down.device)
+    down_cfg = config or mlp_down_config(N, inter, x.device)
     if down_cfg is None:
         return gemv(gemv(x, gate_up, glu=True), down)
     assert down_cfg[4] > 0, "down awaits its K splits: stream-K has none"
-    up_cfg = gemv_config(2 * inter, H, down.device, glu=True)
-    act = torch.empty(M, inter, dtype=down.dtype, device=down.device)
-    y = torch.empty(M, N, dtype=down.dtype, device=down.device)
+    up_cfg = gemv_config(2 * inter, H, x.device, glu=True)
+    act = torch.empty(M, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     k_per_split, splits = _k_splits(inter, down_cfg[1], down_cfg[4])
-    _, flags = _zeroed_scratch(down.device)
+    _, flags = _zeroed_scratch(x.device)
     assert splits <= len(flags) and k_per_split % (up_cfg[0] // 2) == 0
     _launch_columns(x, gate_up, act, up_cfg, glu=True, flags=flags, flag_cols=k_per_split, signal=True)
     _launch_columns(act, down, y, down_cfg, flags=flags, flag_cols=up_cfg[0] // 2, wait_on_flags=True)
     return y
 
 
-def _check(x: torch.Tensor | ResidualNorm, w: torch.Tensor) -> None:
-    rows = x.x if isinstance(x, ResidualNorm) else x
-    assert rows.shape[0] <= MAX_ROWS and w.shape[1] == rows.shape[1] and rows.stride(1) == 1 and w.stride(1) == 1
-    assert rows.dtype == w.dtype
+def _check(x: torch.Tensor, w: torch.Tensor) -> None:
+    assert x.shape[0] <= MAX_ROWS and w.shape[1] == x.shape[1] and x.stride(1) == 1 and w.stride(1) == 1
 
 
 def _k_splits(K: int, bk: int, split: int) -> tuple[int, int]:
@@ -426,22 +341,13 @@ def _launch_columns(x, w, y, config: tuple, glu: bool = False, flags=None, flag_
         tiles = triton.cdiv(N, bn)
     k_per_split, split = _k_splits(K, bk, split)
     if split > 1:
-        counters, _ = _zeroed_scratch(w.device)
+        counters, _ = _zeroed_scratch(x.device)
         assert tiles <= len(counters)
-        part = torch.empty(split, MAX_ROWS, N, dtype=torch.float32, device=w.device)
+        part = torch.empty(split, MAX_ROWS, N, dtype=torch.float32, device=x.device)
     else:
         part = counters = y  # never touched
-    if isinstance(x, ResidualNorm):
-        # Chunks of the prologue's row: at most 2048 columns (16 values a thread at four warps), unrolled.
-        norm_ch = min(next_pow2(K), 2048)
-        norm = (x.h, x.weight, x.scale if x.scale is not None else x.weight, x.next_weight, x.residual, x.eps)
-        norm_meta = dict(NORM=True, HAS_SCALAR=x.scale is not None, NORM_CH=norm_ch, NORM_NCH=triton.cdiv(K, norm_ch))
-        x = x.x
-    else:
-        norm = (y, y, y, y, y, 0.0)  # never touched
-        norm_meta = dict(NORM=False, HAS_SCALAR=False, NORM_CH=1, NORM_NCH=1)
     _gemv_kernel[(tiles, split)](
-        x, w, y, part, counters, flags if flags is not None else y, *norm, M, N, K, k_per_split, flag_cols,
-        x.stride(0), w.stride(0), y.stride(0), BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0,
-        DOT_FP32=dot_in_fp32(x.dtype), GLU=glu, SIGNAL=signal, AWAIT=wait_on_flags, **norm_meta, num_warps=warps,
+        x, w, y, part, counters, flags if flags is not None else y, M, N, K, k_per_split, flag_cols, x.stride(0),
+        w.stride(0), y.stride(0), BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0,
+        DOT_FP32=dot_in_fp32(x.dtype), GLU=glu, SIGNAL=signal, AWAIT=wait_on_flags, num_warps=warps,
         num_stages=stages, **pdl_args(x.device))

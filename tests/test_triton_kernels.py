@@ -45,7 +45,7 @@ from gemma4serve_kernels import (  # noqa: E402
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
 from gemma4serve_kernels import rmsnorm_residual_add, rmsnorm_rope  # noqa: E402
-from gemma4serve_kernels.gemv import ResidualNorm, _zeroed_scratch, mlp_down_config  # noqa: E402
+from gemma4serve_kernels.gemv import _zeroed_scratch, mlp_down_config  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KIND = "attn"
@@ -394,41 +394,6 @@ def test_gemv_mlp_equals_two_gemvs(M):
         assert torch.equal(y, two), cfg
         assert torch.equal(y, gemv_mlp(x, gate_up, down, config=cfg))
         assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
-
-
-@pytest.mark.parametrize("dtype,with_scalar", [(torch.float32, True), (torch.bfloat16, False)])
-def test_gemv_residual_norm_prologue(dtype, with_scalar):
-    """A ResidualNorm input (residual add + two RMSNorms computed in the GEMV's prologue) = rmsnorm_residual_add's
-    new residual and normed row fed to the plain GEMV: the residual to a rounding flip (the fp32 sums run in
-    another order), the projection to the GEMM's own tolerance; column tiles with and without K splits, ragged K
-    (several unrolled prologue chunks), the GLU epilogue and gemv_mlp; every program computes the row, one stores
-    the residual."""
-    g = torch.Generator().manual_seed(10)
-    H, N, inter = 2100, 40, 128  # H > 2048: two prologue chunks, the second ragged
-    x = (torch.randn(1, H, generator=g) * 4).to(dtype).to(DEV)
-    h = (torch.randn(1, H, generator=g) * 9).to(dtype).to(DEV)
-    w, w2 = ((torch.rand(H, generator=g) * 2).to(dtype).to(DEV) for _ in range(2))
-    scalar = torch.tensor([0.37], dtype=dtype, device=DEV) if with_scalar else None
-    ref_r, ref_z = rmsnorm_residual_add(x, h, w, 1e-6, scalar, next_weight=w2)
-    W = (torch.randn(N, H, generator=g) / 16).to(dtype).to(DEV)
-    gate_up = (torch.randn(2 * inter, H, generator=g) / 16).to(dtype).to(DEV)
-    down = (torch.randn(H, inter, generator=g) / 16).to(dtype).to(DEV)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-
-    def close(y, ref):
-        assert y.shape == ref.shape and ((y.double() - ref.double()).norm() / ref.double().norm()).item() < tol
-
-    for cfg in (None, (16, 512, 4, 2, 3)):
-        p = ResidualNorm(x, h, w, w2, 1e-6, scalar)
-        close(gemv(p, W, config=cfg), gemv(ref_z, W, config=cfg))
-        _assert_rounding_close(p.residual, ref_r)
-    p = ResidualNorm(x, h, w, w2, 1e-6, scalar)
-    close(gemv(p, gate_up, glu=True), gemv(ref_z, gate_up, glu=True))
-    _assert_rounding_close(p.residual, ref_r)
-    p = ResidualNorm(x, h, w, w2, 1e-6, scalar)
-    close(gemv_mlp(p, gate_up, down, config=(16, 64, 4, 2, 2)), gemv_mlp(ref_z, gate_up, down, config=(16, 64, 4, 2, 2)))
-    _assert_rounding_close(p.residual, ref_r)
-    assert not _zeroed_scratch(x.device)[1].any()
 
 
 # ---------------------------------------------------------------------------------------------- MoE

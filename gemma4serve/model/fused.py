@@ -34,19 +34,12 @@ def on(x: torch.Tensor):
 GEMV_MAX_ROWS = int(os.environ.get("GEMMA4SERVE_GEMV_MAX_ROWS", "16"))
 
 
-def linear(x, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T without bias. Few-row inputs on CUDA (decode, verify, the draft loop) go to the streaming
-    GEMV, so the step stays a chain of Triton kernels that overlap through PDL; the rest go to cuBLAS. x may be
-    a kernels.ResidualNorm (see prologue_fits), which only the GEMV computes."""
-    if not isinstance(x, torch.Tensor) or _gemv_fits(x):
+    GEMV, so the step stays a chain of Triton kernels that overlap through PDL; the rest go to cuBLAS."""
+    if _gemv_fits(x):
         return kernels().gemv(x, weight)
     return F.linear(x, weight)
-
-
-def prologue_fits(x: torch.Tensor) -> bool:
-    """Whether the GEMV can take a residual stream row x as a kernels.ResidualNorm: the residual add and the two
-    norms computed in its prologue (one row only: each program recomputes the row)."""
-    return x.shape[0] == 1 and _gemv_fits(x) and x.is_contiguous()
 
 
 def _gemv_fits(x: torch.Tensor) -> bool:
@@ -55,11 +48,11 @@ def _gemv_fits(x: torch.Tensor) -> bool:
             and x.stride(1) == 1)
 
 
-def gelu_mlp(x, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def gelu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for a fused [gate; up] weight. Few-row inputs: gemv_mlp (the GEMV
     with the GELU·up epilogue, so no [T, 2I] intermediate, then down; for wide MLPs without a kernel boundary
-    between them); else the GEMM, the activation kernel and the down GEMM. x may be a kernels.ResidualNorm."""
-    if not isinstance(x, torch.Tensor) or _gemv_fits(x):
+    between them); else the GEMM, the activation kernel and the down GEMM."""
+    if _gemv_fits(x):
         return kernels().gemv_mlp(x, gate_up, down)
     return F.linear(kernels().gelu_tanh_mul(F.linear(x, gate_up)), down)
 

@@ -27,57 +27,6 @@ class ForwardContext:
     attn: object  # an attention backend: .write(...) and .forward(...)
 
 
-def add_norm(x, h, norm: RMSNorm, scale: torch.Tensor | None = None, next_norm: RMSNorm | None = None):
-    """((x + norm(h)) * scale, next_norm of that or None): one launch on CUDA."""
-    if (k := fused.on(x)) is not None:
-        if next_norm is None:
-            return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale), None
-        return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale, next_norm.weight)
-    x = x + norm(h)
-    if scale is not None:
-        x = x * scale
-    return x, (next_norm(x) if next_norm is not None else None)
-
-
-class NormedInput:
-    """A sublayer's input norm(r) of the residual stream r, where r is either known or still (x + h_norm(h)) *
-    scale: the previous sublayer's output h not yet added. The first projection that reads the input settles it:
-    for one row on CUDA its GEMV adds, norms and stores r in its prologue (kernels.ResidualNorm), so no norm
-    kernel sits between two weight streams; otherwise one residual-norm launch (or the torch ops) does."""
-
-    def __init__(self, x: torch.Tensor, norm: RMSNorm, h: torch.Tensor | None = None, h_norm: RMSNorm | None = None,
-                 scale: torch.Tensor | None = None):
-        self._stream, self.norm = x, norm
-        self._pending = (h, h_norm, scale) if h is not None else None
-        self._value: torch.Tensor | None = None
-
-    def value(self) -> torch.Tensor:
-        """norm(r) as a tensor."""
-        if self._value is None:
-            if self._pending is None:
-                self._value = self.norm(self._stream)
-            else:
-                self._stream, self._value = add_norm(self._stream, *self._pending, next_norm=self.norm)
-                self._pending = None
-        return self._value
-
-    def stream(self) -> torch.Tensor:
-        """The residual stream r."""
-        if self._pending is not None:
-            self.value()
-        return self._stream
-
-    def gemv_input(self):
-        """What a projection reads: a kernels.ResidualNorm for the GEMV to compute while the add is pending and
-        the GEMV takes the row (the stream becomes the residual it stores), else the value."""
-        if self._pending is None or not fused.prologue_fits(self._stream):
-            return self.value()
-        h, h_norm, scale = self._pending
-        p = fused.kernels().ResidualNorm(self._stream, h, h_norm.weight, self.norm.weight, self.norm.eps, scale)
-        self._stream, self._pending = p.residual, None
-        return p
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig, spec: LayerSpec, hidden_size: int):
         super().__init__()
@@ -98,28 +47,24 @@ class Attention(nn.Module):
         if not self.spec.kv_shared:
             self.qkv = fused.concat_weights(*(p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None))
 
-    def forward(self, inp: NormedInput, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        T, hd, kind = cos.shape[0], self.spec.head_dim, self.spec.kind
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        T, hd, kind = h.shape[0], self.spec.head_dim, self.spec.kind
         k_cache, v_cache = ctx.kv.layer(self.kv_layer)
-        if self.qkv is not None and (kern := fused.on(cos)) is not None:
+        if self.qkv is not None and (kern := fused.on(h)) is not None:
             # One GEMM, then q/k norms + RoPE, v_norm and the KV write in one launch.
             q = kern.qkv_epilogue(
-                linear(inp.gemv_input(), self.qkv), self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps,
-                k_cache, v_cache, ctx.meta.write_slot[kind], self.q_proj.weight.shape[0] // hd,
-                self.spec.num_kv_heads, self.spec.k_eq_v,
+                linear(h, self.qkv), self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps, k_cache, v_cache,
+                ctx.meta.write_slot[kind], self.q_proj.weight.shape[0] // hd, self.spec.num_kv_heads, self.spec.k_eq_v,
             )
-        elif self.spec.kv_shared:  # q only
-            q = norm_rope(linear(inp.gemv_input(), self.q_proj.weight).view(T, -1, hd), self.q_norm.weight, self.eps,
-                          cos, sin)
         else:
-            h = inp.value()
             q = norm_rope(linear(h, self.q_proj.weight).view(T, -1, hd), self.q_norm.weight, self.eps, cos, sin)
-            raw_k = linear(h, self.k_proj.weight).view(T, -1, hd)
-            raw_v = raw_k if self.v_proj is None else linear(h, self.v_proj.weight).view(T, -1, hd)
-            k = norm_rope(raw_k, self.k_norm.weight, self.eps, cos, sin)
-            # v_norm: no learned scale, no rotation (k_eq_v: V is the normed raw k_proj output)
-            v = rms_norm(raw_v, None, self.eps)
-            ctx.attn.write(k_cache, v_cache, k, v, ctx.meta.write_slot[kind])
+            if not self.spec.kv_shared:
+                raw_k = linear(h, self.k_proj.weight).view(T, -1, hd)
+                raw_v = raw_k if self.v_proj is None else linear(h, self.v_proj.weight).view(T, -1, hd)
+                k = norm_rope(raw_k, self.k_norm.weight, self.eps, cos, sin)
+                # v_norm: no learned scale, no rotation (k_eq_v: V is the normed raw k_proj output)
+                v = rms_norm(raw_v, None, self.eps)
+                ctx.attn.write(k_cache, v_cache, k, v, ctx.meta.write_slot[kind])
         out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
         return linear(out.reshape(T, -1), self.o_proj.weight)
 
@@ -153,34 +98,46 @@ class DecoderLayer(nn.Module):
         self.self_attn.fuse()
         self.mlp.fuse()
 
-    def forward(self, inp: NormedInput, cos, sin, ctx: ForwardContext, ple: torch.Tensor | None,
-                next_norm: RMSNorm) -> NormedInput:
-        """This layer's input (input_layernorm of the residual stream) -> the next one's (next_norm of the stream
-        after this layer), with this layer's last residual add left for the next projection to do."""
-        h = self.self_attn(inp, cos, sin, ctx)
-        ff = NormedInput(inp.stream(), self.pre_feedforward_layernorm, h, self.post_attention_layernorm)
-        h = self.mlp(ff.gemv_input() if self.mlp.gate_up is not None else ff.value())
-        residual = ff.stream()
+    @staticmethod
+    def _add_norm(x, h, norm: RMSNorm, scale: torch.Tensor | None = None, next_norm: RMSNorm | None = None):
+        """(x + RMSNorm(h)) * scale, and the next sublayer's normed input of that: one launch on CUDA."""
+        if (k := fused.on(x)) is not None:
+            if next_norm is None:
+                return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale), None
+            return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale, next_norm.weight)
+        x = x + norm(h)
+        if scale is not None:
+            x = x * scale
+        return x, (next_norm(x) if next_norm is not None else None)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext, ple: torch.Tensor | None, normed: torch.Tensor | None,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x -> (x after the layer, next_norm of it). `normed` is this layer's input norm of x when the previous
+        layer already computed it."""
+        h = self.self_attn(normed if normed is not None else self.input_layernorm(x), cos, sin, ctx)
+        x, h_ff = self._add_norm(x, h, self.post_attention_layernorm, next_norm=self.pre_feedforward_layernorm)
+        residual = x
+        h = self.mlp(h_ff)
         if self.moe:
             weights, experts = self.router(residual)
             moe_out = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
         if not self.ple:  # layer_scalar scales the whole residual stream, after PLE when there is one
-            return NormedInput(residual, next_norm, h, self.post_feedforward_layernorm, self.layer_scalar)
-        x, _ = add_norm(residual, h, self.post_feedforward_layernorm)
+            return self._add_norm(residual, h, self.post_feedforward_layernorm, self.layer_scalar, next_norm)
+        x, _ = self._add_norm(residual, h, self.post_feedforward_layernorm)
         g = gelu_tanh(self.per_layer_input_gate(x)) * ple
-        return NormedInput(x, next_norm, self.per_layer_projection(g), self.post_per_layer_input_norm,
-                           self.layer_scalar)
+        return self._add_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm, self.layer_scalar,
+                              next_norm)
 
 
 def run_layers(layers, x, rope: dict, ctx: ForwardContext, final_norm: RMSNorm, ple=None) -> torch.Tensor:
-    """The decoder stack -> final_norm of the last residual stream."""
-    inp = NormedInput(x, layers[0].input_layernorm)
+    """The decoder stack; each layer also produces the next one's normed input (the last: the final norm)."""
+    normed = None
     for i, layer in enumerate(layers):
         cos, sin = rope[layer.spec.kind]
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        inp = layer(inp, cos, sin, ctx, ple[:, i] if ple is not None else None, nxt)
-    return inp.value()
+        x, normed = layer(x, cos, sin, ctx, ple[:, i] if ple is not None else None, normed, nxt)
+    return normed
 
 
 class Rotary:

@@ -46,9 +46,8 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up = fused.concat_weights(self.gate_proj, self.up_proj)
 
-    def forward(self, x) -> torch.Tensor:
-        """x: a tensor, or after fuse() (CUDA) also a kernels.ResidualNorm row."""
-        if self.gate_up is not None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and fused.on(x) is not None:
             return fused.gelu_mlp(x, self.gate_up, self.down_proj.weight)
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
