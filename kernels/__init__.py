@@ -11,7 +11,7 @@ from .moe import moe_align, moe_experts, moe_route
 from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_rope
 from .paged_attention import attention_config, paged_attention
 from .qkv_epilogue import qkv_epilogue
-from .step_inputs import rope_tables
+from .step_inputs import rope_tables, write_slots
 
 __all__ = [
     "attention_config",
@@ -29,4 +29,5 @@ __all__ = [
     "rmsnorm_residual_add",
     "rmsnorm_rope",
     "rope_tables",
+    "write_slots",
 ]

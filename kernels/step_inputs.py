@@ -1,9 +1,10 @@
-"""The RoPE tables a step derives from its positions before the first layer, in one launch per layer kind.
+"""What a step derives from its positions before the first layer: RoPE tables and the KV write slots.
 
-In torch they are a chain of seven small launches per kind (positions to float, the angle product, cat, cos,
-sin, two casts), about 2 us each at batch 1, where they run back to back with the step inside its CUDA graph.
-Here the torch ops' rounding points are kept: the angle is the same fp32 product, cos and sin are libdevice's
-(what torch's CUDA kernels call; `tl.cos` is an approximation), rounded once to the model dtype.
+In torch each is a chain of small launches (positions to float, the angle product, cat, cos, sin, two casts per
+layer kind; a gather, divisions and casts per page table), about 2 us each at batch 1, where they run back to
+back with the step inside its CUDA graph. Here each is one launch, with the torch ops' rounding points: the
+angle is the same fp32 product, cos and sin are libdevice's (what torch's CUDA kernels call; `tl.cos` is an
+approximation), rounded once to the model dtype.
 """
 
 from __future__ import annotations
@@ -45,3 +46,35 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
         _rope_tables_kernel[(triton.cdiv(T, block_t),)](positions, inv_freq, cos, sin, T, HALF=half, BLOCK_T=block_t,
                                                          LIBDEVICE=not INTERPRET, num_warps=4)
     return cos, sin
+
+
+@triton.jit
+def _write_slots_kernel(token_seq_ptr, pos_ptr, table_a_ptr, table_b_ptr, stride_a, stride_b, kv_end_ptr,
+                        slot_a_ptr, slot_b_ptr, T, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < T
+    pos = tl.load(pos_ptr + t, mask=ok, other=0).to(tl.int64)
+    row = tl.load(token_seq_ptr + t, mask=ok, other=0).to(tl.int64)
+    page, in_page = pos // PAGE, pos % PAGE
+    page_a = tl.load(table_a_ptr + row * stride_a + page, mask=ok, other=0).to(tl.int64)
+    page_b = tl.load(table_b_ptr + row * stride_b + page, mask=ok, other=0).to(tl.int64)
+    tl.store(slot_a_ptr + t, page_a * PAGE + in_page, mask=ok)
+    tl.store(slot_b_ptr + t, page_b * PAGE + in_page, mask=ok)
+    tl.store(kv_end_ptr + t, (pos + 1).to(tl.int32), mask=ok)
+
+
+def write_slots(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, page_size: int):
+    """(kv_end [T] int32 = pos + 1, {kind: slot [T] int64}): the cache slot each token's K/V goes to, through
+    its sequence's row of each of the two page tables, as attention.metadata.causal_metadata."""
+    (kind_a, table_a), (kind_b, table_b) = tables.items()
+    T = pos.shape[0]
+    assert token_seq.is_contiguous() and pos.is_contiguous() and table_a.stride(1) == 1 and table_b.stride(1) == 1
+    kv_end = torch.empty(T, dtype=torch.int32, device=pos.device)
+    slot_a = torch.empty(T, dtype=torch.int64, device=pos.device)
+    slot_b = torch.empty_like(slot_a)
+    if T:
+        block = min(1024, next_pow2(T))
+        _write_slots_kernel[(triton.cdiv(T, block),)](token_seq, pos, table_a, table_b, table_a.stride(0),
+                                                      table_b.stride(0), kv_end, slot_a, slot_b, T, PAGE=page_size,
+                                                      BLOCK=block, num_warps=4)
+    return kv_end, {kind_a: slot_a, kind_b: slot_b}

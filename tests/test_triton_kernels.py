@@ -42,6 +42,7 @@ from gemma4serve_kernels import (  # noqa: E402
     paged_attention,
     qkv_epilogue,
     rope_tables,
+    write_slots,
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
 from gemma4serve_kernels import rmsnorm_residual_add, rmsnorm_rope  # noqa: E402
@@ -210,6 +211,20 @@ def test_rope_tables(dtype):
         torch.testing.assert_close(cos.cpu(), ref_cos, **tol)
         torch.testing.assert_close(sin.cpu(), ref_sin, **tol)
         assert torch.equal(cos[:, pairs:hd // 2].cpu(), torch.ones(len(pos), hd // 2 - pairs, dtype=dtype))
+
+
+def test_write_slots():
+    """kv_end = pos + 1 and each token's slot through its row of both page tables, as the torch ops (padding rows
+    on the null-page row write slot 0..page_size-1 of page 0)."""
+    page_size = 4
+    tables = {"full": torch.tensor([[3, 5, 8], [2, 0, 0], [0, 0, 0]], dtype=torch.int32),
+              "sliding": torch.tensor([[1, 4, 6], [7, 0, 0], [0, 0, 0]], dtype=torch.int32)}
+    token_seq = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
+    pos = torch.tensor([5, 9, 2, 0], dtype=torch.int64)
+    kv_end, slots = write_slots(token_seq.to(DEV), pos.to(DEV), {k: t.to(DEV) for k, t in tables.items()}, page_size)
+    assert kv_end.tolist() == [6, 10, 3, 1] and kv_end.dtype == torch.int32
+    assert slots["full"].tolist() == [5 * 4 + 1, 8 * 4 + 1, 2 * 4 + 2, 0] and slots["full"].dtype == torch.int64
+    assert slots["sliding"].tolist() == [4 * 4 + 1, 6 * 4 + 1, 7 * 4 + 2, 0]
 
 
 # ---------------------------------------------------------------------------------------------- norms / act

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from gemma4serve.config import FULL, SLIDING
+from gemma4serve.model import fused
 
 
 @dataclass
@@ -80,12 +81,17 @@ def causal_metadata(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, wi
                     host: HostBatch | None = None) -> AttentionMetadata:
     """Metadata of a target pass, derived on the device: each token sees keys up to its own position and
     writes its K/V to the slot its page table maps its position to."""
-    rows = token_seq.long()
+    if (k := fused.on(pos)) is not None and len(tables) == 2 and token_seq.is_contiguous() and pos.is_contiguous():
+        kv_end, write_slot = k.write_slots(token_seq, pos, tables, page_size)  # one launch instead of about 14
+    else:
+        rows = token_seq.long()
+        kv_end = (pos + 1).to(torch.int32)
+        write_slot = {kind: t[rows, pos // page_size].long() * page_size + pos % page_size for kind, t in tables.items()}
     return AttentionMetadata(
         token_seq=token_seq,
-        kv_end=(pos + 1).to(torch.int32),
+        kv_end=kv_end,
         page_table=tables,
-        write_slot={kind: t[rows, pos // page_size].long() * page_size + pos % page_size for kind, t in tables.items()},
+        write_slot=write_slot,
         window=window,
         cu_seqlens_q=cu_seqlens_q,
         max_q_len=max_q_len,

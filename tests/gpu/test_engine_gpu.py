@@ -76,11 +76,14 @@ def test_bf16_greedy_matches_hf(ckpt):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_cuda_graph_replay_equals_eager(ckpt, batch):
+    """Token for token. The adaptive draft length is off in both: it sets k from the graphs' measured replay
+    times (eager keeps k fixed), so with it the two would run different verify steps, whose bf16 results agree
+    only up to near-ties (test_mtp_greedy_equals_plain_bf16 covers that)."""
     v, target, assistant = ckpt
     prompts = [prompt_of(n, seed=n) for n in (3, 17, 29, 41)[:batch]]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for draft in (None, assistant):
-        graphed = gpu_llm(target, draft, num_draft_tokens=3)
+        graphed = gpu_llm(target, draft, num_draft_tokens=3, adaptive_draft_length=False)
         eager = gpu_llm(target, draft, num_draft_tokens=3, enforce_eager=True)
         assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
         a = [o.token_ids for o in graphed.generate(prompts, sp)]

@@ -45,6 +45,7 @@ from gemma4serve_kernels import (  # noqa: E402
     rmsnorm_residual_add,
     rmsnorm_rope,
     rope_tables,
+    write_slots,
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
 from gemma4serve_kernels.gemv import _zeroed_scratch, mlp_down_config  # noqa: E402
@@ -270,9 +271,9 @@ def test_gemv_mlp_equals_two_gemvs(M, inter, H):
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
-def test_rope_tables_equal_torch_ops(dtype):
-    """The RoPE tables of one launch (31B sliding and proportional full specs, 37k positions up to 262k) equal the
-    torch ops they replace bit for bit: the same fp32 angles, libdevice cos/sin as torch's CUDA kernels."""
+def test_step_inputs_equal_torch_ops(dtype):
+    """The RoPE tables (31B sliding and proportional full specs) and write slots of one launch each equal the torch
+    ops they replace bit for bit: the same fp32 angles, libdevice cos/sin as torch's CUDA kernels."""
     pos = torch.arange(0, 262144, 7, device=DEV)
     for spec in (RopeSpec(1e4, 256, 128), RopeSpec(1e6, 512, 64)):
         inv = rope_inv_freq(spec).to(DEV)
@@ -280,6 +281,14 @@ def test_rope_tables_equal_torch_ops(dtype):
         emb = torch.cat([emb, emb], dim=-1)
         cos, sin = rope_tables(inv, pos, dtype)
         assert torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
+    g = torch.Generator(DEV).manual_seed(3)
+    tables = {k: torch.randint(0, 5000, (9, 300), generator=g, device=DEV, dtype=torch.int32) for k in ("a", "b")}
+    token_seq = torch.randint(0, 9, (64,), generator=g, device=DEV, dtype=torch.int32)
+    p = torch.randint(0, 300 * 16, (64,), generator=g, device=DEV)
+    kv_end, slots = write_slots(token_seq, p, tables, 16)
+    assert torch.equal(kv_end, (p + 1).to(torch.int32))
+    for k, t in tables.items():
+        assert torch.equal(slots[k], t[token_seq.long(), p // 16].long() * 16 + p % 16)
 
 
 @pytest.mark.parametrize("dataflow_mlp", [False, True])
