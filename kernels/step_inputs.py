@@ -14,10 +14,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from ._common import INTERPRET, next_pow2, round_to
+from ._common import INTERPRET, round_to
 
 
-@triton.jit
+# One compiled variant each, whatever the step's token count (a new block size or integer specialisation would
+# compile mid-serving, on the first prefill of an unseen length).
+@triton.jit(do_not_specialize=["T"])
 def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
                         LIBDEVICE: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -42,13 +44,13 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
     cos = torch.empty(T, 2 * half, dtype=dtype, device=positions.device)
     sin = torch.empty_like(cos)
     if T:
-        block_t = max(1, min(next_pow2(T), 4096 // (2 * half)))
+        block_t = max(1, 4096 // (2 * half))
         _rope_tables_kernel[(triton.cdiv(T, block_t),)](positions, inv_freq, cos, sin, T, HALF=half, BLOCK_T=block_t,
                                                          LIBDEVICE=not INTERPRET, num_warps=4)
     return cos, sin
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_a", "stride_b", "T"])
 def _write_slots_kernel(token_seq_ptr, pos_ptr, table_a_ptr, table_b_ptr, stride_a, stride_b, kv_end_ptr,
                         slot_a_ptr, slot_b_ptr, T, PAGE: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -73,7 +75,7 @@ def write_slots(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, page_s
     slot_a = torch.empty(T, dtype=torch.int64, device=pos.device)
     slot_b = torch.empty_like(slot_a)
     if T:
-        block = min(1024, next_pow2(T))
+        block = 128
         _write_slots_kernel[(triton.cdiv(T, block),)](token_seq, pos, table_a, table_b, table_a.stride(0),
                                                       table_b.stride(0), kv_end, slot_a, slot_b, T, PAGE=page_size,
                                                       BLOCK=block, num_warps=4)
