@@ -20,7 +20,7 @@ from gemma4serve.engine.models import load_models
 from gemma4serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from gemma4serve.engine.runner import ModelRunner, StepHandle
 from gemma4serve.engine.scheduler import Scheduler
-from gemma4serve.engine.sequence import Sequence, Status, StepResult
+from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
 from gemma4serve.kv.manager import KVManager
 from gemma4serve.kv.pool import PagePool
@@ -97,12 +97,34 @@ class LLMEngine:
                     f"{b}: {c.decode * 1e3:.2f} / {c.verify * 1e3:.2f} / {c.draft * 1e3:.2f}" for b, c in costs.items()))
         self.draft_length = DraftLength(k, costs)
         self.runner = ModelRunner(self.state, k, forced, graphs)
+        if self.state.device.type == "cuda":
+            self._warm_up()
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._arrivals = 0
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self._inflight: StepHandle | None = None  # a launched decode step not read yet (async scheduling)
         self.num_continued_steps = 0  # steps queued before the results of the step before them were read
+
+    def _warm_up(self) -> None:
+        """One eager step per chunk length before serving, so that Triton compiles the kernel variants that eager
+        steps select by shape now, not while requests wait (up to seconds per prompt on a cold cache;
+        docs/performance.md, compile stalls). Its pages are freed again."""
+        t0 = time.monotonic()
+        limit = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
+        longest = limit // 16 * 16
+        # Kernels pick tiles by power-of-two buckets of the rows (attention by the longest query run, the GEMV up
+        # to 16 rows, MoE by token-expert pairs), and Triton specialises integers that are 1 or divisible by 16:
+        # each power of two, one past it, and the longest chunks reach every bucket.
+        lengths = {1, longest - 1, longest} | {n for j in range(1, limit.bit_length()) for n in (2**j, 2**j + 1)}
+        for n in sorted(n for n in lengths if 1 <= n <= limit):
+            seq = Sequence("warm-up", 0, [0] * n, n, SamplingParams(max_tokens=1), 0, 0, n + 1)
+            self.kv.grow(seq.pages, 0, n)
+            try:
+                self.runner.launch([ScheduledChunk(seq, 0, n, [])], self.num_draft_tokens).results()
+            finally:
+                self.kv.free(seq.pages)
+        log.info("warmed up eager steps in %.1fs", time.monotonic() - t0)
 
     # ---- requests -------------------------------------------------------------------------------------
 

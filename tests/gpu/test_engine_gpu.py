@@ -150,3 +150,40 @@ def test_adaptive_draft_length_switches_graphs(ckpt):
         assert_same_or_near_tie(x, y, p, judge, noisy)
     st = adaptive.engine.snapshot()
     assert 0 < st.spec_num_steps < st.seq_steps
+
+
+def _jit_functions():
+    import gemma4serve_kernels
+    from triton.runtime.jit import JITFunction
+
+    mods = [m for name, m in vars(gemma4serve_kernels).items() if type(m).__name__ == "module"]
+    return [f for m in mods for f in vars(m).values() if isinstance(f, JITFunction)]
+
+
+def test_no_kernel_compiles_while_serving(ckpt):
+    """After start-up (graph capture, then one eager step per chunk-length bucket), prompts of any length, alone
+    and batched, with drafts, run on kernels compiled already: a compile would stall every running request
+    (about a second each on a cold cache). The in-process kernel caches start empty here, so variants that
+    earlier tests compiled do not hide a missing warm-up."""
+    v, target, assistant = ckpt
+    fns = _jit_functions()
+    saved = {f: dict(f.device_caches) for f in fns}  # kept alive: earlier graphs may still point at them
+    try:
+        for f in fns:
+            f.device_caches.clear()
+        llm = gpu_llm(target, assistant, num_draft_tokens=3)
+
+        def compiled():
+            return {f.__name__: sum(len(c[0]) for c in f.device_caches.values()) for f in fns}
+
+        start = compiled()
+        sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for lens in ([1], [2], [3], [7], [9], [13], [16], [17], [31], [40], [100], [300], [511], [700],
+                     [5, 9, 300], [1, 2, 3, 4], [12] * 5):
+            llm.generate([prompt_of(n, seed=n) for n in lens], sp)
+            now = compiled()
+            assert now == start, f"prompts of {lens} tokens compiled {[k for k in now if now[k] != start[k]]}"
+        assert sum(start.values()) > 0
+    finally:
+        for f, caches in saved.items():
+            f.device_caches.update(caches)
