@@ -156,7 +156,7 @@ def _jit_functions():
     import gemma4serve_kernels
     from triton.runtime.jit import JITFunction
 
-    mods = [m for name, m in vars(gemma4serve_kernels).items() if type(m).__name__ == "module"]
+    mods = [m for m in vars(gemma4serve_kernels).values() if type(m).__name__ == "module"]
     return [f for m in mods for f in vars(m).values() if isinstance(f, JITFunction)]
 
 
