@@ -75,10 +75,11 @@ def _load(module, path: Path | None, args: EngineArgs, device, dtype, what: str)
 
 
 def make_attention_backend(name: str, device: torch.device, cfg=None, page_size: int = 16, dtype=None):
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
     if name == "auto":  # the Triton kernels are the fast path on CUDA (with FlashInfer's prefill when it is
         # installed: measured faster, docs/performance.md); torch is the reference everywhere
         name = "triton" if device.type == "cuda" else "torch"
-        if name == "triton" and dtype == torch.bfloat16 and importlib.util.find_spec("flashinfer") is not None:
+        if name == "triton" and dtype == torch.bfloat16 and has_flashinfer:
             name = "flashinfer"
     if name == "torch":
         from gemma4serve.attention.torch_backend import TorchAttention
@@ -89,7 +90,7 @@ def make_attention_backend(name: str, device: torch.device, cfg=None, page_size:
 
         return TritonAttention()
     if name == "flashinfer":
-        if device.type != "cuda" or importlib.util.find_spec("flashinfer") is None:
+        if device.type != "cuda" or not has_flashinfer:
             raise ConfigError("attention backend 'flashinfer' needs CUDA and the flashinfer extra "
                               "(pip install 'gemma4serve[flashinfer]')")
         from gemma4serve.attention.flashinfer_backend import FlashInferAttention
