@@ -6,6 +6,7 @@ All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
 from .activation import gelu_tanh_mul
 from .gemv import MAX_ROWS as GEMV_MAX_ROWS
 from .gemv import gemv, gemv_mlp
+from .greedy_head import greedy_head, quantize_rows, value_table
 from .kv_write import kv_write
 from .moe import moe_align, moe_experts, moe_route
 from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_rope
@@ -19,15 +20,18 @@ __all__ = [
     "gelu_tanh_mul",
     "gemv",
     "gemv_mlp",
+    "greedy_head",
     "kv_write",
     "moe_align",
     "moe_experts",
     "moe_route",
     "paged_attention",
     "qkv_epilogue",
+    "quantize_rows",
     "rms_norm",
     "rmsnorm_residual_add",
     "rmsnorm_rope",
     "rope_tables",
+    "value_table",
     "write_slots",
 ]

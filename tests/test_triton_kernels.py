@@ -35,18 +35,22 @@ from gemma4serve_kernels import (  # noqa: E402
     gelu_tanh_mul,
     gemv,
     gemv_mlp,
+    greedy_head,
     kv_write,
     moe_align,
     moe_experts,
     moe_route,
     paged_attention,
     qkv_epilogue,
+    quantize_rows,
     rope_tables,
+    value_table,
     write_slots,
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
 from gemma4serve_kernels import rmsnorm_residual_add, rmsnorm_rope  # noqa: E402
 from gemma4serve_kernels.gemv import _zeroed_scratch, mlp_down_config  # noqa: E402
+from gemma4serve_kernels.greedy_head import _row_maxima  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KIND = "attn"
@@ -409,6 +413,44 @@ def test_gemv_mlp_equals_two_gemvs(M):
         assert torch.equal(y, two), cfg
         assert torch.equal(y, gemv_mlp(x, gate_up, down, config=cfg))
         assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _softcap(x):  # the model's final softcap, as its bf16 torch ops round it
+    return torch.tanh(x / 30.0) * 30.0
+
+
+@pytest.mark.parametrize("N,K,M", [(1000, 300, 1), (1000, 256, 5), (70, 1024, 3)])
+def test_greedy_head_equals_argmax_of_full_head(N, K, M):
+    """greedy_head = the first argmax of G(bf16(gemv)), with G the softcap or the identity: on random weights, with
+    exact ties planted (a duplicated best row must lose to its lower copy), with the softcap saturated (hundreds
+    of tokens tie at 30), and with every row a candidate. (70, 1024) runs the exact values through gemv's two K
+    splits. The row maxima are re-armed after every launch."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    base = torch.randn(N, K, generator=g) / 8
+    tied = base.clone()
+    best = (x.cpu() @ base.T).argmax(-1)[0]
+    tied[N // 3] = tied[best]  # rows N//3 and best tie exactly for row 0
+    # The best row for x[0] with an outlier where x is 0: its int8 copy rounds every other weight to 0, so its
+    # approximate logit is far below the runner-up's (row a + 1) and only the interval keeps it a candidate.
+    x[:, 0] = 0
+    coarse, a = base.clone(), N // 2
+    coarse[a + 1] = 3 * x[0].cpu() / x[0].norm().cpu()
+    coarse[a] = coarse[a + 1] + 0.01 * x[0].cpu().sign()
+    coarse[a, 0] = 1e4
+    cases = {"random": base, "tied": tied, "saturated": base * 40, "constant": base[:1].repeat(N, 1),
+             "coarse": coarse}
+    for name, w in cases.items():
+        w = w.to(DEV)
+        q, scale = quantize_rows(w)
+        for fn in (_softcap, lambda v: v):
+            lut = value_table(fn, x.device)
+            want = fn(gemv(x, w).to(torch.bfloat16)).argmax(-1)
+            if name == "coarse":
+                assert want[0] == a
+            got = greedy_head(x, w, q, scale, lut)
+            assert torch.equal(got, want), (name, got, want)
+            assert torch.isneginf(_row_maxima(x.device)).all()
 
 
 # ---------------------------------------------------------------------------------------------- MoE
