@@ -422,9 +422,9 @@ def test_multibyte_output_streams_whole_characters(engine, monkeypatch):
     n_prompt = 1 + len(tok.encode(prompt))  # the engine puts <bos> before a text prompt
     real_accept = runner_module.accept
 
-    def scripted_accept(logits, drafts, num_drafts, first_position, sb):
+    def scripted_accept(logits, drafts, num_drafts, first_position, sb, chosen=None):
         # Run the real verification, then replace each emitted token by the script's token for its position.
-        res = real_accept(logits, drafts, num_drafts, first_position, sb)
+        res = real_accept(logits, drafts, num_drafts, first_position, sb, chosen)
         pos = first_position[:, None] + torch.arange(1, res.tokens.shape[1] + 1) - n_prompt
         forced_tokens = torch.tensor(script)[pos.clamp(0, len(script) - 1)]
         res.tokens = torch.where(res.tokens >= 0, forced_tokens, res.tokens)

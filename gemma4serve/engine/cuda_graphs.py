@@ -1,5 +1,6 @@
 """CUDA graphs for the steady state: the target's decode/verify forward (with the logits of every row) and
-the whole k-step draft loop, each captured once per batch-size bucket.
+the whole k-step draft loop, each captured once per batch-size bucket. Buckets of at most the GEMV's rows
+also get a greedy variant of the forward that ends in the greedy head's tokens instead of the logits.
 
 A decode step of B sequences with d drafts each is B groups of Q = d + 1 query tokens. Its token ids,
 positions and page tables are copied into static buffers; write slots and key ranges are derived inside the
@@ -60,13 +61,13 @@ class CudaGraphs:
         self.d_pos = torch.ones(B, **i64)
         self.d_rows = torch.full((B,), B, **i32)
         self.pool = torch.cuda.graph_pool_handle()
-        self.target_graphs: dict = {}  # (B, Q) -> (graph, hidden, logits)
+        self.target_graphs: dict = {}  # (B, Q, greedy) -> (graph, hidden, logits or greedy tokens)
         self.draft_graphs: dict = {}  # B -> (graph, drafts)
         self.draft_loop = DraftLoop(state) if (state.draft is not None and num_draft_tokens) else None
 
     # ---- capture --------------------------------------------------------------------------------------
 
-    def _target_fn(self, B: int, Q: int):
+    def _target_fn(self, B: int, Q: int, greedy: bool):
         s, T = self.s, B * Q
 
         def run():
@@ -74,9 +75,13 @@ class CudaGraphs:
                                    {SLIDING: s.target.cfg.sliding_window, FULL: 0}, self.cu_seqlens[Q][: B + 1],
                                    Q, s.page_size)
             hidden = s.target(self.ids[:T], self.pos[:T], ForwardContext(meta, s.kv, s.attn))
-            return hidden, s.target.logits(hidden)
+            return hidden, (s.target.greedy(hidden) if greedy else s.target.logits(hidden))
 
         return run
+
+    def _has_greedy(self, B: int, Q: int) -> bool:
+        head = self.s.target.greedy_head
+        return head is not None and B * Q <= head.max_rows
 
     def _draft_fn(self, B: int):
         def run():
@@ -99,8 +104,9 @@ class CudaGraphs:
         t0 = time.monotonic()
         for B in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             for Q in self.q_lens:
-                graph, (hidden, logits) = self._capture(self._target_fn(B, Q))
-                self.target_graphs[(B, Q)] = (graph, hidden, logits)
+                for greedy in (False, True) if self._has_greedy(B, Q) else (False,):
+                    graph, (hidden, out) = self._capture(self._target_fn(B, Q, greedy))
+                    self.target_graphs[(B, Q, greedy)] = (graph, hidden, out)
             if self.draft_loop is not None:
                 graph, drafts = self._capture(self._draft_fn(B))
                 self.draft_graphs[B] = (graph, drafts)
@@ -116,8 +122,8 @@ class CudaGraphs:
         if self.draft_loop is None:
             return {}
         return {
-            B: StepCost(self._time(self.target_graphs[(B, 1)][0]), self._time(self.target_graphs[(B, self.k + 1)][0]),
-                        self._time(self.draft_graphs[B][0]))
+            B: StepCost(self._time(self.target_graphs[(B, 1, False)][0]),
+                        self._time(self.target_graphs[(B, self.k + 1, False)][0]), self._time(self.draft_graphs[B][0]))
             for B in self.buckets
         }
 
@@ -141,9 +147,10 @@ class CudaGraphs:
         """Whether n sequences of Q query rows each, holding at most max_pages pages, have a graph."""
         return Q in self.q_lens and self.bucket(n) is not None and max_pages < self.width
 
-    def run_target(self, ids: torch.Tensor, pos: torch.Tensor, Q: int, tables: dict):
+    def run_target(self, ids: torch.Tensor, pos: torch.Tensor, Q: int, tables: dict, greedy: bool = False):
         """Replay the decode/verify graph: ids and positions [n*Q] (host or device), host page tables [n, w]
-        per kind -> (hidden [n*Q, H], logits [n*Q, V])."""
+        per kind -> (hidden [n*Q, H], logits [n*Q, V] or None, greedy tokens [n*Q] or None). `greedy`: only
+        the argmax of each row is needed, so the bucket's greedy variant runs where it has one."""
         T = ids.shape[0]
         n = T // Q
         B = self.bucket(n)
@@ -160,9 +167,10 @@ class CudaGraphs:
             if last is None or not torch.equal(last, host):  # (False for another shape too)
                 copy_into(self.tables[kind][:n, : host.shape[1]], host)
                 self._copied_tables[kind] = host
-        graph, hidden, logits = self.target_graphs[(B, Q)]
+        greedy = greedy and (B, Q, True) in self.target_graphs
+        graph, hidden, out = self.target_graphs[(B, Q, greedy)]
         graph.replay()
-        return hidden[:T], logits[:T]
+        return (hidden[:T], None, out[:T]) if greedy else (hidden[:T], out[:T], None)
 
     def run_draft(self, token, hidden, P, table_rows) -> torch.Tensor:
         n = token.shape[0]

@@ -175,17 +175,18 @@ class ModelRunner:
                    and self.graphs.fits(len(chunks), Q, max(len(ch.seq.pages.full) for ch in chunks)))
         if graphed:
             ids, positions, _, _ = pack_chunks(chunks)
-            hidden, logits = self.graphs.run_target(torch.tensor(ids), torch.tensor(positions), Q,
-                                                    page_tables([ch.seq.pages for ch in chunks]))
+            hidden, logits, chosen = self.graphs.run_target(torch.tensor(ids), torch.tensor(positions), Q,
+                                                            page_tables([ch.seq.pages for ch in chunks]),
+                                                            greedy=inp is not None and inp.sb.argmax_only)
             tables = self.graphs.tables
         else:
             ids_t, pos_t, meta = self.prepare(chunks)
             hidden = s.target(ids_t, pos_t, ForwardContext(meta, s.kv, s.attn))
-            logits, tables = None, meta.page_table
+            logits, chosen, tables = None, None, meta.page_table
         if inp is None:
             return StepHandle(None)
         drafted = [len(ch.drafts) for ch in chunks if ch.samples]
-        return self._verify_and_draft(inp, hidden, logits, tables, graphed, drafted, draft_len,
+        return self._verify_and_draft(inp, hidden, logits, chosen, tables, graphed, drafted, draft_len,
                                       decode and not inp.sb.any_penalty)
 
     @torch.inference_mode()
@@ -203,7 +204,8 @@ class ModelRunner:
         host_tables = page_tables(pages)
         graphed = self.graphs is not None and self.graphs.fits(B, Q, max(len(p.full) for p in pages))
         if graphed:
-            hidden, logits = self.graphs.run_target(ids.view(-1), pos.view(-1), Q, host_tables)
+            hidden, logits, chosen = self.graphs.run_target(ids.view(-1), pos.view(-1), Q, host_tables,
+                                                            greedy=prev.inputs.sb.argmax_only)
             tables = self.graphs.tables
         else:
             s = self.s
@@ -212,13 +214,14 @@ class ModelRunner:
             cu = torch.arange(0, B * Q + 1, Q, device=dev, dtype=torch.int32)
             meta = causal_metadata(token_seq, pos.view(-1), tables, self.window, cu, Q, s.page_size)
             hidden = s.target(ids.view(-1), pos.view(-1), ForwardContext(meta, s.kv, s.attn))
-            logits = None
+            logits = chosen = None
         # The drafts as copied into `ids`: `prev.next_drafts` is a graph output, and graphs share one memory
         # pool, so the target replay below may overwrite it.
         drafts = ids[:, 1:]
         inp = SamplingInputs(seqs=prev.inputs.seqs, rows=rows, first_pos=P, drafts=drafts, num_drafts=num_drafts,
                              table_rows=table_rows, sb=prev.inputs.sb)
-        return self._verify_and_draft(inp, hidden, logits, tables, graphed, [Q - 1] * B, prev.draft_len, True)
+        return self._verify_and_draft(inp, hidden, logits, chosen, tables, graphed, [Q - 1] * B, prev.draft_len,
+                                      True)
 
     def _continuation_indices(self, B: int, Q: int) -> tuple:
         """(rows [B, Q], num_drafts [B], table_rows [B], offsets [Q]): the same for every continued step of B
@@ -233,15 +236,25 @@ class ModelRunner:
             )
         return self._continuation_index[(B, Q)]
 
-    def _verify_and_draft(self, inp: SamplingInputs, hidden, all_logits, tables, graphed: bool,
+    def _verify_and_draft(self, inp: SamplingInputs, hidden, all_logits, all_chosen, tables, graphed: bool,
                           drafted: list[int], draft_len: int, continuable: bool) -> StepHandle:
-        """Device-only from here: accept, draft the next tokens, queue the copy of the results to the host."""
+        """Device-only from here: accept, draft the next tokens, queue the copy of the results to the host.
+        all_logits / all_chosen: a graph's logits or greedy tokens of every row (None: computed here)."""
         s = self.s
         rows, first_pos, drafts, num_drafts = inp.rows, inp.first_pos, inp.drafts, inp.num_drafts
         B, K1 = rows.shape
         flat_rows = rows.view(-1)
-        logits = all_logits[flat_rows] if all_logits is not None else s.target.logits(hidden[flat_rows])
-        res = accept(logits.view(B, K1, -1), drafts, num_drafts, first_pos, inp.sb)
+        logits = chosen = None
+        if all_chosen is not None:
+            chosen = all_chosen[flat_rows]
+        elif all_logits is not None:
+            logits = all_logits[flat_rows]
+        elif inp.sb.argmax_only:
+            chosen = s.target.greedy(hidden[flat_rows])
+        else:
+            logits = s.target.logits(hidden[flat_rows])
+        res = accept(logits.view(B, K1, -1) if logits is not None else None, drafts, num_drafts, first_pos, inp.sb,
+                     chosen.view(B, K1) if chosen is not None else None)
         tokens, num_emitted = res.tokens, res.num_emitted
         if self.forced is not None and K1 > 1:
             tokens, num_emitted = self.forced.apply(tokens, num_emitted, drafts, num_drafts, first_pos)

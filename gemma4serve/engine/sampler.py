@@ -63,6 +63,12 @@ class SamplingBatch:
     sort_width: int
     num_logprobs: int  # the most top-logprobs any row asked for, -1 = no row wants logprobs
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row takes the argmax of the raw logits and nothing else reads them: the tokens can come from the
+        model's greedy head without the logits."""
+        return self.all_greedy and not self.any_penalty and self.num_logprobs < 0
+
     @classmethod
     def build(
         cls,
@@ -326,11 +332,12 @@ class AcceptResult:
 
 
 def accept(
-    logits: torch.Tensor,
+    logits: torch.Tensor | None,
     drafts: torch.Tensor,
     num_drafts: torch.Tensor,
     first_position: torch.Tensor,
     sb: SamplingBatch,
+    chosen: torch.Tensor | None = None,
 ) -> AcceptResult:
     """Verify drafts against the target and pick the tokens to emit (K = 0: plain decode / end of prefill).
 
@@ -343,13 +350,16 @@ def accept(
 
     Row j chooses s_j (see `choose`); the longest prefix of drafts with d_{j+1} == s_j is accepted and
     s_0..s_n are emitted (n = number accepted): the accepted drafts, then one correction / bonus token.
+    With sb.argmax_only the caller may pass the rows' argmax tokens as `chosen` [B, K+1] instead of logits.
     """
-    B, K1, V = logits.shape
+    B, K1 = drafts.shape[0], drafts.shape[1] + 1
     K = K1 - 1
-    device = logits.device
+    device = drafts.device
     j = torch.arange(K1, device=device)
-    flat = logits.reshape(B * K1, V)
-    if sb.all_greedy and not sb.any_penalty:
+    flat = logits.reshape(B * K1, -1) if logits is not None else None
+    if chosen is not None:
+        assert sb.argmax_only
+    elif sb.all_greedy and not sb.any_penalty:
         # The argmax needs no per-row keys, histories or f32 copy (bf16 -> f32 is exact): a few launches fewer
         # between decode steps, which at batch 1 run back to back on the GPU with the step.
         chosen = flat.argmax(-1).view(B, K1)

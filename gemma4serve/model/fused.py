@@ -2,7 +2,8 @@
 
 The torch ops in layers.py are the reference; the kernels keep the same rounding points. For comparisons:
 GEMMA4SERVE_DISABLE_FUSED=1 runs the reference ops on CUDA too, GEMMA4SERVE_GEMV_MAX_ROWS=0 sends every
-projection to cuBLAS, GEMMA4SERVE_DISABLE_PDL=1 launches the kernels without programmatic dependent launch.
+projection to cuBLAS, GEMMA4SERVE_DISABLE_PDL=1 launches the kernels without programmatic dependent launch,
+GEMMA4SERVE_DISABLE_GREEDY_HEAD=1 computes greedy tokens from the full logits (and saves the head's int8 copy).
 """
 
 from __future__ import annotations
@@ -55,6 +56,33 @@ def gelu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torc
     if _gemv_fits(x):
         return kernels().gemv_mlp(x, gate_up, down)
     return F.linear(kernels().gelu_tanh_mul(F.linear(x, gate_up)), down)
+
+
+class GreedyHead:
+    """Greedy tokens of a bf16 LM head and its softcap for few-row inputs, exactly as the argmax of the full
+    logits, reading the head mostly as an int8 copy (kernels/greedy_head.py; the copy costs half the head's
+    memory, 1.4 GB for the 31B)."""
+
+    def __init__(self, weight: torch.Tensor, softcap):
+        k = kernels()
+        self.weight = weight
+        self.q, self.scale = k.quantize_rows(weight)
+        self.table = k.value_table(softcap, weight.device)
+
+    @staticmethod
+    def enabled(weight: torch.Tensor) -> bool:
+        return (on(weight) is not None and weight.dtype == torch.bfloat16
+                and os.environ.get("GEMMA4SERVE_DISABLE_GREEDY_HEAD") != "1")
+
+    @property
+    def max_rows(self) -> int:
+        return min(GEMV_MAX_ROWS, kernels().GEMV_MAX_ROWS)
+
+    def fits(self, hidden: torch.Tensor) -> bool:
+        return _gemv_fits(hidden)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return kernels().greedy_head(hidden, self.weight, self.q, self.scale, self.table)
 
 
 def concat_weights(*linears) -> torch.Tensor:

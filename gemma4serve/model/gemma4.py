@@ -170,6 +170,7 @@ class Gemma4Model(nn.Module):
             self.per_layer_model_projection = nn.Linear(H, L * D, bias=False)
             self.per_layer_projection_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary: Rotary | None = None
+        self.greedy_head: fused.GreedyHead | None = None  # after bind(), on CUDA (bf16)
         self.optional_weights: set[str] = set()
 
     def bind(self, device) -> None:
@@ -178,6 +179,8 @@ class Gemma4Model(nn.Module):
         if torch.device(device).type == "cuda" and fused.kernels() is not None:
             for layer in self.layers:
                 layer.fuse()
+            if fused.GreedyHead.enabled(self.embed_tokens.weight):
+                self.greedy_head = fused.GreedyHead(self.embed_tokens.weight, self.softcap)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The scaled embedding E[ids] * dtype(sqrt(H)); the drafter embeds its tokens with it too."""
@@ -200,11 +203,18 @@ class Gemma4Model(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the cap)."""
-        logits = linear(hidden, self.embed_tokens.weight)
+        return self.softcap(linear(hidden, self.embed_tokens.weight))
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The first argmax of logits(hidden) per row, [T] int64. Few rows on CUDA take the greedy head, which
+        reads most of the head as int8 and gets the same tokens."""
+        if self.greedy_head is not None and self.greedy_head.fits(hidden):
+            return self.greedy_head(hidden)
+        return self.logits(hidden).argmax(-1)
 
     def checkpoint_param_name(self, name: str) -> str | None:
         """Checkpoint tensor name -> our parameter name, or None to skip it."""

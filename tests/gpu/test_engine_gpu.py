@@ -91,6 +91,27 @@ def test_cuda_graph_replay_equals_eager(ckpt, batch):
         assert a == b, f"draft={draft is not None}"
 
 
+def test_greedy_head_equals_full_logits(ckpt, monkeypatch):
+    """Greedy tokens from the greedy head (graph variants and eager steps) = the argmax of the full logits, token
+    for token, with and without the drafter: the head is exact, not a near-tie approximation."""
+    v, target, assistant = ckpt
+    prompts = [prompt_of(n, seed=n) for n in (3, 17, 29, 41)]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for draft in (None, assistant):
+        kw = dict(num_draft_tokens=3, adaptive_draft_length=False)
+        head = gpu_llm(target, draft, **kw)
+        assert head.engine.state.target.greedy_head is not None
+        assert (1, 1, True) in head.engine.runner.graphs.target_graphs
+        with monkeypatch.context() as m:
+            m.setenv("GEMMA4SERVE_DISABLE_GREEDY_HEAD", "1")
+            full = gpu_llm(target, draft, **kw)
+        assert full.engine.state.target.greedy_head is None
+        for batch in (1, 4):
+            a = [o.token_ids for o in head.generate(prompts[:batch], sp)]
+            b = [o.token_ids for o in full.generate(prompts[:batch], sp)]
+            assert a == b, f"draft={draft is not None} batch={batch}"
+
+
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_mtp_greedy_equals_plain_bf16(ckpt, k):
     v, target, assistant = ckpt

@@ -38,6 +38,7 @@ from gemma4serve.model.layers import Experts, rms_norm, rope_cos_sin, rope_inv_f
 from gemma4serve_kernels import (  # noqa: E402
     gelu_tanh_mul,
     gemv,
+    greedy_head,
     gemv_mlp,
     kv_write,
     moe_experts,
@@ -268,6 +269,37 @@ def test_gemv_mlp_equals_two_gemvs(M, inter, H):
     for _ in range(5):
         assert torch.equal(gemv_mlp(x, gate_up, down, config=cfg), two)
         assert not _zeroed_scratch(DEV)[1].any()  # the flags are re-armed for the next launch
+
+
+@pytest.mark.parametrize("K", [5376, 1536])
+def test_greedy_head_real_shapes(K):
+    """The greedy head = the first argmax of softcap(gemv) at the 31B's and E2B's head shapes (262,144 tokens),
+    64 rows in chunks of 1 / 5 / 16, over random, peaked (x along a token's row, so the winner stands out) and
+    saturated logits (many tokens tie at the cap), with graph replay of the whole head."""
+    from gemma4serve_kernels import quantize_rows, value_table
+
+    g = torch.Generator(DEV).manual_seed(K)
+    w = (torch.randn(262144, K, generator=g, device=DEV) * 0.02).to(BF16)
+    q, scale = quantize_rows(w)
+    softcap = lambda v: torch.tanh(v / 30.0) * 30.0  # noqa: E731
+    table = value_table(softcap, DEV)
+    x = torch.randn(64, K, generator=g, device=DEV)
+    x[16:32] += 3 * w[torch.randint(0, 262144, (16,), generator=g, device=DEV)].float() / 0.02
+    x[32:48] *= 40
+    x = x.to(BF16)
+    for M in (1, 5, 16):
+        for i in range(0, 64 - M + 1, M):
+            rows = x[i : i + M]
+            assert torch.equal(greedy_head(rows, w, q, scale, table), softcap(gemv(rows, w)).argmax(-1)), (M, i)
+    rows = x[:5].clone()
+    greedy_head(rows, w, q, scale, table)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = greedy_head(rows, w, q, scale, table)
+    for i in range(0, 60, 5):
+        rows.copy_(x[i : i + 5])
+        graph.replay()
+        assert torch.equal(out, softcap(gemv(rows, w)).argmax(-1)), i
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
