@@ -41,8 +41,8 @@ class DraftLoop:
         rope = s.draft.rotary.cos_sin(P, hidden.dtype)  # P is fixed for the whole loop
         drafts = []
         for _ in range(k):
-            logits, hidden = s.draft.step(s.target.embed(token), hidden, rope, ctx)
-            token = logits.argmax(-1)  # first maximum: the lowest id wins ties
+            # the first maximum of the drafter's logits: the lowest id wins ties
+            token, hidden = s.draft.greedy_step(s.target.embed(token), hidden, rope, ctx)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 

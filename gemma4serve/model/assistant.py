@@ -2,7 +2,7 @@
 
 It owns no KV. Each step takes the target's scaled embedding of the token at P and the previous hidden state,
 attends (queries at the constant position P) to the target's last sliding and last full producer layer, and
-returns draft logits plus the recurrent hidden state for the next step.
+returns the draft token (the argmax of its logits) plus the recurrent hidden state for the next step.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class Gemma4Assistant(nn.Module):
         self.pre_projection = nn.Linear(2 * Hb, Ha, bias=False)
         self.post_projection = nn.Linear(Ha, Hb, bias=False)
         self.masked_embedding = CentroidHead(cfg) if cfg.use_ordered_embeddings else None
+        self.greedy_head: fused.GreedyHead | None = None  # after bind(), on CUDA, for a full (not centroid) head
         self.rotary: Rotary | None = None
         self.optional_weights: set[str] = set()
 
@@ -64,23 +65,36 @@ class Gemma4Assistant(nn.Module):
             layer.self_attn.kv_layer = target_cfg.store_layer(layer.spec.kind)
             if torch.device(device).type == "cuda" and fused.kernels() is not None:
                 layer.fuse()
+        lm_head = self.model.embed_tokens.weight
+        if self.masked_embedding is None and fused.GreedyHead.enabled(lm_head):
+            self.greedy_head = fused.GreedyHead(lm_head, lambda logits: logits)  # drafts: argmax of raw logits
 
     @property
     def window(self) -> int:
         """Visible sliding rows: the last W_a + 1 committed ones (HF's inclusive bidirectional window)."""
         return self.cfg.text.sliding_window + 1
 
-    def step(self, tok_embed: torch.Tensor, hprev: torch.Tensor, rope: dict, ctx: ForwardContext):
-        """One draft step for B sequences -> (logits [B, V], next hidden [B, Hb]). `rope`: the per-kind
-        (cos, sin) of the sequences' position P, `self.rotary.cos_sin(P, dtype)`, the same for every step."""
+    def greedy_step(self, tok_embed: torch.Tensor, hprev: torch.Tensor, rope: dict, ctx: ForwardContext):
+        """One draft step for B sequences -> (draft tokens [B] int64: the first argmax of the logits, next hidden
+        [B, Hb]). `rope`: the per-kind (cos, sin) of the sequences' position P, `self.rotary.cos_sin(P, dtype)`,
+        the same for every step. Few rows on CUDA take the greedy head, which reads most of the LM head as int8
+        and gets the same tokens."""
+        h = self._body(tok_embed, hprev, rope, ctx)
+        if self.greedy_head is not None and self.greedy_head.fits(h):
+            token = self.greedy_head(h)
+        else:
+            token = self._logits(h).argmax(-1)
+        return token, fused.linear(h, self.post_projection.weight)
+
+    def _body(self, tok_embed, hprev, rope, ctx) -> torch.Tensor:
         u = fused.linear(torch.cat([tok_embed, hprev], dim=-1), self.pre_projection.weight)
-        h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
+        return run_layers(self.model.layers, u, rope, ctx, self.model.norm)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         lm_head = self.model.embed_tokens.weight
         if self.masked_embedding is not None:
-            logits = self.masked_embedding(h, lm_head)
-        else:
-            logits = fused.linear(h, lm_head)
-        return logits, fused.linear(h, self.post_projection.weight)
+            return self.masked_embedding(h, lm_head)
+        return fused.linear(h, lm_head)
 
     def checkpoint_param_name(self, name: str) -> str | None:
         return None if name == "lm_head.weight" else name
