@@ -2,10 +2,10 @@
 
 A greedy row needs only the first argmax of G(logits), where logits = bf16(x @ W^T) is what `gemv` computes and
 G is the model's softcap as its torch ops round it (a monotone function of one bf16 value, so a 65,536-entry
-table `lut` holds it exactly). Three launches find it while reading W mostly as an int8 copy (half the bytes;
+table `lut` holds it exactly). Four launches find it while reading W mostly as an int8 copy (half the bytes;
 the 31B's head is 2.8 GB in bf16):
 
-1. screen: the int8 head (one fp32 scale per row, q = round(w / scale)) gives each logit an interval that
+1. |x|_1 per row, then the screen: the int8 head (one fp32 scale per row, q = round(w / scale)) gives each logit an interval that
    surely holds the fp32 sum S the bf16 GEMV computes: |S - scale * (x @ q)| <= 0.625 * scale * |x|_1
    (0.5 * scale for the rounding of q, 0.124 * scale for the fp32 accumulation of both sums, far above their
    worst case). It stores G(bf16(upper end)) and each tile's largest lower end (T = the largest of all).
