@@ -22,6 +22,7 @@ import torch
 from gemma4serve.attention.metadata import causal_metadata, copy_into
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.spec import DraftLoop, StepCost
+from gemma4serve.model import fused
 from gemma4serve.model.gemma4 import ForwardContext
 
 log = logging.getLogger("gemma4serve")
@@ -80,8 +81,7 @@ class CudaGraphs:
         return run
 
     def _has_greedy(self, B: int, Q: int) -> bool:
-        head = self.s.target.greedy_head
-        return head is not None and B * Q <= head.max_rows
+        return self.s.target.greedy_head is not None and B * Q <= fused.gemv_max_rows()
 
     def _draft_fn(self, B: int):
         def run():

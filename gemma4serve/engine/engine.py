@@ -109,7 +109,8 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """One eager step per chunk length before serving, so that Triton compiles the kernel variants that eager
         steps select by shape now, not while requests wait (up to seconds per prompt on a cold cache;
-        docs/performance.md, compile stalls). Its pages are freed again."""
+        docs/performance.md, compile stalls), and one greedy step for the greedy heads' kernels. Its pages are
+        freed again."""
         t0 = time.monotonic()
         limit = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
         longest = limit // 16 * 16
@@ -117,8 +118,9 @@ class LLMEngine:
         # to 16 rows, MoE by token-expert pairs), and Triton specialises integers that are 1 or divisible by 16:
         # each power of two, one past it, and the longest chunks reach every bucket.
         lengths = {1, longest - 1, longest} | {n for j in range(1, limit.bit_length()) for n in (2**j, 2**j + 1)}
-        for n in sorted(n for n in lengths if 1 <= n <= limit):
-            seq = Sequence("warm-up", 0, [0] * n, n, SamplingParams(max_tokens=1), 0, 0, n + 1)
+        sampled, greedy = SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0.0)
+        for n, params in [(n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(1, greedy)]:
+            seq = Sequence("warm-up", 0, [0] * n, n, params, 0, 0, n + 1)
             self.kv.grow(seq.pages, 0, n)
             try:
                 self.runner.launch([ScheduledChunk(seq, 0, n, [])], self.num_draft_tokens).results()

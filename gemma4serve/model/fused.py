@@ -45,8 +45,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _gemv_fits(x: torch.Tensor) -> bool:
     """A few-row 2-D input on CUDA (decode, verify, the draft loop), within the GEMV's row tile."""
-    return ((k := on(x)) is not None and x.dim() == 2 and x.shape[0] <= min(GEMV_MAX_ROWS, k.GEMV_MAX_ROWS)
-            and x.stride(1) == 1)
+    return on(x) is not None and x.dim() == 2 and x.shape[0] <= gemv_max_rows() and x.stride(1) == 1
+
+
+def gemv_max_rows() -> int:
+    """Rows up to which few-row inputs on CUDA take the GEMV (and the greedy head)."""
+    return min(GEMV_MAX_ROWS, kernels().GEMV_MAX_ROWS)
 
 
 def gelu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -73,10 +77,6 @@ class GreedyHead:
     def enabled(weight: torch.Tensor) -> bool:
         return (on(weight) is not None and weight.dtype == torch.bfloat16
                 and os.environ.get("GEMMA4SERVE_DISABLE_GREEDY_HEAD") != "1")
-
-    @property
-    def max_rows(self) -> int:
-        return min(GEMV_MAX_ROWS, kernels().GEMV_MAX_ROWS)
 
     def fits(self, hidden: torch.Tensor) -> bool:
         return _gemv_fits(hidden)
