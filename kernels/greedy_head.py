@@ -5,10 +5,13 @@ G is the model's softcap as its torch ops round it (a monotone function of one b
 table `lut` holds it exactly). Four launches find it while reading W mostly as an int8 copy (half the bytes;
 the 31B's head is 2.8 GB in bf16):
 
-1. |x|_1 per row, then the screen: the int8 head (one fp32 scale per row, q = round(w / scale)) gives each logit an interval that
-   surely holds the fp32 sum S the bf16 GEMV computes: |S - scale * (x @ q)| <= 0.625 * scale * |x|_1
-   (0.5 * scale for the rounding of q, 0.124 * scale for the fp32 accumulation of both sums, far above their
-   worst case). It stores G(bf16(upper end)) and each tile's largest lower end (T = the largest of all).
+1. limbs, then the screen. The int8 head (one fp32 scale per row, q = round(w / scale)) gives each logit an
+   interval that surely holds the fp32 sum S the bf16 GEMV computes. x is split into three int8 limbs (x =
+   s * (a + b / 128 + c / 16384) + rho), so the int8 tensor cores sum scale * (x - rho) @ q exactly, and
+   |S - that| <= scale * (0.5 |x|_1 for the rounding of q + 127 |rho|_1 + the GEMV's own fp32 accumulation
+   error, at most K * 2^-23 * 127 |x|_1 = 0.081 |x|_1 at K = 5376 even with truncating adds), which the
+   interval's half-width scale * (0.625 |x|_1 + 127 |rho|_1) covers for K <= 8192. The screen stores
+   G(bf16(upper end)) and each tile's largest lower end (T = the largest of all).
 2. exact: a token whose G(upper end) < G(T) cannot be the argmax (some token's S is >= T, and G is monotone),
    so every program keeps its rows with G(upper) >= G(T), packs them in order and computes their logits with
    the GEMV's own tiles and accumulation order, so each value is bit-identical to `gemv`'s; it keeps the
@@ -29,8 +32,10 @@ import triton.language as tl
 from ._common import dot_in_fp32, pdl_args, round_to, wait_for_producer
 from .gemv import MAX_ROWS, _dot, _in_split, _k_splits, gemv_config
 
-BOUND = tl.constexpr(0.625)  # interval half-width per unit of scale * |x|_1 (see above)
+BOUND = tl.constexpr(0.625)  # interval half-width per unit of scale * |x|_1, besides rho's (see above)
 ROWS_PER_PROGRAM = 512  # vocabulary rows each exact program screens and packs
+# 3 stages, not gemv's 4: 48 KB of shared memory a program, so the 512 programs fit in one wave
+EXACT_STAGES = 3
 # (BN, BK, num_warps, num_stages) of the int8 screen: the fastest of six at the 31B's head, M = 1 and 5 (H200)
 SCREEN_CONFIG = (128, 256, 4, 3)
 
@@ -43,53 +48,99 @@ def _lookup(lut_ptr, v, mask):
 
 
 @triton.jit
-def _l1_kernel(x_ptr, l1_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_producer(PDL)
-    m = tl.program_id(0)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        acc += tl.abs(tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32))
-    tl.store(l1_ptr + m, tl.sum(acc, axis=0))
+def _round(v):
+    """An integer within 1/2 of v (ties either way; the limbs need no more)."""
+    return tl.floor(v + 0.5)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _screen_kernel(x_ptr, q_ptr, scale_ptr, lut_ptr, l1_ptr, ghi_ptr, lo_ptr, M, N, K, stride_xm, stride_qn,
-                   stride_gm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                   PDL: tl.constexpr, DOT_FP32: tl.constexpr):
+def _limbs_kernel(x_ptr, limbs_ptr, unit_ptr, mass_ptr, M, K, KP, stride_xm, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Row m of x as three int8 limbs: x = s * (a + b / 128 + c / 16384) + rho, s a power of two with
+    |x| / s < 64, so |a|, |b|, |c| <= 64 and each step below is exact in fp32 (scaling by powers of two, and
+    v - round(v) by Sterbenz). Stores the limbs [3, BM, KP] (rows >= M and columns >= K zero), the unit
+    s / 16384 and the row's interval mass BOUND * |x|_1 + 127 * |rho|_1 (|rho_k| <= s / 32768). One program
+    a row, the whole row (BLOCK >= KP) in registers."""
+    wait_for_producer(PDL)
+    m = tl.program_id(0)
+    BM = tl.num_programs(0)
+    k = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + m * stride_xm + k, mask=(k < tl.where(m < M, K, 0)), other=0.0).to(tl.float32)
+    # s = 2^(E - 5) for 2^E <= max |x| < 2^(E + 1), kept >= 2^-100 (a row of zeros, or of values that small, has
+    # zero limbs and is all residual)
+    e = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) - 127
+    e = tl.maximum(e - 5, -100)
+    v = x * ((127 - e) << 23).to(tl.float32, bitcast=True)
+    a = _round(v)
+    r = (v - a) * 128.0
+    b = _round(r)
+    r = (r - b) * 128.0
+    c = _round(r)
+    out = limbs_ptr + m * KP + k
+    tl.store(out, a.to(tl.int8), mask=k < KP)
+    tl.store(out + BM * KP, b.to(tl.int8), mask=k < KP)
+    tl.store(out + 2 * BM * KP, c.to(tl.int8), mask=k < KP)
+    unit = ((e - 14 + 127) << 23).to(tl.float32, bitcast=True)  # s / 16384
+    tl.store(unit_ptr + m, unit)
+    # the fp32 sums of |x| and |rho| are within K * 2^-24 of exact: inside BOUND's slack and the factor 1.001
+    residual = tl.sum(tl.abs(r - c), axis=0) * unit
+    tl.store(mass_ptr + m, tl.sum(tl.abs(x), axis=0) * BOUND + residual * (127.0 * 1.001))
+
+
+@triton.jit
+def _screen_kernel(limbs_ptr, q_ptr, scale_ptr, unit_ptr, mass_ptr, lut_ptr, ghi_ptr, lo_ptr, M, N, K, KP,
+                   stride_qn, stride_gm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   EVEN_K: tl.constexpr, PDL: tl.constexpr):
     tile = tl.program_id(0)
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
     n_ok = (n < N)[:, None]
-    m_ok = (m < M)[:, None]
-    DT: tl.constexpr = x_ptr.dtype.element_ty
     w_ptrs = q_ptr + n[:, None].to(tl.int64) * stride_qn + kk[None, :]
-    x_ptrs = x_ptr + m[:, None] * stride_xm + kk[None, :]
+    a_ptrs = limbs_ptr + m[:, None] * KP + kk[None, :]
     w = tl.load(w_ptrs, mask=_in_split(n_ok, 0, kk, K, EVEN_K), other=0, eviction_policy="evict_first")
     wait_for_producer(PDL)
-    x = tl.load(x_ptrs, mask=_in_split(m_ok, 0, kk, K, EVEN_K), other=0.0)
-    acc = _dot(x, w.to(DT), DT, DOT_FP32)  # |q| <= 127: exact in bf16
+    # x @ q^T limb by limb on the int8 tensor cores: exact int32 sums, and no per-weight conversion
+    wt = tl.trans(w)
+    acc_a = tl.dot(tl.load(a_ptrs), wt, out_dtype=tl.int32)
+    acc_b = tl.dot(tl.load(a_ptrs + BM * KP), wt, out_dtype=tl.int32)
+    acc_c = tl.dot(tl.load(a_ptrs + 2 * BM * KP), wt, out_dtype=tl.int32)
     for k0 in range(BK, K, BK):
         k0 = tl.multiple_of(k0, BK)
-        w = tl.load(w_ptrs + k0, mask=_in_split(n_ok, k0, kk, K, EVEN_K), other=0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, K, EVEN_K), other=0.0)
-        acc += _dot(x, w.to(DT), DT, DOT_FP32)
-    l1 = tl.load(l1_ptr + m, mask=m < M, other=0.0)
+        wt = tl.trans(tl.load(w_ptrs + k0, mask=_in_split(n_ok, k0, kk, K, EVEN_K), other=0,
+                              eviction_policy="evict_first"))
+        acc_a = tl.dot(tl.load(a_ptrs + k0), wt, acc_a, out_dtype=tl.int32)
+        acc_b = tl.dot(tl.load(a_ptrs + BM * KP + k0), wt, acc_b, out_dtype=tl.int32)
+        acc_c = tl.dot(tl.load(a_ptrs + 2 * BM * KP + k0), wt, acc_c, out_dtype=tl.int32)
+    # one rounding: the limb sums combined exactly in int64, then scaled (|a| <= 64: |acc_a| * 16384 < 2^63)
+    total = acc_a.to(tl.int64) * 16384 + acc_b.to(tl.int64) * 128 + acc_c.to(tl.int64)
+    m_ok = m < M
+    unit = tl.load(unit_ptr + m, mask=m_ok, other=0.0)[:, None]
+    mass = tl.load(mass_ptr + m, mask=m_ok, other=0.0)[:, None]
     scale = tl.load(scale_ptr + n, mask=n < N, other=0.0)[None, :]
-    approx = acc * scale
-    bound = BOUND * scale * l1[:, None]
-    out_ok = m_ok & (n < N)[None, :]
+    approx = total.to(tl.float32) * unit * scale
+    bound = mass * scale
+    out_ok = m_ok[:, None] & (n < N)[None, :]
     g_hi = _lookup(lut_ptr, approx + bound, out_ok)
     tl.store(ghi_ptr + m[:, None] * stride_gm + n[None, :], g_hi.to(tl.bfloat16), mask=out_ok)
     lo = tl.where(out_ok, approx - bound, float("-inf"))
-    tl.store(lo_ptr + m * tl.num_programs(0) + tile, tl.max(lo, axis=1), mask=m < M)
+    tl.store(lo_ptr + m * tl.num_programs(0) + tile, tl.max(lo, axis=1), mask=m_ok)
+
+
+@triton.jit
+def _threshold_kernel(lo_ptr, lut_ptr, gt_ptr, tiles, TILES_P: tl.constexpr, PDL: tl.constexpr):
+    """G(T) per row: T = the largest lower end of all the screen's tiles."""
+    wait_for_producer(PDL)
+    m = tl.program_id(0)
+    t = tl.arange(0, TILES_P)
+    lo = tl.max(tl.load(lo_ptr + m * tiles + t, mask=t < tiles, other=float("-inf")), axis=0)
+    tl.store(gt_ptr + m, tl.load(lut_ptr + (round_to(lo, tl.bfloat16).to(tl.uint32, bitcast=True) >> 16)))
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split"])
-def _exact_kernel(x_ptr, w_ptr, lut_ptr, ghi_ptr, lo_ptr, pack_ptr, best_g_ptr, best_i_ptr, M, N, K, k_per_split,
-                  tiles, stride_xm, stride_wn, stride_gm, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, SPLIT: tl.constexpr, TILES_P: tl.constexpr, EVEN_K: tl.constexpr,
+def _exact_kernel(x_ptr, w_ptr, lut_ptr, ghi_ptr, gt_ptr, pack_ptr, best_g_ptr, best_i_ptr, M, N, K, k_per_split,
+                  stride_xm, stride_wn, stride_gm, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                   PDL: tl.constexpr, DOT_FP32: tl.constexpr):
     p = tl.program_id(0)
     P = tl.num_programs(0)
@@ -98,20 +149,17 @@ def _exact_kernel(x_ptr, w_ptr, lut_ptr, ghi_ptr, lo_ptr, pack_ptr, best_g_ptr, 
     wait_for_producer(PDL)
     # The rows of this program's range that some row of x may choose (any row's candidates are computed for all
     # rows: an extra exact value never changes an argmax).
-    cand = tl.zeros([R], tl.int32)
-    t = tl.arange(0, TILES_P)
-    for mi in range(M):
-        lo = tl.max(tl.load(lo_ptr + mi * tiles + t, mask=t < tiles, other=float("-inf")), axis=0)  # T
-        g_t = tl.load(lut_ptr + (round_to(lo, tl.bfloat16).to(tl.uint32, bitcast=True) >> 16))
-        g_hi = tl.load(ghi_ptr + mi * stride_gm + r, mask=r_ok, other=float("-inf")).to(tl.float32)
-        cand = tl.where(g_hi >= g_t, 1, cand)
+    m = tl.arange(0, BM)
+    g_t = tl.load(gt_ptr + m, mask=m < M, other=float("inf"))
+    g_hi = tl.load(ghi_ptr + m[:, None] * stride_gm + r[None, :], mask=(m < M)[:, None] & r_ok[None, :],
+                   other=float("-inf"))
+    cand = tl.max((g_hi.to(tl.float32) >= g_t[:, None]).to(tl.int32), axis=0)
     count = tl.sum(cand, axis=0)
     # Pack the candidates in row order (through memory: registers cannot be indexed).
     slot = tl.cumsum(cand, axis=0) - 1
     tl.store(pack_ptr + p * R + slot, r, mask=cand > 0)
     tl.debug_barrier()
 
-    m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
     m_ok = (m < M)[:, None]
     DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -185,6 +233,18 @@ def value_table(fn, device: torch.device) -> torch.Tensor:
     return fn(every).float()
 
 
+def int8_limbs(x: torch.Tensor, KP: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M <= MAX_ROWS, K] as the screen reads it: (limbs int8 [3, MAX_ROWS, KP], unit [MAX_ROWS], mass
+    [MAX_ROWS]) with x = unit * (16384 * a + 128 * b + c) + rho (see _limbs_kernel)."""
+    M, K = x.shape
+    limbs = torch.empty(3, MAX_ROWS, KP, dtype=torch.int8, device=x.device)
+    unit = torch.empty(MAX_ROWS, dtype=torch.float32, device=x.device)
+    mass = torch.empty(MAX_ROWS, dtype=torch.float32, device=x.device)
+    _limbs_kernel[(MAX_ROWS,)](x, limbs, unit, mass, M, K, KP, x.stride(0), BLOCK=triton.next_power_of_2(KP),
+                               num_warps=8, **pdl_args(x.device))
+    return limbs, unit, mass
+
+
 def greedy_head(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lut: torch.Tensor,
                 screen: tuple | None = None) -> torch.Tensor:
     """The first argmax over N of lut[bf16(x @ w^T)] per row, for x [M <= MAX_ROWS, K]: [M] int64. q, scale:
@@ -192,17 +252,17 @@ def greedy_head(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, scale: torch.
     M, K = x.shape
     N = w.shape[0]
     assert M <= MAX_ROWS and w.shape[1] == K and q.shape == w.shape and x.stride(1) == 1 and w.stride(1) == 1
+    assert K <= 8192, "BOUND's slack covers the GEMV's accumulation error up to K = 8192"
     dev = x.device
-    l1 = torch.empty(M, dtype=torch.float32, device=dev)
-    _l1_kernel[(M,)](x, l1, K, x.stride(0), BLOCK=1024, num_warps=4, **pdl_args(dev))
     bn, bk, warps, stages = screen or SCREEN_CONFIG
+    KP = triton.cdiv(K, bk) * bk
+    limbs, unit, mass = int8_limbs(x, KP)
     tiles = triton.cdiv(N, bn)
     g_hi = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
     lo = torch.empty(M, tiles, dtype=torch.float32, device=dev)
-    fp32 = dot_in_fp32(x.dtype)
     _screen_kernel[(tiles,)](
-        x, q, scale, lut, l1, g_hi, lo, M, N, K, x.stride(0), q.stride(0), g_hi.stride(0), BM=MAX_ROWS, BN=bn, BK=bk,
-        EVEN_K=K % bk == 0, DOT_FP32=fp32, num_warps=warps, num_stages=stages, **pdl_args(dev))
+        limbs, q, scale, unit, mass, lut, g_hi, lo, M, N, K, KP, q.stride(0), g_hi.stride(0), BM=MAX_ROWS, BN=bn,
+        BK=bk, EVEN_K=K % bk == 0, num_warps=warps, num_stages=stages, **pdl_args(dev))
     # the exact values with gemv's own tiles for this shape (bit-identical sums)
     bn, bk, warps, _, split = gemv_config(N, K, dev)
     assert split > 0, "a stream-K head has no per-column summation order to repeat"
@@ -212,11 +272,12 @@ def greedy_head(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, scale: torch.
     pack = torch.empty(P * R, dtype=torch.int32, device=dev)
     best_g = torch.empty(M, P, dtype=torch.float32, device=dev)
     best_i = torch.empty(M, P, dtype=torch.int32, device=dev)
-    # 3 stages, not gemv's 4: 48 KB of shared memory a program, so the 512 programs fit in one wave
+    g_t = torch.empty(M, dtype=torch.float32, device=dev)
+    _threshold_kernel[(M,)](lo, lut, g_t, tiles, TILES_P=triton.next_power_of_2(tiles), num_warps=8, **pdl_args(dev))
     _exact_kernel[(P,)](
-        x, w, lut, g_hi, lo, pack, best_g, best_i, M, N, K, k_per_split, tiles, x.stride(0), w.stride(0),
-        g_hi.stride(0), R=R, BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, TILES_P=triton.next_power_of_2(tiles),
-        EVEN_K=K % bk == 0, DOT_FP32=fp32, num_warps=warps, num_stages=3, **pdl_args(dev))
+        x, w, lut, g_hi, g_t, pack, best_g, best_i, M, N, K, k_per_split, x.stride(0), w.stride(0), g_hi.stride(0),
+        R=R, BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype),
+        num_warps=warps, num_stages=EXACT_STAGES, **pdl_args(dev))
     out = torch.empty(M, dtype=torch.int64, device=dev)
     _pick_kernel[(M,)](best_g, best_i, out, N, P, BLOCK=triton.next_power_of_2(P), **pdl_args(dev))
     return out

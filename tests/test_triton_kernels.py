@@ -451,6 +451,31 @@ def test_greedy_head_equals_argmax_of_full_head(N, K, M):
             assert torch.equal(got, want), (name, got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_limbs_hold_x(dtype):
+    """The screen's x: each row = unit * (16384 a + 128 b + c) + rho with int8 limbs of at most 64, and mass =
+    0.625 |x|_1 + 127 |rho|_1 (to its 1.001 margin); rows past M and columns past K are zero. Rows with a wide
+    dynamic range (values the limbs cannot hold leave a residual), a zero row and a row of tiny values."""
+    from gemma4serve_kernels.greedy_head import int8_limbs
+
+    g = torch.Generator().manual_seed(3)
+    K, KP, M = 300, 512, 5
+    x = torch.randn(M, K, generator=g)
+    x[1] *= torch.exp(torch.randn(K, generator=g) * 6)  # magnitudes over ~20 binades
+    x[2] = 0
+    x[3] *= 1e-35
+    x = x.to(dtype).to(DEV)
+    limbs, unit, mass = (t.cpu() for t in int8_limbs(x, KP))
+    assert limbs.abs().max() <= 64 and not limbs[:, M:].any() and not limbs[:, :, K:].any()
+    a, b, c = limbs[:, :M, :K].double()
+    xd = x.cpu().double()
+    rho = xd - unit[:M, None].double() * (16384 * a + 128 * b + c)
+    assert (rho.abs() <= unit[:M, None].double() / 2).all()
+    want = 0.625 * xd.abs().sum(1) + 127 * rho.abs().sum(1)
+    assert ((mass[:M].double() - want).abs() <= 2e-3 * want + 1e-38).all(), (mass[:M], want)
+    assert rho[1].abs().sum() > 0  # the wide row exercises the residual term
+
+
 # ---------------------------------------------------------------------------------------------- MoE
 def _moe_cfg(E=8, k=3, H=32, inter=16):
     return SimpleNamespace(num_experts=E, top_k_experts=k, hidden_size=H, moe_intermediate_size=inter,
