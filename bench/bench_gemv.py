@@ -103,9 +103,9 @@ def main() -> None:
         t_cublas = replay_ms(lambda: [F.linear(x, wi) for wi in ws])
         t_default = replay_ms(lambda: [gemv(x, wi) for wi in ws])
         results = []
-        # Each tile with its K splits, and (outputs narrower than 16384) also stream-K (splits 0).
+        # each tile with its K splits, and long-K shapes also with two
         for cfg in [(*c, splits_for(triton.cdiv(n, c[0]), k, x.device)) for c in CONFIGS] + \
-                [(*c, 0) for c in CONFIGS if n < 16384]:
+                [(*c, 2) for c in CONFIGS if k >= 16384]:
             try:
                 y = gemv(x, ws[0], config=cfg).float()
             except Exception as e:  # a tile that does not fit (shared memory): skip it

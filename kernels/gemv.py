@@ -1,8 +1,7 @@
 """Skinny GEMM y = x @ W^T for the few-row steps (decode, verify, the draft loop), streaming W once.
 
 At M <= 16 a step is a read of the weights, so the kernel is built around that read: a column tile of W per
-program (narrow outputs also split K; narrow outputs with a long K go stream-K, every program streaming an
-equal share of the weight), the first K tile loaded *before* waiting on the previous kernel. A fused
+program (narrow outputs also split K), the first K tile loaded *before* waiting on the previous kernel. A fused
 [gate; up] weight can apply GELU·up in the epilogue (`glu=True`), each program holding matching gate and up
 rows. `gemv_mlp` chains that GEMV and the down projection without a kernel boundary: down's K splits start on
 flags the gate_up tiles raise as they store.
@@ -127,103 +126,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, flag_ptr, M, N, K, k_
             tl.store(count_ptr + tile, 0)  # re-armed for the next launch (and graph replay)
 
 
-@triton.jit
-def _owner(u, units, P):
-    """The program whose range [p * units // P, (p + 1) * units // P) holds unit u."""
-    return ((u + 1) * P - 1) // units
-
-
-@triton.jit
-def _streamk_step(acc, x, w, u, u_lo, u_hi, p, y_ptr, part_ptr, m, bn, m_ok, N, KB, stride_ym,
-                  BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One unit (a BN x BK weight tile): accumulate; at the end of a tile's segment store it (whole tile) or
-    leave it as this program's partial (slot 0: the program's first tile, 1: its last). Returns the accumulator,
-    zeroed after a store. Stores are predicated, not branched, so the loop stays one pipelined loop."""
-    acc += _dot(x, w, DT, DOT_FP32)
-    t = u // KB
-    kb = u - t * KB
-    n = t * BN + bn
-    out_ok = m_ok & (n < N)[None, :]
-    tile_end = kb == KB - 1
-    seg_end = tile_end | (u == u_hi - 1)
-    whole = tile_end & (u - (KB - 1) >= u_lo)
-    # (tl.where, not `out_ok & whole`: the interpreter rejects a tensor & scalar mask)
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(DT), mask=tl.where(whole, out_ok, False))
-    slot = 2 * p + (t != u_lo // KB).to(tl.int32)
-    tl.store(part_ptr + (slot * BM + m[:, None]) * BN + bn[None, :], acc,
-             mask=tl.where(seg_end & ~whole, out_ok, False))
-    return tl.where(seg_end, 0.0, acc)
-
-
-@triton.jit
-def _streamk_fixup(t, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym,
-                   BM: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
-    """Tile t was left partial by this program: count its arrival; the last of its programs to arrive sums all
-    of the tile's partials in program order (deterministic) and stores the output."""
-    p_first = _owner(t * KB, units, P)
-    p_last = _owner((t + 1) * KB - 1, units, P)
-    if tl.atomic_add(count_ptr + t, 1, sem="acq_rel") == p_last - p_first:
-        n = t * BN + bn
-        out_ok = m_ok & (n < N)[None, :]
-        total = tl.zeros([BM, BN], tl.float32)
-        for q in range(p_first, p_last + 1):
-            slot = 2 * q + (q * units // P < t * KB).to(tl.int32)
-            total += tl.load(part_ptr + (slot * BM + m[:, None]) * BN + bn[None, :], mask=out_ok, other=0.0,
-                             cache_modifier=".cg")
-        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], total.to(DT), mask=out_ok)
-        tl.store(count_ptr + t, 0)
-
-
-@triton.jit(do_not_specialize=["units", "KB"])
-def _gemv_streamk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, KB, units, stride_xm, stride_wn,
-                         stride_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                         PDL: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Stream-K: the units (tile, K block) in tile-major order are cut into equal contiguous ranges, one per
-    program, so every SM streams the same number of weight bytes whatever N is (a 168-tile output on 132 SMs
-    would otherwise leave most SMs idle for its second wave)."""
-    p = tl.program_id(0)
-    P = tl.num_programs(0)
-    u_lo = p * units // P
-    u_hi = (p + 1) * units // P
-    m = tl.arange(0, BM)
-    bn = tl.arange(0, BN)
-    kk = tl.arange(0, BK)
-    m_ok = (m < M)[:, None]
-    DT: tl.constexpr = y_ptr.dtype.element_ty
-    x_ptrs = x_ptr + m[:, None] * stride_xm + kk[None, :]
-    w_ptrs = w_ptr + bn[:, None].to(tl.int64) * stride_wn + kk[None, :]
-    # The first weight tile is read before waiting on the previous kernel (weights never depend on it).
-    t = u_lo // KB
-    k0 = tl.multiple_of((u_lo - t * KB) * BK, BK)
-    n_ok = (t * BN + bn < N)[:, None]
-    w = tl.load(w_ptrs + (t * BN).to(tl.int64) * stride_wn + k0, mask=_in_split(n_ok, k0, kk, K, EVEN_K), other=0.0,
-                eviction_policy="evict_first")
-    wait_for_producer(PDL)
-    x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, K, EVEN_K), other=0.0)
-    acc = tl.zeros([BM, BN], tl.float32)
-    acc = _streamk_step(acc, x, w, u_lo, u_lo, u_hi, p, y_ptr, part_ptr, m, bn, m_ok, N, KB, stride_ym, BM, BN, DT,
-                        DOT_FP32)
-    for u in range(u_lo + 1, u_hi):
-        t = u // KB
-        k0 = tl.multiple_of((u - t * KB) * BK, BK)
-        n_ok = (t * BN + bn < N)[:, None]
-        w = tl.load(w_ptrs + (t * BN).to(tl.int64) * stride_wn + k0, mask=_in_split(n_ok, k0, kk, K, EVEN_K),
-                    other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, K, EVEN_K), other=0.0)
-        acc = _streamk_step(acc, x, w, u, u_lo, u_hi, p, y_ptr, part_ptr, m, bn, m_ok, N, KB, stride_ym, BM, BN, DT,
-                            DOT_FP32)
-    # At most two tiles are left partial: the first (entered mid-tile, or left before its end) and the last.
-    t_lo = u_lo // KB
-    t_hi = (u_hi - 1) // KB
-    lo_partial = (u_lo % KB != 0) | (u_hi < (t_lo + 1) * KB)
-    hi_partial = (t_hi != t_lo) & (u_hi % KB != 0)
-    tl.debug_barrier()  # every thread's partial is issued before the release below
-    if lo_partial:
-        _streamk_fixup(t_lo, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym, BM, BN, DT)
-    if hi_partial:
-        _streamk_fixup(t_hi, units, P, y_ptr, part_ptr, count_ptr, m, bn, m_ok, N, KB, stride_ym, BM, BN, DT)
-
-
 _scratch: dict[torch.device, torch.Tensor] = {}
 
 
@@ -246,17 +148,17 @@ def splits_for(tiles: int, K: int, device: torch.device) -> int:
 
 
 def gemv_config(N: int, K: int, device: torch.device, glu: bool = False) -> tuple:
-    """(BN, BK, num_warps, num_stages, splits; splits 0 = stream-K) by shape, from bench/bench_gemv.py's sweeps on
-    an H200. Wide outputs (N >= 16384) stream 64-column tiles when those fill at most two waves of the SMs (the
-    sliding qkv) or carry the GLU epilogue (gate_up), else 32-column tiles with two warps (the full layers' qkv:
-    49.7 instead of 61.6 us; the LM heads). Narrow outputs with a long K (down, the full layers' o_proj) go
-    stream-K; the other narrow ones use 32-column tiles with two warps, and split K when those tiles alone would
-    not fill the GPU (the drafter's 1024-wide projections)."""
+    """(BN, BK, num_warps, num_stages, K splits) by shape, from bench/bench_gemv.py's sweeps on an H200. Wide
+    outputs (N >= 16384) stream 64-column tiles when those fill at most two waves of the SMs (the sliding qkv) or
+    carry the GLU epilogue (gate_up), else 32-column tiles with two warps (the full layers' qkv: 49.7 instead of
+    61.6 us; the LM heads). Narrow outputs use 32-column tiles with two warps, split along K when those tiles alone
+    would not fill the GPU (the drafter's 1024-wide projections) or K is long (the full layers' o_proj, K = 16384:
+    two splits measured as fast as or faster than stream-K in the 31B's graphed steps, which dropped it)."""
     sms = sm_count(device)
     if N >= 16384:
         return (64, 256, 4, 3, 1) if glu or N // 64 <= 2 * sms else (32, 256, 2, 4, 1)
     if K >= 16384:
-        return 64, 256, 4, 4, 0
+        return 32, 256, 2, 4, 2
     tiles = triton.cdiv(N, 32)
     return 32, 256, 2, (4 if tiles >= sms else 3), splits_for(tiles, K, device)
 
@@ -274,21 +176,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: boo
     M, K = x.shape
     N = w.shape[0]
     _check(x, w)
-    bn, bk, warps, stages, split = config or gemv_config(N, K, x.device, glu)
     y = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
-    if split != 0 or glu:
-        _launch_columns(x, w, y, (bn, bk, warps, stages, split), glu=glu)
-        return y
-    # stream-K, one program per SM
-    tiles, kb = triton.cdiv(N, bn), triton.cdiv(K, bk)
-    programs = min(sm_count(x.device), tiles * kb)
-    counters, _ = _zeroed_scratch(x.device)
-    assert tiles <= len(counters)
-    part = torch.empty(2 * programs, MAX_ROWS, bn, dtype=torch.float32, device=x.device)
-    _gemv_streamk_kernel[(programs,)](
-        x, w, y, part, counters, M, N, K, kb, tiles * kb, x.stride(0), w.stride(0), y.stride(0),
-        BM=MAX_ROWS, BN=bn, BK=bk, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype), num_warps=warps,
-        num_stages=stages, **pdl_args(x.device))
+    _launch_columns(x, w, y, config or gemv_config(N, K, x.device, glu), glu=glu)
     return y
 
 
@@ -305,7 +194,6 @@ def gemv_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config:
     down_cfg = config or mlp_down_config(N, inter, x.device)
     if down_cfg is None:
         return gemv(gemv(x, gate_up, glu=True), down)
-    assert down_cfg[4] > 0, "down awaits its K splits: stream-K has none"
     up_cfg = gemv_config(2 * inter, H, x.device, glu=True)
     act = torch.empty(M, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
