@@ -1,4 +1,5 @@
-"""The greedy LM head against the full one (GEMV + softcap + argmax), at the 31B's and its drafter's head shapes.
+"""The greedy LM head against the full one (GEMV + softcap + argmax), at the head shapes of the 31B, its drafter,
+the 26B-A4B and the E2B.
 
 Both are timed as CUDA-graph replays with PDL, as the engine runs them; the roofline of the full head is its bf16
 bytes, of the greedy head its int8 copy's bytes (the few candidate rows it re-reads in bf16 are left out), over
@@ -25,7 +26,7 @@ from bench_gemv import replay_ms  # noqa: E402
 from bench_step import copy_bandwidth  # noqa: E402
 
 head_module = importlib.import_module("gemma4serve_kernels.greedy_head")
-HEADS = {"31B": (262144, 5376), "31B drafter": (262144, 1024)}
+HEADS = {"31B": (262144, 5376), "31B drafter": (262144, 1024), "26B-A4B": (262144, 2816), "E2B": (262144, 1536)}
 SCREENS = [(128, 256, 4, 3), (128, 256, 4, 4), (256, 256, 8, 3), (128, 512, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3)]
 EXACTS = [(512, 3), (256, 3), (1024, 3), (1024, 4)]  # (rows per program, stages)
 
