@@ -186,7 +186,7 @@ def gemv_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config:
     down runs split along K, and each of its splits starts as soon as the gate_up tiles that write its K range
     have stored (they count themselves in on a flag per range), not when all of gate_up has ended. Launched under
     PDL, down's programs take the SMs that gate_up's last wave leaves idle. `config` overrides down's
-    mlp_down_config (its splits must be > 0)."""
+    mlp_down_config."""
     M, H = x.shape
     N, inter = down.shape
     _check(x, gate_up)

@@ -135,7 +135,7 @@ def _threshold_kernel(lo_ptr, lut_ptr, gt_ptr, tiles, TILES_P: tl.constexpr, PDL
     m = tl.program_id(0)
     t = tl.arange(0, TILES_P)
     lo = tl.max(tl.load(lo_ptr + m * tiles + t, mask=t < tiles, other=float("-inf")), axis=0)
-    tl.store(gt_ptr + m, tl.load(lut_ptr + (round_to(lo, tl.bfloat16).to(tl.uint32, bitcast=True) >> 16)))
+    tl.store(gt_ptr + m, _lookup(lut_ptr, lo, True))
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split"])

@@ -79,16 +79,9 @@ class Gemma4Assistant(nn.Module):
         [B, Hb]). `rope`: the per-kind (cos, sin) of the sequences' position P, `self.rotary.cos_sin(P, dtype)`,
         the same for every step. Few rows on CUDA take the greedy head, which reads most of the LM head as int8
         and gets the same tokens."""
-        h = self._body(tok_embed, hprev, rope, ctx)
-        if self.greedy_head is not None and self.greedy_head.fits(h):
-            token = self.greedy_head(h)
-        else:
-            token = self._logits(h).argmax(-1)
-        return token, fused.linear(h, self.post_projection.weight)
-
-    def _body(self, tok_embed, hprev, rope, ctx) -> torch.Tensor:
         u = fused.linear(torch.cat([tok_embed, hprev], dim=-1), self.pre_projection.weight)
-        return run_layers(self.model.layers, u, rope, ctx, self.model.norm)
+        h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
+        return fused.argmax_tokens(self.greedy_head, h, self._logits), fused.linear(h, self.post_projection.weight)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         lm_head = self.model.embed_tokens.weight

@@ -85,6 +85,14 @@ class GreedyHead:
         return kernels().greedy_head(hidden, self.weight, self.q, self.scale, self.table)
 
 
+def argmax_tokens(head: GreedyHead | None, hidden: torch.Tensor, logits) -> torch.Tensor:
+    """The first argmax of logits(hidden) per row, [T] int64: through the greedy head where it takes these rows
+    (the same tokens, most of the head read as int8)."""
+    if head is not None and head.fits(hidden):
+        return head(hidden)
+    return logits(hidden).argmax(-1)
+
+
 def concat_weights(*linears) -> torch.Tensor:
     """One weight for several projections of the same input (one GEMM instead of several); the original
     parameters become views into it, so names and the state dict are unchanged and no memory is duplicated."""

@@ -212,9 +212,7 @@ class Gemma4Model(nn.Module):
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The first argmax of logits(hidden) per row, [T] int64. Few rows on CUDA take the greedy head, which
         reads most of the head as int8 and gets the same tokens."""
-        if self.greedy_head is not None and self.greedy_head.fits(hidden):
-            return self.greedy_head(hidden)
-        return self.logits(hidden).argmax(-1)
+        return fused.argmax_tokens(self.greedy_head, hidden, self.logits)
 
     def checkpoint_param_name(self, name: str) -> str | None:
         """Checkpoint tensor name -> our parameter name, or None to skip it."""
