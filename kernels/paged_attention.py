@@ -23,6 +23,47 @@ import triton.language as tl
 from ._common import INTERPRET, dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
+TABLE_CHUNK = 32  # page-table entries a program holds in registers (more where one key tile needs more)
+
+
+def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
+    """(table entries held, key tiles whose pages surely lie in them from the first tile's page on, whatever the
+    first tile's offset in its page)."""
+    entries = max(TABLE_CHUNK, next_pow2(triton.cdiv(block_n + page_size - 1, page_size)))
+    return entries, (entries * page_size - page_size + 1) // block_n
+
+
+@triton.jit
+def _attend_tile(q, k_ptr, v_ptr, m_i, l_i, acc, pos, lo, hi, start, end, pages, p0, entries, kvh, d,
+                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                 PAGE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One tile of keys at positions `pos` into the online softmax (m_i, l_i, acc). Keys outside [lo, hi) are
+    neither looked up nor loaded; a key's page comes from `pages`, the table entries from page p0 on."""
+    kv_ok = (pos >= lo) & (pos < hi)
+    rel = pos // PAGE - p0
+    page = tl.sum(tl.where(rel[:, None] == entries[None, :], pages[None, :], 0), axis=1).to(tl.int64)
+    in_page = pos % PAGE
+    k = tl.load(k_ptr + (page * stride_kp + in_page * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    if DOT_FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    visible = (pos[None, :] < end[:, None]) & (pos[None, :] >= start[:, None])
+    s = tl.where(visible, s * LOG2E, float("-inf"))  # scaling 1.0 (q_norm/k_norm replace 1/sqrt(d))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        pv = tl.dot(round_to(p, v_ptr.dtype.element_ty), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v_ptr.dtype.element_ty), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
 
 
 # Arguments that change from step to step are not specialised (Triton would compile a variant per value ==1 /
@@ -39,6 +80,7 @@ def _attn_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, MIN_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    TABLE_CHUNK: tl.constexpr, CHUNK_TILES: tl.constexpr,
 ):
     g = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
@@ -69,6 +111,14 @@ def _attn_kernel(
     b_lo = first + split * per_split
     b_hi = tl.minimum(b_lo + per_split, first + n_blocks)
     table_row = table_ptr + tl.load(token_seq_ptr + row0).to(tl.int64) * stride_table
+    # The page numbers of the first CHUNK_TILES key tiles, in registers: a K/V address then needs no table read
+    # in the loop, so the pipelined loads of the next tiles issue at once instead of one table read (an L2
+    # round trip) after another. Entries outside the pages of [lo, hi) are not read (null or past the row).
+    entries = tl.arange(0, TABLE_CHUNK)
+    p_lo = lo // PAGE
+    p_hi = tl.cdiv(hi, PAGE)
+    p0 = b_lo * BLOCK_N // PAGE
+    pages = tl.load(table_row + p0 + entries, mask=(p0 + entries >= p_lo) & (p0 + entries < p_hi), other=0)
 
     # All of the above reads metadata written before the step; q and the step's new keys come from the kernel
     # just before (the qkv epilogue), so wait for it only now.
@@ -82,34 +132,20 @@ def _attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for b in range(b_lo, b_hi):
-        pos = b * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Keys outside [lo, hi) are neither looked up nor loaded: their table entries may be the null page
-        # (freed sliding pages) or lie past the end of the table row.
-        kv_ok = (pos >= lo) & (pos < hi)
-        page = tl.load(table_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-        in_page = pos % PAGE
-        k = tl.load(k_ptr + (page * stride_kp + in_page * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = (pos[None, :] < end[:, None]) & (pos[None, :] >= start[:, None])
-        s = tl.where(visible, s * LOG2E, float("-inf"))  # scaling 1.0 (q_norm/k_norm replace 1/sqrt(d))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            pv = tl.dot(round_to(p, v_ptr.dtype.element_ty), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v_ptr.dtype.element_ty), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    for c_lo in range(b_lo, b_hi, CHUNK_TILES):
+        # Decode and verification splits fit in one chunk; longer ranges (prefill) read the next chunk's pages
+        # while this one's tiles run.
+        c_hi = tl.minimum(c_lo + CHUNK_TILES, b_hi)
+        p0 = c_lo * BLOCK_N // PAGE
+        p_next = c_hi * BLOCK_N // PAGE
+        p_stop = tl.where(c_hi < b_hi, p_hi, 0)  # (nothing after the last chunk)
+        next_pages = tl.load(table_row + p_next + entries,
+                             mask=(p_next + entries >= p_lo) & (p_next + entries < p_stop), other=0)
+        for b in range(c_lo, c_hi):
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, m_i, l_i, acc, b * BLOCK_N + tl.arange(0, BLOCK_N), lo, hi, start, end, pages, p0,
+                entries, kvh, d, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE, DOT_FP32)
+        pages = next_pages
 
     has = l_i > 0.0  # a row with no visible key (never scheduled) yields zeros, not NaN
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -152,17 +188,20 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
     """Tile shapes by head dim and phase. Starting points to tune on the GPU (bench/bench_kernels.py).
 
     The fp32 accumulator holds BLOCK_M x head_dim values, so in decode and verification wide heads get fewer
-    rows per program; prefill chunks (more than 8 query rows) have their own measured tiles.
+    rows per program; prefill chunks (more than 8 query rows) have their own measured tiles. Stages count key
+    tiles in flight: with the page numbers in registers, 2 stages keep as many K/V buffers as 3 did while the
+    pipeliner also had to stage a table read per tile (the same shared memory), so these are the measured
+    tiles of before.
     """
     group_p = next_pow2(group)
     if max_q_len > 8:
         # Prefill / extend chunks (`bench_kernels.py --phases prefill --sweep`, 1024-token chunk, H200): 64 rows
-        # per program and 32-key tiles, 3 stages; 8 warps only for the 512-wide tiles. Full layers 481 -> 310 us
-        # at 1k context and 2922 -> 1671 us at 4k; sliding layers 147 -> 118 us and 221 -> 155 us.
+        # per program and 32-key tiles, 2 K/V buffers; 8 warps only for the 512-wide tiles. Full layers 481 -> 310
+        # us at 1k context and 2922 -> 1671 us at 4k; sliding layers 147 -> 118 us and 221 -> 155 us.
         block_t = max(1, min(next_pow2(max_q_len), 64 // group_p))
         block_m = max(16, block_t * group_p)
         return dict(block_t=block_t, block_m=block_m, block_n=32,
-                    num_warps=8 if block_m * head_dim > 16384 else 4, num_stages=3)
+                    num_warps=8 if block_m * head_dim > 16384 else 4, num_stages=2)
     max_rows = 64 if head_dim <= 256 else 32
     block_t = max(1, min(next_pow2(max_q_len), max_rows // group_p))
     block_m = max(16, block_t * group_p)
@@ -173,7 +212,7 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
         # enough threads that the accumulator stays around 64 fp32 registers per thread (a 512-wide decode
         # tile of 16 rows runs faster on 4 warps than 8: 9.8 -> 9.3 us at batch 1, 45.5 -> 36.0 us at batch 8)
         num_warps=8 if block_m * head_dim >= 16384 else 4,
-        num_stages=3,
+        num_stages=2,
     )
 
 
@@ -237,11 +276,17 @@ def paged_attention(
     if num_splits is None:
         num_splits = choose_splits(G * q_blocks * nkv, q.device, max_splits)
     if not config:
+        # Short decode splits want their few tiles in flight at once (a 60-layer chain of b = 1 decode
+        # attention, H200, 1,100 keys, per layer): a sliding split of at most 64 keys as 32-key tiles, all in
+        # flight (12.7 -> 11.8 us); a full layer's 32-key split as two 16-key tiles, deeper (12.1 -> 10.2 us). Not
+        # for long full-layer splits (E4B's batch-32 decode step got 0.12 ms slower).
         if window > 0 and max_q_len == 1 and triton.cdiv(window, num_splits) <= 64:
-            # A decode split of at most 64 keys: two 32-key tiles in flight beat one of 64 (10.1 -> 9.4 us).
-            cfg.update(block_n=32, num_stages=2)
+            cfg.update(block_n=32, num_stages=3)
+        if window == 0 and max_q_len == 1 and num_splits >= 16:
+            cfg.update(block_n=16, num_stages=4)
         if q.dtype == torch.float32 and not INTERPRET:
             cfg.update(block_n=16, num_stages=1)  # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
+    entries, chunk = table_chunk(page_size, cfg["block_n"])
     if num_splits > 1:
         part_o = torch.empty(T, nh, num_splits, hd, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
@@ -258,7 +303,7 @@ def paged_attention(
         GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=hd, PAGE=page_size,
         BLOCK_T=cfg["block_t"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
         SPLIT=num_splits > 1, MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
-        DOT_FP32=dot_in_fp32(q.dtype),
+        DOT_FP32=dot_in_fp32(q.dtype), TABLE_CHUNK=entries, CHUNK_TILES=chunk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q.device),
     )
     if num_splits > 1:

@@ -7,6 +7,7 @@ live in tests/gpu/.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -131,10 +132,13 @@ def test_attention_mixed_phases_fp32(window, nh, nkv, hd, page_size):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("table_entries", [32, 4])
 @pytest.mark.parametrize("num_splits,block_t", [(1, 1), (3, 1), (8, 4)])
-def test_attention_splits_and_query_blocks(num_splits, block_t):
+def test_attention_splits_and_query_blocks(num_splits, block_t, table_entries, monkeypatch):
     """Small key tiles so that contexts span many tiles; the KV range split over 3/8 programs (some empty) and
-    the query rows of a group split over several programs."""
+    the query rows of a group split over several programs. With 4 table entries held, a program reads its
+    pages in chunks of one tile."""
+    monkeypatch.setattr(importlib.import_module("gemma4serve_kernels.paged_attention"), "TABLE_CHUNK", table_entries)
     window = 12
     q, kc, vc, meta = build_paged_batch(mixed_phases(window), nh=4, nkv=2, hd=16, page_size=4, window=window,
                                         dtype=torch.float32, seed=7)
