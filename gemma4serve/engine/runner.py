@@ -36,6 +36,7 @@ class SamplingInputs:
     num_drafts: torch.Tensor  # [B]
     table_rows: torch.Tensor  # [B] int32: each sequence's page-table row
     sb: SamplingBatch
+    all_rows: bool = False  # rows.view(-1) is every row of the forward, in order (so no gather is needed)
 
 
 @dataclass
@@ -147,6 +148,7 @@ class ModelRunner:
             drafts.append(ch.drafts + [-1] * (K - nd))
             num_drafts.append(nd)
         seqs = [ch.seq for _, ch in sampling]
+        flat = [r for row in rows for r in row]
 
         def i64(x):
             return to_device(torch.tensor(x, dtype=torch.int64), dev)
@@ -162,6 +164,7 @@ class ModelRunner:
                 [q.params for q in seqs], [q.seed for q in seqs], [q.output_ids for q in seqs],
                 [q.token_ids[: q.num_prompt] for q in seqs], dev,
             ),
+            all_rows=flat == list(range(ends[-1])),
         )
 
     @torch.inference_mode()
@@ -198,9 +201,14 @@ class ModelRunner:
         B, Q = prev.tokens.shape[0], prev.draft_len + 1
         rows, num_drafts, table_rows, offsets = self._continuation_indices(B, Q)
         P = prev.inputs.first_pos + prev.num_emitted  # position of each newest token
-        newest = prev.tokens.gather(1, (prev.num_emitted - 1)[:, None])
-        ids = torch.cat([newest, prev.next_drafts], dim=1) if prev.draft_len else newest
-        pos = P[:, None] + offsets
+        if prev.draft_len:
+            newest = prev.tokens.gather(1, (prev.num_emitted - 1)[:, None])
+            ids = torch.cat([newest, prev.next_drafts], dim=1)
+            pos = P[:, None] + offsets
+        else:
+            # One token a step, the newest (prev.tokens may be the last replay's graph output: it is copied into
+            # the graph's inputs before the next replay).
+            ids, pos = prev.tokens, P[:, None]
         host_tables = page_tables(pages)
         graphed = self.graphs is not None and self.graphs.fits(B, Q, max(len(p.full) for p in pages))
         if graphed:
@@ -219,7 +227,7 @@ class ModelRunner:
         # pool, so the target replay below may overwrite it.
         drafts = ids[:, 1:]
         inp = SamplingInputs(seqs=prev.inputs.seqs, rows=rows, first_pos=P, drafts=drafts, num_drafts=num_drafts,
-                             table_rows=table_rows, sb=prev.inputs.sb)
+                             table_rows=table_rows, sb=prev.inputs.sb, all_rows=True)
         return self._verify_and_draft(inp, hidden, logits, chosen, tables, graphed, [Q - 1] * B, prev.draft_len,
                                       True)
 
@@ -244,15 +252,19 @@ class ModelRunner:
         rows, first_pos, drafts, num_drafts = inp.rows, inp.first_pos, inp.drafts, inp.num_drafts
         B, K1 = rows.shape
         flat_rows = rows.view(-1)
+
+        def sampled(t):  # the sampled rows of a tensor over the forward's rows
+            return t if inp.all_rows else t[flat_rows]
+
         logits = chosen = None
         if all_chosen is not None:
-            chosen = all_chosen[flat_rows]
+            chosen = sampled(all_chosen)
         elif all_logits is not None:
-            logits = all_logits[flat_rows]
+            logits = sampled(all_logits)
         elif inp.sb.argmax_only:
-            chosen = s.target.greedy(hidden[flat_rows])
+            chosen = s.target.greedy(sampled(hidden))
         else:
-            logits = s.target.logits(hidden[flat_rows])
+            logits = s.target.logits(sampled(hidden))
         res = accept(logits.view(B, K1, -1) if logits is not None else None, drafts, num_drafts, first_pos, inp.sb,
                      chosen.view(B, K1) if chosen is not None else None)
         tokens, num_emitted = res.tokens, res.num_emitted

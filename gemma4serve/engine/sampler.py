@@ -355,7 +355,6 @@ def accept(
     B, K1 = drafts.shape[0], drafts.shape[1] + 1
     K = K1 - 1
     device = drafts.device
-    j = torch.arange(K1, device=device)
     flat = logits.reshape(B * K1, -1) if logits is not None else None
     if chosen is not None:
         assert sb.argmax_only
@@ -364,6 +363,7 @@ def accept(
         # between decode steps, which at batch 1 run back to back on the GPU with the step.
         chosen = flat.argmax(-1).view(B, K1)
     else:
+        j = torch.arange(K1, device=device)
         row_seq = torch.arange(B, device=device).repeat_interleave(K1)
         position = (first_position[:, None] + j + 1).reshape(-1)
         # Row j's history also holds d_1..d_j, which are not in sb.output_tokens yet.
@@ -371,10 +371,15 @@ def accept(
         processed = process_logits(flat.float(), sb, row_seq, extra.reshape(B * K1, K))
         chosen = choose(processed, sb, row_seq, position).view(B, K1)
 
-    # Accepted prefix length: cumprod of "draft matches and is a real draft" along the draft axis.
-    match = (drafts == chosen[:, :K]) & (j[:K] < num_drafts[:, None])
-    num_emitted = match.long().cumprod(dim=1).sum(dim=1) + 1
-    tokens = torch.where(j < num_emitted[:, None], chosen, -1)
+    if K == 0:  # nothing to verify: the one row's token (a plain decode step, a few launches fewer)
+        num_emitted = torch.ones(B, dtype=torch.int64, device=device)
+        tokens = chosen
+    else:
+        j = torch.arange(K1, device=device)
+        # Accepted prefix length: cumprod of "draft matches and is a real draft" along the draft axis.
+        match = (drafts == chosen[:, :K]) & (j[:K] < num_drafts[:, None])
+        num_emitted = match.long().cumprod(dim=1).sum(dim=1) + 1
+        tokens = torch.where(j < num_emitted[:, None], chosen, -1)
 
     result = AcceptResult(tokens=tokens, num_emitted=num_emitted)
     if sb.num_logprobs >= 0:
