@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import INTERPRET, dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
 
@@ -80,7 +81,7 @@ def _attn_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, MIN_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-    TABLE_CHUNK: tl.constexpr, CHUNK_TILES: tl.constexpr,
+    TABLE_CHUNK: tl.constexpr, CHUNK_TILES: tl.constexpr, LAUNCH_NEXT_LATE: tl.constexpr,
 ):
     g = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
@@ -122,7 +123,11 @@ def _attn_kernel(
 
     # All of the above reads metadata written before the step; q and the step's new keys come from the kernel
     # just before (the qkv epilogue), so wait for it only now.
-    wait_for_producer(PDL)
+    if LAUNCH_NEXT_LATE:
+        if PDL:
+            gdc_wait()
+    else:
+        wait_for_producer(PDL)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
@@ -146,6 +151,9 @@ def _attn_kernel(
                 q, k_ptr, v_ptr, m_i, l_i, acc, b * BLOCK_N + tl.arange(0, BLOCK_N), lo, hi, start, end, pages, p0,
                 entries, kvh, d, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE, DOT_FP32)
         pages = next_pages
+    if LAUNCH_NEXT_LATE:
+        if PDL:
+            gdc_launch_dependents()
 
     has = l_i > 0.0  # a row with no visible key (never scheduled) yields zeros, not NaN
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -292,6 +300,11 @@ def paged_attention(
         part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # never touched
+    # The next kernel (the merge, or o_proj) may launch once every program has passed its wait. Single-query
+    # grids of at most two programs per SM let it launch only after their key loops: the 31B's batch-1 decode
+    # step 15.27 -> 15.21 ms (its sliding layers; the full ones and E4B's decode at batch 1 and 8 unchanged).
+    # Verification (+0.20 ms at batch 1) and larger decode grids (+0.11 ms at batch 8) lost with it.
+    late = max_q_len == 1 and G * q_blocks * nkv * num_splits <= 2 * sm_count(q.device)
     _attn_kernel[(G, q_blocks, nkv * num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         token_seq, kv_end, page_table, cu_seqlens_q,
@@ -303,7 +316,7 @@ def paged_attention(
         GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=hd, PAGE=page_size,
         BLOCK_T=cfg["block_t"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
         SPLIT=num_splits > 1, MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
-        DOT_FP32=dot_in_fp32(q.dtype), TABLE_CHUNK=entries, CHUNK_TILES=chunk,
+        DOT_FP32=dot_in_fp32(q.dtype), TABLE_CHUNK=entries, CHUNK_TILES=chunk, LAUNCH_NEXT_LATE=late,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q.device),
     )
     if num_splits > 1:
