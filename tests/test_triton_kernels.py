@@ -137,12 +137,15 @@ def test_attention_mixed_phases_fp32(window, nh, nkv, hd, page_size):
 def test_attention_splits_and_query_blocks(num_splits, block_t, table_entries, monkeypatch):
     """Small key tiles so that contexts span many tiles; the KV range split over 3/8 programs (some empty) and
     the query rows of a group split over several programs. With 4 table entries held, a program reads its
-    pages in chunks of one tile."""
+    pages in chunks of one tile. The splits' partial buffers start as NaN: what an empty split leaves unwritten
+    must not reach the output."""
     monkeypatch.setattr(importlib.import_module("gemma4serve_kernels.paged_attention"), "TABLE_CHUNK", table_entries)
     window = 12
     q, kc, vc, meta = build_paged_batch(mixed_phases(window), nh=4, nkv=2, hd=16, page_size=4, window=window,
                                         dtype=torch.float32, seed=7)
     ref = reference_attention(q, kc, vc, meta)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     out = paged_attention(q, kc, vc, meta.token_seq, meta.kv_end, meta.page_table[KIND], meta.cu_seqlens_q,
                           meta.max_q_len, window, num_splits=num_splits, min_split_keys=1,
                           config=dict(block_t=block_t, block_m=16, block_n=16))
