@@ -78,9 +78,6 @@ class GreedyHead:
         return (on(weight) is not None and weight.dtype == torch.bfloat16
                 and os.environ.get("GEMMA4SERVE_DISABLE_GREEDY_HEAD") != "1")
 
-    def fits(self, hidden: torch.Tensor) -> bool:
-        return _gemv_fits(hidden)
-
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return kernels().greedy_head(hidden, self.weight, self.q, self.scale, self.table)
 
@@ -88,7 +85,7 @@ class GreedyHead:
 def argmax_tokens(head: GreedyHead | None, hidden: torch.Tensor, logits) -> torch.Tensor:
     """The first argmax of logits(hidden) per row, [T] int64: through the greedy head where it takes these rows
     (the same tokens, most of the head read as int8)."""
-    if head is not None and head.fits(hidden):
+    if head is not None and _gemv_fits(hidden):
         return head(hidden)
     return logits(hidden).argmax(-1)
 
