@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import copy_bandwidth, time_it  # noqa: E402
+
 from gemma4serve.attention.flashinfer_backend import FlashInferAttention, paged_kv, plan  # noqa: E402
 from gemma4serve.attention.metadata import HostBatch, causal_metadata  # noqa: E402
 from gemma4serve.attention.triton_backend import TritonAttention  # noqa: E402
@@ -50,8 +51,16 @@ def make_step(kind: str, seqs: int, q_len: int, ctx: int):
     pos = (ctx - q_len + torch.arange(q_len)).repeat(seqs)
     cu = torch.arange(seqs + 1, dtype=torch.int32) * q_len
     host = HostBatch(cu, torch.full((seqs,), ctx, dtype=torch.int32), {kind: table})
-    meta = causal_metadata(torch.arange(seqs, dtype=torch.int32).repeat_interleave(q_len).cuda(), pos.cuda(),
-                           {kind: table.cuda()}, WINDOW, cu.cuda(), q_len, PAGE, host)
+    meta = causal_metadata(
+        torch.arange(seqs, dtype=torch.int32).repeat_interleave(q_len).cuda(),
+        pos.cuda(),
+        {kind: table.cuda()},
+        WINDOW,
+        cu.cuda(),
+        q_len,
+        PAGE,
+        host,
+    )
     keys = min(ctx, WINDOW[kind] or ctx)
     visible = sum(min(p + 1, WINDOW[kind] or p + 1) for p in range(ctx - q_len, ctx)) * seqs
     flops = 4 * nh * hd * visible
@@ -62,29 +71,52 @@ def make_step(kind: str, seqs: int, q_len: int, ctx: int):
 def main() -> None:
     import flashinfer
 
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}")
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}"
+    )
     bw, rate = copy_bandwidth(torch.device("cuda")), matmul_rate()
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     triton_attn = TritonAttention()
     fi = FlashInferAttention(torch.device("cuda"), LAYOUTS, PAGE)
-    print("\n| layer | sequences x new tokens @ context | roofline us | Triton us | FlashInfer us | plan() ms "
-          "| rel diff |")
+    print(
+        "\n| layer | sequences x new tokens @ context | roofline us | Triton us | FlashInfer us | plan() ms "
+        "| rel diff |"
+    )
     print("|---|---|---|---|---|---|---|")
     for kind in (SLIDING, FULL):
-        for seqs, q_len, ctx in [(1, 1000, 1000), (2, 1024, 1024), (1, 2048, 6144), (8, 1, 1128), (32, 1, 1128)]:
+        for seqs, q_len, ctx in [
+            (1, 1000, 1000),
+            (2, 1024, 1024),
+            (1, 2048, 6144),
+            (8, 1, 1128),
+            (32, 1, 1128),
+        ]:
             q, k, v, meta, flops, bytes_ = make_step(kind, seqs, q_len, ctx)
             roof = max(bytes_ / bw, flops / rate) * 1e6
             ref = triton_attn.forward(q, k, v, meta, kind)
             t_triton = median_us(lambda: triton_attn.forward(q, k, v, meta, kind))
             nh, nkv, hd = LAYOUTS[kind]
             try:
-                if q_len == 1:  # FlashInfer's decode wrapper (the backend itself keeps decode on Triton)
+                if (
+                    q_len == 1
+                ):  # FlashInfer's decode wrapper (the backend itself keeps decode on Triton)
                     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True)
+                        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                        "NHD",
+                        use_tensor_cores=True,
+                    )
                     t0 = time.perf_counter()
-                    w.plan(*paged_kv(meta.host, kind, PAGE), nh, nkv, hd, PAGE,
-                           window_left=WINDOW[kind] - 1 if WINDOW[kind] else -1, sm_scale=1.0,
-                           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                    w.plan(
+                        *paged_kv(meta.host, kind, PAGE),
+                        nh,
+                        nkv,
+                        hd,
+                        PAGE,
+                        window_left=WINDOW[kind] - 1 if WINDOW[kind] else -1,
+                        sm_scale=1.0,
+                        q_data_type=torch.bfloat16,
+                        kv_data_type=torch.bfloat16,
+                    )
                     plan_ms = (time.perf_counter() - t0) * 1e3
                     run = lambda: w.run(q, (k, v))  # noqa: E731
                 elif kind in fi.wrappers:
@@ -101,7 +133,10 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 cells = f"– ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
             fi_cols = f"{cells} | – | –" if cells else f"{t_fi:.1f} | {plan_ms:.2f} | {diff:.1e}"
-            print(f"| {kind} hd{hd} | {seqs} x {q_len} @ {ctx} | {roof:.1f} | {t_triton:.1f} | {fi_cols} |", flush=True)
+            print(
+                f"| {kind} hd{hd} | {seqs} x {q_len} @ {ctx} | {roof:.1f} | {t_triton:.1f} | {fi_cols} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

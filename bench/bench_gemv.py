@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+
 from gemma4serve_kernels import _common
 from gemma4serve_kernels.activation import gelu_tanh_mul
 from gemma4serve_kernels.gemv import gemv, gemv_mlp, mlp_down_config, splits_for
@@ -30,8 +31,13 @@ from bench_step import copy_bandwidth, time_it  # noqa: E402
 LAYERS, H, Q, I = 60, 5376, 8192, 21504
 SHAPES = {"qkv": (2 * Q, H), "o_proj": (H, Q), "gate_up": (2 * I, H), "down": (H, I)}
 SWEEP_ONLY = {  # the LM head, and the 31B drafter's projections (H 1024, I 8192) and tied head
-    "lm_head": (262144, H), "draft pre": (1024, 2 * H), "draft q": (8192, 1024), "draft o": (1024, 8192),
-    "draft gate_up": (16384, 1024), "draft down": (1024, 8192), "draft post": (H, 1024),
+    "lm_head": (262144, H),
+    "draft pre": (1024, 2 * H),
+    "draft q": (8192, 1024),
+    "draft o": (1024, 8192),
+    "draft gate_up": (16384, 1024),
+    "draft down": (1024, 8192),
+    "draft post": (H, 1024),
     "draft lm_head": (262144, 1024),
 }
 CONFIGS = list(itertools.product((32, 64, 128), (128, 256), (4,), (3, 4, 5)))
@@ -50,22 +56,37 @@ def replay_ms(fn, iters: int = 10) -> float:
 def mlp_table(hidden: int, inter: int, M: int, bw: float) -> None:
     """The MLP pair over 60 layers' weights (gate_up + GELU·up, then down) as two GEMVs, and as gemv_mlp with its
     default and each swept down tile."""
-    ws = [(torch.empty(2 * inter, hidden, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02),
-           torch.empty(hidden, inter, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)) for _ in range(LAYERS)]
+    ws = [
+        (
+            torch.empty(2 * inter, hidden, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02),
+            torch.empty(hidden, inter, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02),
+        )
+        for _ in range(LAYERS)
+    ]
     x = torch.randn(M, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
     nbytes = LAYERS * 3 * inter * hidden * 2
     us = lambda ms: ms * 1e3 / LAYERS  # noqa: E731
 
     def row(label, ms):
-        print(f"| {label} | {us(ms):.1f} | {nbytes / ms / 1e9:.2f} | {100 * nbytes / bw / (ms / 1e3):.1f}% |",
-              flush=True)
+        print(
+            f"| {label} | {us(ms):.1f} | {nbytes / ms / 1e9:.2f} | {100 * nbytes / bw / (ms / 1e3):.1f}% |",
+            flush=True,
+        )
 
-    print(f"\nMLP pair H {hidden}, I {inter} (gate_up with GELU·up, then down), M = {M}, µs per layer; roofline "
-          f"{us(nbytes / bw * 1e3):.1f} µs")
+    print(
+        f"\nMLP pair H {hidden}, I {inter} (gate_up with GELU·up, then down), M = {M}, µs per layer; roofline "
+        f"{us(nbytes / bw * 1e3):.1f} µs"
+    )
     print("| impl (down: BN, BK, warps, stages, splits) | µs | TB/s | % of roofline |")
     print("|---|---|---|---|")
-    row("two GEMVs (gemv_config)", replay_ms(lambda: [gemv(gemv(x, gu, glu=True), d) for gu, d in ws]))
-    row(f"gemv_mlp {mlp_down_config(hidden, inter, x.device)}", replay_ms(lambda: [gemv_mlp(x, gu, d) for gu, d in ws]))
+    row(
+        "two GEMVs (gemv_config)",
+        replay_ms(lambda: [gemv(gemv(x, gu, glu=True), d) for gu, d in ws]),
+    )
+    row(
+        f"gemv_mlp {mlp_down_config(hidden, inter, x.device)}",
+        replay_ms(lambda: [gemv_mlp(x, gu, d) for gu, d in ws]),
+    )
     ref = gemv(gemv(x, ws[0][0], glu=True), ws[0][1]).float()
     results = []
     for cfg in MLP_DOWN_CONFIGS:
@@ -85,27 +106,41 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s")
-    w = {name: [torch.empty(n, k, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02) for _ in range(LAYERS)]
-         for name, (n, k) in SHAPES.items()}
+    w = {
+        name: [
+            torch.empty(n, k, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
+            for _ in range(LAYERS)
+        ]
+        for name, (n, k) in SHAPES.items()
+    }
     per_layer = sum(n * k * 2 for n, k in SHAPES.values())
 
     # Tile sweep: each shape's GEMV over the 60 layers' weights, PDL on (as in the engine).
     M = args.sweep_rows
-    print("\n| shape | M | cuBLAS µs | cuBLAS TB/s | gemv µs (gemv_config) | gemv TB/s | best µs | best TB/s | "
-          "best (BN, BK, warps, stages, splits) |")
+    print(
+        "\n| shape | M | cuBLAS µs | cuBLAS TB/s | gemv µs (gemv_config) | gemv TB/s | best µs | best TB/s | "
+        "best (BN, BK, warps, stages, splits) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (n, k) in ({} if args.skip_shapes else {**SHAPES, **SWEEP_ONLY}).items():
         # Enough copies of the weight (>= 3 GB in all, or the 60 layers) that no read comes from L2.
-        ws = w[name] if name in w else [torch.empty(n, k, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
-                                         for _ in range(max(2, min(LAYERS, -(-3 * 10**9 // (n * k * 2)))))]
+        ws = (
+            w[name]
+            if name in w
+            else [
+                torch.empty(n, k, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
+                for _ in range(max(2, min(LAYERS, -(-3 * 10**9 // (n * k * 2)))))
+            ]
+        )
         x = torch.randn(M, k, dtype=torch.bfloat16, device="cuda")
         ref = F.linear(x, ws[0]).float()
         t_cublas = replay_ms(lambda: [F.linear(x, wi) for wi in ws])
         t_default = replay_ms(lambda: [gemv(x, wi) for wi in ws])
         results = []
         # each tile with its K splits, and long-K shapes also with two
-        for cfg in [(*c, splits_for(triton.cdiv(n, c[0]), k, x.device)) for c in CONFIGS] + \
-                [(*c, 2) for c in CONFIGS if k >= 16384]:
+        for cfg in [(*c, splits_for(triton.cdiv(n, c[0]), k, x.device)) for c in CONFIGS] + [
+            (*c, 2) for c in CONFIGS if k >= 16384
+        ]:
             try:
                 y = gemv(x, ws[0], config=cfg).float()
             except Exception as e:  # a tile that does not fit (shared memory): skip it
@@ -116,8 +151,11 @@ def main() -> None:
         t, cfg = min(results)
         us = lambda ms: ms * 1e3 / len(ws)  # noqa: E731
         tb = lambda ms: n * k * 2 * len(ws) / ms / 1e9  # noqa: E731
-        print(f"| {name} | {M} | {us(t_cublas):.1f} | {tb(t_cublas):.2f} | {us(t_default):.1f} | {tb(t_default):.2f} "
-              f"| {us(t):.1f} | {tb(t):.2f} | {cfg} |", flush=True)
+        print(
+            f"| {name} | {M} | {us(t_cublas):.1f} | {tb(t_cublas):.2f} | {us(t_default):.1f} | {tb(t_default):.2f} "
+            f"| {us(t):.1f} | {tb(t):.2f} | {cfg} |",
+            flush=True,
+        )
 
     for hidden, inter in ((H, I), (1024, 8192)):  # the 31B's MLP, its drafter's
         mlp_table(hidden, inter, M, bw)
@@ -139,19 +177,24 @@ def main() -> None:
                 else:
                     h = lin(gate_up(o, w["gate_up"][i]), w["down"][i])
             return h
+
         return run
 
     nbytes = per_layer * LAYERS
-    print(f"\n60-layer chain (qkv, o_proj, gate_up, gelu, down), {nbytes / 1e9:.1f} GB of weights; "
-          f"roofline {nbytes / bw * 1e3:.2f} ms = bytes / copy bandwidth")
+    print(
+        f"\n60-layer chain (qkv, o_proj, gate_up, gelu, down), {nbytes / 1e9:.1f} GB of weights; "
+        f"roofline {nbytes / bw * 1e3:.2f} ms = bytes / copy bandwidth"
+    )
     print("| M | impl | ms | TB/s | % of roofline |")
     print("|---|---|---|---|---|")
     for M in args.rows:
         x0 = torch.randn(M, H, dtype=torch.bfloat16, device="cuda") * 0.1
         for impl in ("cuBLAS", "gemv", "gemv + PDL", "gemv_mlp + PDL"):
             t = replay_ms(chain(impl, x0))
-            print(f"| {M} | {impl} | {t:.2f} | {nbytes / t / 1e9:.2f} | {100 * nbytes / bw / (t / 1e3):.1f}% |",
-                  flush=True)
+            print(
+                f"| {M} | {impl} | {t:.2f} | {nbytes / t / 1e9:.2f} | {100 * nbytes / bw / (t / 1e3):.1f}% |",
+                flush=True,
+            )
     _common.PDL_ENABLED = True
 
 

@@ -26,8 +26,20 @@ from bench_gemv import replay_ms  # noqa: E402
 from bench_step import copy_bandwidth  # noqa: E402
 
 head_module = importlib.import_module("gemma4serve_kernels.greedy_head")
-HEADS = {"31B": (262144, 5376), "31B drafter": (262144, 1024), "26B-A4B": (262144, 2816), "E2B": (262144, 1536)}
-SCREENS = [(128, 256, 4, 3), (128, 256, 4, 4), (256, 256, 8, 3), (128, 512, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3)]
+HEADS = {
+    "31B": (262144, 5376),
+    "31B drafter": (262144, 1024),
+    "26B-A4B": (262144, 2816),
+    "E2B": (262144, 1536),
+}
+SCREENS = [
+    (128, 256, 4, 3),
+    (128, 256, 4, 4),
+    (256, 256, 8, 3),
+    (128, 512, 4, 3),
+    (64, 256, 4, 4),
+    (64, 512, 4, 3),
+]
 EXACTS = [(512, 3), (256, 3), (1024, 3), (1024, 4)]  # (rows per program, stages)
 
 
@@ -48,19 +60,30 @@ def per_kernel_us(fn) -> str:
             torch.cuda.synchronize()
     finally:
         _common.PDL_ENABLED = True
-    return ", ".join(f"{e.key.split('_kernel')[0].lstrip('_')} {e.device_time_total / 10:.1f}"
-                     for e in prof.key_averages() if e.device_time_total > 0)
+    return ", ".join(
+        f"{e.key.split('_kernel')[0].lstrip('_')} {e.device_time_total / 10:.1f}"
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16])
-    ap.add_argument("--sweep", action="store_true", help="screen tiles and exact-kernel shapes (31B head, M 1 and 5)")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="screen tiles and exact-kernel shapes (31B head, M 1 and 5)",
+    )
     args = ap.parse_args()
     bw = copy_bandwidth("cuda")
-    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s; times in us (graph replay, PDL)\n")
-    print("| head | M | full head | full roofline | greedy head | greedy roofline | greedy / full | "
-          "kernels alone (PDL off) |")
+    print(
+        f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s; times in us (graph replay, PDL)\n"
+    )
+    print(
+        "| head | M | full head | full roofline | greedy head | greedy roofline | greedy / full | "
+        "kernels alone (PDL off) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     weights = {}
     for name, (N, K) in HEADS.items():
@@ -73,22 +96,31 @@ def main() -> None:
             full = replay_ms(lambda: softcap(gemv(x, w)).argmax(-1)) * 1e3
             fast = replay_ms(lambda: greedy_head(x, w, q, scale, lut)) * 1e3
             assert torch.equal(greedy_head(x, w, q, scale, lut), softcap(gemv(x, w)).argmax(-1))
-            print(f"| {name} | {M} | {full:.1f} | {N * K * 2 / bw * 1e6:.1f} | {fast:.1f} | {N * K / bw * 1e6:.1f} | "
-                  f"{fast / full:.2f} | {per_kernel_us(lambda: greedy_head(x, w, q, scale, lut))} |", flush=True)
+            print(
+                f"| {name} | {M} | {full:.1f} | {N * K * 2 / bw * 1e6:.1f} | {fast:.1f} | {N * K / bw * 1e6:.1f} | "
+                f"{fast / full:.2f} | {per_kernel_us(lambda: greedy_head(x, w, q, scale, lut))} |",
+                flush=True,
+            )
     if not args.sweep:
         return
     w, q, scale, lut = weights["31B"]
-    print("\n31B head, greedy head us by screen tile (BN, BK, warps, stages) and exact kernel (rows per program, stages):")
+    print(
+        "\n31B head, greedy head us by screen tile (BN, BK, warps, stages) and exact kernel (rows per program, stages):"
+    )
     print("| screen | exact | M = 1 | M = 5 |\n|---|---|---|---|")
     default = (head_module.ROWS_PER_PROGRAM, head_module.EXACT_STAGES)
     runs = [(s, default) for s in SCREENS] + [(SCREENS[0], e) for e in EXACTS if e != default]
-    xs = {M: torch.randn(M, w.shape[1], device="cuda").to(torch.bfloat16) for M in (1, 5)}  # the same for all
+    xs = {
+        M: torch.randn(M, w.shape[1], device="cuda").to(torch.bfloat16) for M in (1, 5)
+    }  # the same for all
     for screen, (rows, stages) in runs:
         head_module.ROWS_PER_PROGRAM, head_module.EXACT_STAGES = rows, stages
         times = []
         for M, x in xs.items():
             try:
-                times.append(f"{replay_ms(lambda: greedy_head(x, w, q, scale, lut, screen=screen)) * 1e3:.1f}")
+                times.append(
+                    f"{replay_ms(lambda: greedy_head(x, w, q, scale, lut, screen=screen)) * 1e3:.1f}"
+                )
             except Exception as e:  # a tile that does not fit shared memory
                 times.append(type(e).__name__)
         print(f"| {screen} | {rows}, {stages} | {' | '.join(times)} |", flush=True)

@@ -33,7 +33,11 @@ SHAPES = {  # 31B: 32 query heads
 }
 PAGE = 16
 DT = torch.bfloat16
-PHASE_ROWS = {"decode": 1, "verify": 5, "prefill": 1024}  # query rows per sequence (prefill: one chunk)
+PHASE_ROWS = {
+    "decode": 1,
+    "verify": 5,
+    "prefill": 1024,
+}  # query rows per sequence (prefill: one chunk)
 
 
 def build(shape: dict, batch: int, ctx: int, rows: int):
@@ -46,11 +50,13 @@ def build(shape: dict, batch: int, ctx: int, rows: int):
     k_cache = torch.randn(num_pages, PAGE, nkv, hd, device="cuda", dtype=DT)
     v_cache = torch.randn_like(k_cache)
     T = batch * rows
-    q = torch.randn(T, nh, hd, device="cuda", dtype=DT) * hd ** -0.5
+    q = torch.randn(T, nh, hd, device="cuda", dtype=DT) * hd**-0.5
     ends = torch.arange(ctx - rows + 1, ctx + 1, dtype=torch.int32, device="cuda").repeat(batch)
     token_seq = torch.arange(batch, dtype=torch.int32, device="cuda").repeat_interleave(rows)
     cu = torch.arange(0, T + 1, rows, dtype=torch.int32, device="cuda")
-    visible = min(ctx, window + rows - 1) if window else ctx  # keys one sequence's rows read together
+    visible = (
+        min(ctx, window + rows - 1) if window else ctx
+    )  # keys one sequence's rows read together
     nbytes = batch * visible * nkv * hd * 2 * 2 + 2 * q.numel() * 2
     args = (q, k_cache, v_cache, token_seq, ends, table, cu, rows, window)
     return args, nbytes
@@ -65,12 +71,19 @@ def time_case(args, **kw):
     return ms, graph_ms
 
 
-DEFAULT_SPLITS = (dict(), dict(min_split_keys=32), dict(min_split_keys=64), dict(min_split_keys=256),
-                  dict(num_splits=1), dict(num_splits=8, min_split_keys=64), dict(num_splits=32, min_split_keys=32))
+DEFAULT_SPLITS = (
+    dict(),
+    dict(min_split_keys=32),
+    dict(min_split_keys=64),
+    dict(min_split_keys=256),
+    dict(num_splits=1),
+    dict(num_splits=8, min_split_keys=64),
+    dict(num_splits=32, min_split_keys=32),
+)
 
 
 def parse_splits(text: str) -> tuple[dict, ...]:
-    """"8:64,16:32" -> ({num_splits: 8, min_split_keys: 64}, ...); "default" is the engine's own choice."""
+    """ "8:64,16:32" -> ({num_splits: 8, min_split_keys: 64}, ...); "default" is the engine's own choice."""
     out = []
     for item in text.split(","):
         if item == "default":
@@ -81,8 +94,17 @@ def parse_splits(text: str) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def sweep(args, hd, group, rows, warps_opts=None, stages_opts=None, block_n_opts=(16, 32, 64),
-          split_opts=DEFAULT_SPLITS, block_t_opts=None):
+def sweep(
+    args,
+    hd,
+    group,
+    rows,
+    warps_opts=None,
+    stages_opts=None,
+    block_n_opts=(16, 32, 64),
+    split_opts=DEFAULT_SPLITS,
+    block_t_opts=None,
+):
     """Tile configs and split counts around the defaults; returns [(ms, settings)], fastest first. Warps and
     stages not given stay the engine's default for the case.
 
@@ -95,11 +117,18 @@ def sweep(args, hd, group, rows, warps_opts=None, stages_opts=None, block_n_opts
     block_t_opts = block_t_opts or (base["block_t"],)
     results = []
     out = torch.empty_like(args[0])
-    for block_t, block_n, warps, stages, split in itertools.product(block_t_opts, block_n_opts, warps_opts,
-                                                                    stages_opts, split_opts):
+    for block_t, block_n, warps, stages, split in itertools.product(
+        block_t_opts, block_n_opts, warps_opts, stages_opts, split_opts
+    ):
         # query tokens per program (times the GQA group: the accumulator's rows)
-        cfg = dict(base, block_t=block_t, block_m=max(16, block_t * triton.next_power_of_2(group)), block_n=block_n,
-                   num_warps=warps, num_stages=stages)
+        cfg = dict(
+            base,
+            block_t=block_t,
+            block_m=max(16, block_t * triton.next_power_of_2(group)),
+            block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
+        )
         fn = lambda: paged_attention(*args, out=out, config=cfg, **split)  # noqa: E731
         try:
             fn()
@@ -107,29 +136,50 @@ def sweep(args, hd, group, rows, warps_opts=None, stages_opts=None, block_n_opts
             continue
         # Replayed from a CUDA graph, as the engine runs it: at batch 1 a launch costs more than the kernel.
         ms = do_bench_cudagraph(fn, rep=20)
-        results.append((ms, dict(block_t=block_t, block_n=block_n, num_warps=warps, num_stages=stages, **split)))
+        results.append(
+            (
+                ms,
+                dict(block_t=block_t, block_n=block_n, num_warps=warps, num_stages=stages, **split),
+            )
+        )
     return sorted(results, key=lambda r: r[0])
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="also search tile configs / splits per case")
-    parser.add_argument("--splits-only", action="store_true",
-                        help="sweep only block_n and the split settings, keeping the default warps / stages")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sweep", action="store_true", help="also search tile configs / splits per case"
+    )
+    parser.add_argument(
+        "--splits-only",
+        action="store_true",
+        help="sweep only block_n and the split settings, keeping the default warps / stages",
+    )
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--layers", default="full,sliding")
     parser.add_argument("--phases", default="decode,verify")
     parser.add_argument("--warps", default="4,8", help="num_warps options of the sweep")
     parser.add_argument("--stages", default="3,5", help="num_stages options of the sweep")
-    parser.add_argument("--top", type=int, default=1, help="how many of the sweep's fastest settings to print")
+    parser.add_argument(
+        "--top", type=int, default=1, help="how many of the sweep's fastest settings to print"
+    )
     parser.add_argument("--block-n", default="16,32,64", help="block_n options of the sweep")
-    parser.add_argument("--block-t", help="query tokens per program options of the sweep (default: the engine's)")
-    parser.add_argument("--splits", help='split settings of the sweep, "num_splits:min_split_keys,..." or "default"')
+    parser.add_argument(
+        "--block-t", help="query tokens per program options of the sweep (default: the engine's)"
+    )
+    parser.add_argument(
+        "--splits", help='split settings of the sweep, "num_splits:min_split_keys,..." or "default"'
+    )
     a = parser.parse_args()
     options = dict(block_n_opts=tuple(map(int, a.block_n.split(","))))
     if not a.splits_only:
-        options.update(warps_opts=tuple(map(int, a.warps.split(","))), stages_opts=tuple(map(int, a.stages.split(","))))
+        options.update(
+            warps_opts=tuple(map(int, a.warps.split(","))),
+            stages_opts=tuple(map(int, a.stages.split(","))),
+        )
     if a.splits:
         options.update(split_opts=parse_splits(a.splits))
     if a.block_t:
@@ -138,8 +188,10 @@ def main():
     torch.manual_seed(0)
     bw = copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s
     print(f"device: {torch.cuda.get_device_name()}   measured copy bandwidth: {bw:,.0f} GB/s\n")
-    head = (f"{'layer':8s} {'phase':7s} {'batch':>5s} {'ctx':>6s} {'MB moved':>9s} {'us':>8s} {'GB/s':>7s} "
-            f"{'% copy':>7s} {'graph us':>9s}")
+    head = (
+        f"{'layer':8s} {'phase':7s} {'batch':>5s} {'ctx':>6s} {'MB moved':>9s} {'us':>8s} {'GB/s':>7s} "
+        f"{'% copy':>7s} {'graph us':>9s}"
+    )
     print(head + ("   best (sweep, graph us)" if a.sweep else ""))
     print("-" * len(head))
     for name in a.layers.split(","):
@@ -151,12 +203,18 @@ def main():
                     args, nbytes = build(shape, batch, ctx, rows)
                     ms, graph_ms = time_case(args)
                     gbs = nbytes / (ms * 1e-3) / 1e9
-                    line = (f"{name:8s} {phase:7s} {batch:5d} {ctx:6d} {nbytes / 1e6:9.1f} {ms * 1e3:8.1f} "
-                            f"{gbs:7.0f} {100 * gbs / bw:6.1f}% {graph_ms * 1e3:9.1f}")
+                    line = (
+                        f"{name:8s} {phase:7s} {batch:5d} {ctx:6d} {nbytes / 1e6:9.1f} {ms * 1e3:8.1f} "
+                        f"{gbs:7.0f} {100 * gbs / bw:6.1f}% {graph_ms * 1e3:9.1f}"
+                    )
                     if a.sweep:
-                        ranked = sweep(args, shape["hd"], shape["nh"] // shape["nkv"], rows, **options)
-                        line += "".join(f"\n      {ms * 1e3:6.1f} us ({100 * nbytes / (ms * 1e-3) / 1e9 / bw:3.0f}%) {cfg}"
-                                        for ms, cfg in ranked[:a.top])
+                        ranked = sweep(
+                            args, shape["hd"], shape["nh"] // shape["nkv"], rows, **options
+                        )
+                        line += "".join(
+                            f"\n      {ms * 1e3:6.1f} us ({100 * nbytes / (ms * 1e-3) / 1e9 / bw:3.0f}%) {cfg}"
+                            for ms, cfg in ranked[: a.top]
+                        )
                     print(line, flush=True)
                     del args
                     torch.cuda.empty_cache()

@@ -34,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent)
+)  # run from a checkout without installing
 
 from gemma4serve.config import FULL, SLIDING  # noqa: E402
 from gemma4serve.engine.args import EngineArgs  # noqa: E402
@@ -46,29 +48,53 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", help="target checkpoint: a path, a hub id, or configs/<name> with --load-format dummy")
-    p.add_argument("--draft", help="the MTP assistant checkpoint (omit, or --num-draft-tokens 0, for no MTP)")
-    p.add_argument("--tiny", nargs="?", const="dense", metavar="VARIANT",
-                   help="build and use a tiny random checkpoint (dense | moe | ple; default dense) and its assistant")
+    p.add_argument(
+        "--model",
+        help="target checkpoint: a path, a hub id, or configs/<name> with --load-format dummy",
+    )
+    p.add_argument(
+        "--draft", help="the MTP assistant checkpoint (omit, or --num-draft-tokens 0, for no MTP)"
+    )
+    p.add_argument(
+        "--tiny",
+        nargs="?",
+        const="dense",
+        metavar="VARIANT",
+        help="build and use a tiny random checkpoint (dense | moe | ple; default dense) and its assistant",
+    )
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)")
+    p.add_argument(
+        "--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)"
+    )
     p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--forced-acceptance", type=float, nargs="+",
-                   help="benchmark mode: mean tokens per verify step (e.g. 3.1) or per-position acceptance rates")
+    p.add_argument(
+        "--forced-acceptance",
+        type=float,
+        nargs="+",
+        help="benchmark mode: mean tokens per verify step (e.g. 3.1) or per-position acceptance rates",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run before each level")
-    p.add_argument("--hf-baseline", action="store_true", help="also time transformers generate at concurrency 1")
+    p.add_argument(
+        "--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured)"
+    )
+    p.add_argument(
+        "--no-warmup", action="store_true", help="skip the short warm-up run before each level"
+    )
+    p.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="also time transformers generate at concurrency 1",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if bool(args.model) == bool(args.tiny) or (args.tiny and args.draft):
@@ -84,7 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 @dataclass
 class Req:
     added: float
-    events: list = field(default_factory=list)  # (time, tokens delivered) per step that delivered any
+    events: list = field(
+        default_factory=list
+    )  # (time, tokens delivered) per step that delivered any
 
     @property
     def num_tokens(self) -> int:
@@ -115,8 +143,12 @@ class Level:
     output_tokens: int
     accepted_len: float  # tokens per verify step, bonus included (1.0 without MTP)
     draft_share: float  # of the sequences' token-producing steps, those that verified drafts
-    slow_steps: list = field(default_factory=list)  # (seconds, what ran) of steps far above the median
-    step_s: list = field(default_factory=list)  # wall time of every engine step that delivered tokens
+    slow_steps: list = field(
+        default_factory=list
+    )  # (seconds, what ran) of steps far above the median
+    step_s: list = field(
+        default_factory=list
+    )  # wall time of every engine step that delivered tokens
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -128,7 +160,9 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
-def run_level(engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int, tag: str) -> Level:
+def run_level(
+    engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int, tag: str
+) -> Level:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     before = engine.snapshot()
     pending = list(enumerate(prompts))[::-1]
@@ -152,7 +186,11 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], concurrency: int, out
             if n:
                 req.events.append((now, n))
             if out.finished:
-                assert req.num_tokens == output_len, (out.request_id, req.num_tokens, out.outputs[0].finish_reason)
+                assert req.num_tokens == output_len, (
+                    out.request_id,
+                    req.num_tokens,
+                    out.outputs[0].finish_reason,
+                )
                 done.append(inflight.pop(out.request_id))
     elapsed = time.perf_counter() - start
     after = engine.snapshot()
@@ -160,7 +198,9 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], concurrency: int, out
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     seq_steps = after.seq_steps - before.seq_steps
     median = sorted(t for t, _, _ in step_times)[len(step_times) // 2]
-    slow = sorted((x[:2] for x in step_times if x[0] > 10 * median), key=lambda x: x[0], reverse=True)[:3]
+    slow = sorted(
+        (x[:2] for x in step_times if x[0] > 10 * median), key=lambda x: x[0], reverse=True
+    )[:3]
     return Level(
         concurrency, done, elapsed, sum(map(len, prompts)), len(prompts) * output_len,
         1.0 + accepted / steps if steps else 1.0, steps / seq_steps if seq_steps else 0.0, slow,
@@ -227,14 +267,18 @@ def roofline(engine: LLMEngine, concurrency: int, context: int, bandwidth: float
     s, k = engine.state, engine.num_draft_tokens
     cfg = s.target.cfg
     elt = torch.finfo(s.dtype).bits // 8
-    target = weight_bytes_per_step(s.target, concurrency * (k + 1), skip=("embed_tokens_per_layer",), cfg=cfg)
+    target = weight_bytes_per_step(
+        s.target, concurrency * (k + 1), skip=("embed_tokens_per_layer",), cfg=cfg
+    )
     rows = {FULL: context, SLIDING: min(context, cfg.sliding_window)}
     per_row = kv_bytes_per_token_row(cfg.layers, elt)
     kv = concurrency * sum(per_row[kind] * rows[kind] for kind in rows)
     draft = 0.0
     if s.draft is not None and k:
         d = s.draft
-        if d.masked_embedding is not None:  # centroid head: only the selected clusters' rows of the table
+        if (
+            d.masked_embedding is not None
+        ):  # centroid head: only the selected clusters' rows of the table
             V, C = cfg.vocab_size, d.cfg.num_centroids
             rows_read = min(V, concurrency * d.cfg.centroid_top_k * V // C)
             head = rows_read * d.cfg.text.hidden_size * elt
@@ -282,7 +326,9 @@ def to_hf(module: torch.nn.Module, cls, config, prefix: str, device: torch.devic
     state = {prefix + k: v for k, v in module.state_dict().items()}
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"state dict names differ from {cls.__name__}: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"state dict names differ from {cls.__name__}: missing {missing}, unexpected {unexpected}"
+        )
     if "lm_head.weight" in missing:  # tied to the input embedding
         hf.lm_head.weight = hf.get_input_embeddings().weight
     for name, mod in list(hf.named_modules()):
@@ -301,7 +347,9 @@ def to_hf(module: torch.nn.Module, cls, config, prefix: str, device: torch.devic
 
 
 @torch.inference_mode()
-def hf_generate_timed(hf, prompt: list[int], n: int, assistant=None, device=None) -> tuple[float, float, list[int]]:
+def hf_generate_timed(
+    hf, prompt: list[int], n: int, assistant=None, device=None
+) -> tuple[float, float, list[int]]:
     """(TTFT, TPOT, tokens) of HF greedy generate: TTFT from a 1-token run, TPOT from the n-token run."""
     from transformers import GenerationConfig
 
@@ -309,15 +357,22 @@ def hf_generate_timed(hf, prompt: list[int], n: int, assistant=None, device=None
 
     def gen(m):
         # No EOS: exactly m tokens, like ignore_eos (min_new_tokens would alter the logits instead).
-        config = GenerationConfig(max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)
+        config = GenerationConfig(
+            max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         # An explicit mask: HF would otherwise mask out every prompt token that equals the pad id.
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, assistant_model=assistant)
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            generation_config=config,
+            assistant_model=assistant,
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+        return time.perf_counter() - t0, out[0, len(prompt) :].tolist()
 
     gen(min(n, 4))  # warm-up
     t1, _ = gen(1)
@@ -325,7 +380,9 @@ def hf_generate_timed(hf, prompt: list[int], n: int, assistant=None, device=None
     return t1, (tn - t1) / max(1, n - 1), tokens
 
 
-def hf_baseline(engine: LLMEngine, prompt: list[int], output_len: int) -> list[tuple[str, float, float, list[int]]]:
+def hf_baseline(
+    engine: LLMEngine, prompt: list[int], output_len: int
+) -> list[tuple[str, float, float, list[int]]]:
     """transformers 5.17 generate on our weights, concurrency 1, without and with the assistant.
     It consumes the engine: the KV pool is freed for HF's own cache."""
     import transformers
@@ -354,7 +411,12 @@ def hf_baseline(engine: LLMEngine, prompt: list[int], output_len: int) -> list[t
         # default schedule would adapt k; keep it fixed at ours.
         asst.generation_config.num_assistant_tokens = k
         asst.generation_config.num_assistant_tokens_schedule = "constant"
-        rows.append((f"  + assistant_model (k={k})", *hf_generate_timed(hf, prompt, output_len, asst, device)))
+        rows.append(
+            (
+                f"  + assistant_model (k={k})",
+                *hf_generate_timed(hf, prompt, output_len, asst, device),
+            )
+        )
     return rows
 
 
@@ -373,7 +435,9 @@ def build_tiny(variant: str) -> tuple[str, str]:
     from gemma4serve.tiny import write_tiny_assistant, write_tiny_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="g4s-bench-"))
-    return str(write_tiny_checkpoint(root / "target", variant)), str(write_tiny_assistant(root / "assistant", variant))
+    return str(write_tiny_checkpoint(root / "target", variant)), str(
+        write_tiny_assistant(root / "assistant", variant)
+    )
 
 
 COLUMNS = ("conc", "reqs", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
@@ -398,11 +462,15 @@ def table_row(lv: Level, rf: Roofline) -> str:
     row = (lv.concurrency, len(lv.reqs), lv.output_tokens / lv.elapsed, total / lv.elapsed,
            ms(ttft, 50), ms(ttft, 99), ms(tpot, 50), ms(tpot, 99), ms(itl, 50), ms(itl, 99),
            lv.accepted_len, 100 * lv.draft_share, roof_tpot * 1e3, 100 * roof_tpot / mean(tpot))  # fmt: skip
-    return "  ".join((f"{v:.2f}" if isinstance(v, float) else str(v)).rjust(w) for v, w in zip(row, WIDTHS))
+    return "  ".join(
+        (f"{v:.2f}" if isinstance(v, float) else str(v)).rjust(w) for v, w in zip(row, WIDTHS)
+    )
 
 
 def greedy_tokens(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
-    engine.add_request("reference", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    engine.add_request(
+        "reference", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    )
     tokens = None
     while engine.has_unfinished():
         for out in engine.step():
@@ -413,7 +481,11 @@ def greedy_tokens(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
 def triton_cache_entries() -> set[str]:
     """The compiled Triton kernels on disk, as 'name/entry' (one entry per compiled variant)."""
     cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    return {f"{j.stem}/{j.parent.name[:8]}" for j in cache.glob("*/*.json") if not j.name.startswith("__")}
+    return {
+        f"{j.stem}/{j.parent.name[:8]}"
+        for j in cache.glob("*/*.json")
+        if not j.name.startswith("__")
+    }
 
 
 def trace_launches(runner) -> None:
@@ -423,8 +495,10 @@ def trace_launches(runner) -> None:
 
     def traced(chunks, draft_len):
         prefill = [ch.length for ch in chunks if ch.length > 1 or not ch.samples]
-        runner.last_launch = (f"{len(chunks)} sequences, {sum(ch.num_query for ch in chunks)} tokens, "
-                              f"prefill chunks {prefill}")
+        runner.last_launch = (
+            f"{len(chunks)} sequences, {sum(ch.num_query for ch in chunks)} tokens, "
+            f"prefill chunks {prefill}"
+        )
         return launch(chunks, draft_len)
 
     runner.launch = traced
@@ -432,7 +506,10 @@ def trace_launches(runner) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    print("command:", shlex.join([sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]))
+    print(
+        "command:",
+        shlex.join([sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]),
+    )
     model, draft = build_tiny(args.tiny) if args.tiny else (args.model, args.draft)
     forced = args.forced_acceptance
     if forced is not None and len(forced) == 1:
@@ -452,8 +529,10 @@ def main(argv=None) -> None:
     print("device:", device_name(st.device))
     print(f"model: {model} ({n_t / 1e9:.3f}B, {st.dtype}), draft: {draft if k else None} ({n_d / 1e9:.3f}B), k={k}, "
           f"forced acceptance: {forced}, weights: {args.load_format}")  # fmt: skip
-    print(f"KV pool: {engine.kv.full.capacity} full + {engine.kv.sliding.capacity} sliding pages of {st.page_size}, "
-          f"max_model_len {engine.max_model_len}, max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}")
+    print(
+        f"KV pool: {engine.kv.full.capacity} full + {engine.kv.sliding.capacity} sliding pages of {st.page_size}, "
+        f"max_model_len {engine.max_model_len}, max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}"
+    )
     if args.bandwidth_gbps:
         bw, bw_src = args.bandwidth_gbps * 1e9, "given"
     else:
@@ -464,15 +543,19 @@ def main(argv=None) -> None:
     trace_launches(engine.runner)
 
     rng = random.Random(args.seed)
-    print(f"\ninput {args.input_len} tokens, output {args.output_len} tokens (greedy, ignore_eos); times in ms; "
-          "acc len = tokens per verify step incl. bonus; draft % = share of steps that verified drafts; "
-          "roof TPOT = roofline step time / acc len")
+    print(
+        f"\ninput {args.input_len} tokens, output {args.output_len} tokens (greedy, ignore_eos); times in ms; "
+        "acc len = tokens per verify step incl. bonus; draft % = share of steps that verified drafts; "
+        "roof TPOT = roofline step time / acc len"
+    )
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
     levels = []
     for c in args.concurrency:
         n = args.num_prompts or max(8, 4 * c)
         prompts = [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(n)]
-        if not args.no_warmup:  # first-use costs (allocator, kernels, graphs) stay out of the numbers
+        if (
+            not args.no_warmup
+        ):  # first-use costs (allocator, kernels, graphs) stay out of the numbers
             run_level(engine, prompts[:c], c, min(args.output_len, 4), f"warm{c}")
         compiled = triton_cache_entries()
         lv = run_level(engine, prompts, c, args.output_len, f"c{c}")
@@ -481,21 +564,30 @@ def main(argv=None) -> None:
         levels.append((lv, rf))
         print(table_row(lv, rf), flush=True)
         st = [t * 1e3 for t in lv.step_s]
-        print(f"      engine steps that delivered tokens: {len(st)}, ms p10 {percentile(st, 10):.2f} "
-              f"p50 {percentile(st, 50):.2f} p90 {percentile(st, 90):.2f} p99 {percentile(st, 99):.2f} "
-              f"max {max(st):.2f}", flush=True)
+        print(
+            f"      engine steps that delivered tokens: {len(st)}, ms p10 {percentile(st, 10):.2f} "
+            f"p50 {percentile(st, 50):.2f} p90 {percentile(st, 90):.2f} p99 {percentile(st, 99):.2f} "
+            f"max {max(st):.2f}",
+            flush=True,
+        )
         for t, what in lv.slow_steps:  # tail-latency hunting: what the slowest steps ran
             print(f"      slow step {t * 1e3:.0f} ms, last launch: {what}", flush=True)
         if compiled:
             print(f"      Triton compiled during the measurement: {sorted(compiled)}", flush=True)
 
-    print("\ndecode-step roofline (one verify of k+1 tokens + k drafter passes, context input + output/2):")
+    print(
+        "\ndecode-step roofline (one verify of k+1 tokens + k drafter passes, context input + output/2):"
+    )
     for lv, rf in levels:
-        print(f"  conc {lv.concurrency:>3}: {rf.total / 1e9:8.3f} GB/step = target {rf.target / 1e9:.3f} + drafter "
-              f"{rf.draft / 1e9:.3f} + KV {rf.kv / 1e9:.3f} -> {rf.step_s * 1e3:.3f} ms/step at {bw / 1e9:.0f} GB/s")
+        print(
+            f"  conc {lv.concurrency:>3}: {rf.total / 1e9:8.3f} GB/step = target {rf.target / 1e9:.3f} + drafter "
+            f"{rf.draft / 1e9:.3f} + KV {rf.kv / 1e9:.3f} -> {rf.step_s * 1e3:.3f} ms/step at {bw / 1e9:.0f} GB/s"
+        )
 
     if args.hf_baseline:
-        print("\nbaseline at concurrency 1 (same weights, same prompt, greedy, exactly output-len tokens):")
+        print(
+            "\nbaseline at concurrency 1 (same weights, same prompt, greedy, exactly output-len tokens):"
+        )
         prompt = [rng.randrange(V) for _ in range(args.input_len)]
         # Our tokens for the same prompt show that HF really runs the same weights (forced acceptance: not ours).
         ref = greedy_tokens(engine, prompt, args.output_len) if forced is None else None
@@ -512,7 +604,9 @@ def main(argv=None) -> None:
         if ours is not None:
             ttft = percentile([r.ttft for r in ours.reqs], 50)
             tpot = mean([r.tpot for r in ours.reqs if r.tpot is not None])
-            print(f"  {'gemma4serve (this run, conc 1)':42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}")
+            print(
+                f"  {'gemma4serve (this run, conc 1)':42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ def weight_bytes_read(model, batch_tokens: int) -> float:
             nbytes = batch_tokens * p.shape[1] * p.element_size()
         elif ".experts." in name and cfg is not None and cfg.moe:
             E, k = cfg.num_experts, cfg.top_k_experts
-            active = E * (1 - (1 - k / E) ** batch_tokens)  # expected distinct experts the batch routes to
+            active = E * (
+                1 - (1 - k / E) ** batch_tokens
+            )  # expected distinct experts the batch routes to
             nbytes *= active / E
         total += nbytes
     return total
@@ -83,7 +85,9 @@ def kv_bytes_read(cfg, contexts: list[int], dtype_bytes: int, window: dict) -> f
     return total
 
 
-def fake_decoding_sequences(engine: LLMEngine, batch: int, context: int, k: int) -> list[ScheduledChunk]:
+def fake_decoding_sequences(
+    engine: LLMEngine, batch: int, context: int, k: int
+) -> list[ScheduledChunk]:
     chunks = []
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
@@ -98,8 +102,13 @@ def fake_decoding_sequences(engine: LLMEngine, batch: int, context: int, k: int)
 def replay_target(graphs: CudaGraphs, chunks: list[ScheduledChunk], greedy: bool = False):
     """What the runner does for a graphed decode/verify step: pack the inputs on the host, copy, replay."""
     ids, positions, _, _ = pack_chunks(chunks)
-    return graphs.run_target(torch.tensor(ids), torch.tensor(positions), chunks[0].num_query,
-                             page_tables([ch.seq.pages for ch in chunks]), greedy=greedy)
+    return graphs.run_target(
+        torch.tensor(ids),
+        torch.tensor(positions),
+        chunks[0].num_query,
+        page_tables([ch.seq.pages for ch in chunks]),
+        greedy=greedy,
+    )
 
 
 def time_greedy(graphs: CudaGraphs, chunks: list[ScheduledChunk]) -> str:
@@ -111,37 +120,59 @@ def time_greedy(graphs: CudaGraphs, chunks: list[ScheduledChunk]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="configs/gemma-4-31B-it")
     ap.add_argument("--draft", default="configs/gemma-4-31B-it-assistant")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--context", type=int, default=1128, help="tokens in context at the measured step")
+    ap.add_argument(
+        "--context", type=int, default=1128, help="tokens in context at the measured step"
+    )
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     ap.add_argument("--attention-backend", default="auto")
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(f"# {' '.join(sys.argv)}")
-    print(f"# {torch.cuda.get_device_name(dev)}, {datetime.date.today()}, torch {torch.__version__}")
+    print(
+        f"# {torch.cuda.get_device_name(dev)}, {datetime.date.today()}, torch {torch.__version__}"
+    )
     bw = copy_bandwidth(dev)
     print(f"# measured copy bandwidth: {bw / 1e9:.0f} GB/s")
 
     max_b, max_k = max(args.batch), max(args.ks)
-    engine = LLMEngine(EngineArgs(
-        model=args.model, draft=args.draft, load_format="dummy", device="cuda", dtype="bfloat16",
-        max_num_seqs=max_b, num_draft_tokens=max_k, max_num_batched_tokens=max_b * (max_k + 1),
-        max_model_len=args.context + 64, enforce_eager=True, attention_backend=args.attention_backend,
-    ))
+    engine = LLMEngine(
+        EngineArgs(
+            model=args.model,
+            draft=args.draft,
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=max_b,
+            num_draft_tokens=max_k,
+            max_num_batched_tokens=max_b * (max_k + 1),
+            max_model_len=args.context + 64,
+            enforce_eager=True,
+            attention_backend=args.attention_backend,
+        )
+    )
     s = engine.state
     cfg = s.target.cfg
     window = {SLIDING: cfg.sliding_window, FULL: 0}
-    print(f"# target {args.model}: {sum(p.numel() for p in s.target.parameters()) / 1e9:.2f}B params; "
-          f"draft {args.draft}: {sum(p.numel() for p in s.draft.parameters()) / 1e6:.0f}M params")
+    print(
+        f"# target {args.model}: {sum(p.numel() for p in s.target.parameters()) / 1e9:.2f}B params; "
+        f"draft {args.draft}: {sum(p.numel() for p in s.draft.parameters()) / 1e6:.0f}M params"
+    )
 
     # The greedy variant reads the tied head as int8 (half its bytes) plus its few candidate rows in bf16.
     head_bytes = s.target.embed_tokens.weight.numel() * s.target.embed_tokens.weight.element_size()
-    print("\n## decode step (1 token per sequence) vs roofline; greedy: the variant that ends in the greedy head")
-    print("| batch | context | step ms | roofline ms | % of roofline | greedy step ms | greedy roofline ms | "
-          "weights GB | KV GB |")
+    print(
+        "\n## decode step (1 token per sequence) vs roofline; greedy: the variant that ends in the greedy head"
+    )
+    print(
+        "| batch | context | step ms | roofline ms | % of roofline | greedy step ms | greedy roofline ms | "
+        "weights GB | KV GB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     decode_ms = {}
     for B in args.batch:
@@ -154,16 +185,22 @@ def main() -> None:
         kvb = kv_bytes_read(cfg, [args.context] * B, 2, window)
         roof = (wb + kvb) / bw
         decode_ms[B] = t * 1e3
-        print(f"| {B} | {args.context} | {t * 1e3:.2f} | {roof * 1e3:.2f} | {100 * roof / t:.1f}% | "
-              f"{time_greedy(graphs, chunks)} | {(wb + kvb - head_bytes / 2) / bw * 1e3:.2f} | {wb / 1e9:.1f} | "
-              f"{kvb / 1e9:.2f} |")
+        print(
+            f"| {B} | {args.context} | {t * 1e3:.2f} | {roof * 1e3:.2f} | {100 * roof / t:.1f}% | "
+            f"{time_greedy(graphs, chunks)} | {(wb + kvb - head_bytes / 2) / bw * 1e3:.2f} | {wb / 1e9:.1f} | "
+            f"{kvb / 1e9:.2f} |"
+        )
         for ch in chunks:
             engine.kv.free(ch.seq.pages)
         graphs = None  # free its memory pool before the next capture
         torch.cuda.empty_cache()
 
-    print("\n## verify step (k+1 tokens per sequence) and draft loop (k drafter steps), vs the decode step")
-    print("| batch | k | verify ms | verify / decode | greedy verify ms | draft loop ms | draft / decode |")
+    print(
+        "\n## verify step (k+1 tokens per sequence) and draft loop (k drafter steps), vs the decode step"
+    )
+    print(
+        "| batch | k | verify ms | verify / decode | greedy verify ms | draft loop ms | draft / decode |"
+    )
     print("|---|---|---|---|---|---|---|")
     for B in args.batch:
         for k in args.ks:
@@ -179,8 +216,10 @@ def main() -> None:
             rows = torch.arange(B, dtype=torch.int32, device=dev)
             td = time_it(lambda: graphs.run_draft(tok, hid, P, rows))
             d = decode_ms[B]
-            print(f"| {B} | {k} | {tv * 1e3:.2f} | {tv * 1e3 / d:.2f}x | {time_greedy(graphs, chunks)} | "
-                  f"{td * 1e3:.2f} | {100 * td * 1e3 / d:.1f}% |")
+            print(
+                f"| {B} | {k} | {tv * 1e3:.2f} | {tv * 1e3 / d:.2f}x | {time_greedy(graphs, chunks)} | "
+                f"{td * 1e3:.2f} | {100 * td * 1e3 / d:.1f}% |"
+            )
             for ch in chunks:
                 engine.kv.free(ch.seq.pages)
             graphs = None  # free its memory pool before the next capture

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_step import fake_decoding_sequences, replay_target  # noqa: E402
+
 from gemma4serve.engine.args import EngineArgs  # noqa: E402
 from gemma4serve.engine.cuda_graphs import CudaGraphs  # noqa: E402
 from gemma4serve.engine.engine import LLMEngine  # noqa: E402
@@ -37,9 +38,16 @@ def report(prof, title: str, steps: int) -> None:
     With PDL a kernel is resident (and counted by the profiler) while it waits for its predecessor, so kernel
     times overlap and overcount. Charged time does not: kernels in start order, each is charged from the latest
     end before it (or its own start, after an idle gap) to its own end; the charges sum to the busy time."""
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                      and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()),
-                     key=lambda e: e.time_range.start)
+    kernels = sorted(
+        (
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and "memcpy" not in e.name.lower()
+            and "memset" not in e.name.lower()
+        ),
+        key=lambda e: e.time_range.start,
+    )
     rows = {}
     last_end = float("-inf")
     for e in kernels:
@@ -50,7 +58,9 @@ def report(prof, title: str, steps: int) -> None:
     total = sum(t for t, _, _ in rows.values()) / steps
     charged = sum(c for _, c, _ in rows.values()) / steps
     n = sum(k for _, _, k in rows.values()) // steps
-    print(f"\n## {title}: {charged / 1e3:.2f} ms busy per step ({total / 1e3:.2f} ms of kernel time), {n} kernels")
+    print(
+        f"\n## {title}: {charged / 1e3:.2f} ms busy per step ({total / 1e3:.2f} ms of kernel time), {n} kernels"
+    )
     print("  charged  kernel time  count  kernel")
     for name, (t, c, k) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:18]:
         print(f"{c / steps / 1e3:8.3f} ms {t / steps / 1e3:8.3f} ms x{k // steps:<5} {name[:100]}")
@@ -60,9 +70,18 @@ def engine_loop(a) -> None:
     """Wall time per step of the served decode loop against its graph replay, and the kernels around it."""
     from gemma4serve.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineArgs(model=a.model, draft=a.draft or None, load_format="dummy", device="cuda",
-                                  dtype="bfloat16", max_num_seqs=a.batch, num_draft_tokens=a.k if a.draft else 0,
-                                  max_model_len=a.context + 512))
+    engine = LLMEngine(
+        EngineArgs(
+            model=a.model,
+            draft=a.draft or None,
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=a.batch,
+            num_draft_tokens=a.k if a.draft else 0,
+            max_model_len=a.context + 512,
+        )
+    )
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     for i in range(a.batch):
         engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 10 for j in range(a.context)], params)
@@ -74,21 +93,31 @@ def engine_loop(a) -> None:
         engine.step()
     wall = (time.perf_counter() - t0) / steps
     graphs = engine.runner.graphs
-    key = (graphs.bucket(a.batch), 1, True)  # the served loop is greedy: its graph ends in the greedy head
+    key = (
+        graphs.bucket(a.batch),
+        1,
+        True,
+    )  # the served loop is greedy: its graph ends in the greedy head
     graph = graphs.target_graphs[key if key in graphs.target_graphs else key[:2] + (False,)][0]
     replay = CudaGraphs._time(graph, reps=20)
-    print(f"\n## engine loop, batch {a.batch}: {wall * 1e3:.3f} ms per step; decode graph replay alone "
-          f"{replay * 1e3:.3f} ms; difference {1e3 * (wall - replay):.3f} ms")
+    print(
+        f"\n## engine loop, batch {a.batch}: {wall * 1e3:.3f} ms per step; decode graph replay alone "
+        f"{replay * 1e3:.3f} ms; difference {1e3 * (wall - replay):.3f} ms"
+    )
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             engine.step()
         torch.cuda.synchronize()
     rows = {}
     for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.count < 20 * 8:  # the graph's are x60 layers
+        if (
+            e.device_type == torch.autograd.DeviceType.CUDA and e.count < 20 * 8
+        ):  # the graph's are x60 layers
             rows[e.key] = (e.device_time_total / 20, e.count / 20)
-    print(f"kernels and copies run fewer than 8 times per step (outside the layers): "
-          f"{sum(t for t, _ in rows.values()) / 1e3:.3f} ms per step")
+    print(
+        f"kernels and copies run fewer than 8 times per step (outside the layers): "
+        f"{sum(t for t, _ in rows.values()) / 1e3:.3f} ms per step"
+    )
     for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
         print(f"{t:9.1f} us x{c:<4.1f} {name[:110]}")
 
@@ -100,13 +129,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--context", type=int, default=1128)
-    ap.add_argument("--engine-loop", action="store_true", help="profile the served step loop (see above)")
+    ap.add_argument(
+        "--engine-loop", action="store_true", help="profile the served step loop (see above)"
+    )
     a = ap.parse_args()
     if a.engine_loop:
         return engine_loop(a)
-    engine = LLMEngine(EngineArgs(model=a.model, draft=a.draft, load_format="dummy", device="cuda",
-                                  dtype="bfloat16", max_num_seqs=a.batch, num_draft_tokens=a.k,
-                                  max_model_len=a.context + 64, enforce_eager=True))
+    engine = LLMEngine(
+        EngineArgs(
+            model=a.model,
+            draft=a.draft,
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=a.batch,
+            num_draft_tokens=a.k,
+            max_model_len=a.context + 64,
+            enforce_eager=True,
+        )
+    )
     s = engine.state
     for k, title in ((0, "decode step"), (a.k, f"verify step (k={a.k})")):
         chunks = fake_decoding_sequences(engine, a.batch, a.context, k)

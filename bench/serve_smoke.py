@@ -1,6 +1,6 @@
 """Start the real server on this machine and stream a few chat requests through it (a GPU smoke check).
 
-  python bench/serve_smoke.py --model configs/gemma-4-E2B-it --draft configs/gemma-4-E2B-it-assistant --load-format dummy
+python bench/serve_smoke.py --model configs/gemma-4-E2B-it --draft configs/gemma-4-E2B-it-assistant --load-format dummy
 """
 
 from __future__ import annotations
@@ -31,11 +31,28 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     a = ap.parse_args()
     port = free_port()
-    cmd = [sys.executable, "-m", "gemma4serve.cli", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
-           "--load-format", a.load_format, "--max-num-seqs", "16", "--max-model-len", "2048"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gemma4serve.cli",
+        "--model",
+        a.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        a.load_format,
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        "2048",
+    ]
     if a.draft:
         cmd += ["--draft", a.draft]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
+    )
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
     for line in proc.stdout:
@@ -47,8 +64,15 @@ def main() -> None:
         with httpx.Client(base_url=base, timeout=120) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]
             # Token ids: checkpoints made of configs/ alone (dummy weights) have no tokenizer or chat template.
-            body = {"model": model, "prompt": list(range(100, 200)), "max_tokens": 64, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "prompt": list(range(100, 200)),
+                "max_tokens": 64,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             for i in range(a.requests):
                 t = time.time()
                 chunks, usage = 0, None
@@ -62,6 +86,7 @@ def main() -> None:
                             chunks += 1
                             usage = d.get("usage") or usage
                 print(f"request {i}: {chunks} chunks, usage {usage}, {time.time() - t:.3f}s")
+
             # A concurrent burst; every third client hangs up 0.3 s in (an abort while the engine already has
             # that request's next step queued on the GPU). Dummy checkpoints have no tokenizer, so their text
             # deltas are empty and a stream carries only its final chunks: hang up on time, not on chunks.
@@ -70,7 +95,9 @@ def main() -> None:
                 with httpx.Client(base_url=base, timeout=timeout) as ci:
                     t0, n = time.time(), 0
                     try:
-                        with ci.stream("POST", "/v1/completions", json={**body, "max_tokens": 48 + 8 * i}) as r:
+                        with ci.stream(
+                            "POST", "/v1/completions", json={**body, "max_tokens": 48 + 8 * i}
+                        ) as r:
                             for line in r.iter_lines():
                                 n += line.startswith("data: ")
                                 if i % 3 == 0 and time.time() - t0 > 0.3:
@@ -85,8 +112,14 @@ def main() -> None:
             time.sleep(1.0)  # let the engine see the disconnects
             metrics = c.get("/metrics").text
             for line in metrics.splitlines():
-                if line.startswith(("gemma4serve:spec_decode_num_draft_tokens_total", "gemma4serve:kv_cache_",
-                                    "gemma4serve:request_success_total", "gemma4serve:num_requests_running")):
+                if line.startswith(
+                    (
+                        "gemma4serve:spec_decode_num_draft_tokens_total",
+                        "gemma4serve:kv_cache_",
+                        "gemma4serve:request_success_total",
+                        "gemma4serve:num_requests_running",
+                    )
+                ):
                     print(line)
     finally:
         proc.terminate()

@@ -34,7 +34,9 @@ def _token_count(text: str) -> int:
     """`32768`, `32k` (x1000) or `32K` (x1024), like vLLM's --max-model-len."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
     if not match:
-        raise argparse.ArgumentTypeError(f"expected a token count like 8192, 8k or 8K, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a token count like 8192, 8k or 8K, got {text!r}"
+        )
     number, unit = match.groups()
     scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[unit]
     return int(float(number) * scale)
@@ -49,7 +51,9 @@ def _byte_size(text: str) -> int:
     """`17179869184`, `16GiB`, `16G` (both x1024^3) or `16GB` (x1000^3)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _BYTE_UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 16GiB, 16G or 17179869184, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a size like 16GiB, 16G or 17179869184, got {text!r}"
+        )
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
@@ -58,7 +62,9 @@ def _acceptance(text: str) -> float | list[float]:
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or a comma list of numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a number or a comma list of numbers, got {text!r}"
+        ) from None
     return values[0] if len(values) == 1 else values
 
 
@@ -80,61 +86,134 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     model = p.add_argument_group("model")
-    model.add_argument("--model", help="Hugging Face repo id or local directory of the target model.")
-    model.add_argument("--draft", help="Repo id or directory of the MTP assistant (drafter). "
-                                       "Omit to serve without speculation.")
-    model.add_argument("--demo", action="store_true",
-                       help="Serve the built-in tiny random Gemma 4 and its assistant "
-                            "(built on first use; any machine, CPU included).")
+    model.add_argument(
+        "--model", help="Hugging Face repo id or local directory of the target model."
+    )
+    model.add_argument(
+        "--draft",
+        help="Repo id or directory of the MTP assistant (drafter). "
+        "Omit to serve without speculation.",
+    )
+    model.add_argument(
+        "--demo",
+        action="store_true",
+        help="Serve the built-in tiny random Gemma 4 and its assistant "
+        "(built on first use; any machine, CPU included).",
+    )
     model.add_argument("--tokenizer", help="Tokenizer directory or repo id (default: the model's).")
     model.add_argument("--revision", help="Model revision (branch, tag or commit) on the Hub.")
-    model.add_argument("--served-model-name", nargs="+",
-                       help="Name(s) clients put in `model`; the first is the one reported (default: --model).")
-    model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                       help="dummy = random weights of the real shapes (benchmarks).")
-    model.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
-                       help="auto = bfloat16 on CUDA, float32 on CPU.")
-    model.add_argument("--seed", type=int, default=0, help="Seeds dummy weights and requests that give no seed.")
+    model.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="Name(s) clients put in `model`; the first is the one reported (default: --model).",
+    )
+    model.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="dummy = random weights of the real shapes (benchmarks).",
+    )
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
+        help="auto = bfloat16 on CUDA, float32 on CPU.",
+    )
+    model.add_argument(
+        "--seed", type=int, default=0, help="Seeds dummy weights and requests that give no seed."
+    )
 
     engine = p.add_argument_group("engine")
-    engine.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu.")
-    engine.add_argument("--max-model-len", type=_token_count,
-                        help="Context length (prompt + output), e.g. 32768 or 32K "
-                             "(default: the config's, capped by the KV pool).")
-    engine.add_argument("--max-num-seqs", type=int, default=64, help="Most sequences in the running batch.")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048, help="Token budget of one engine step.")
-    engine.add_argument("--gpu-memory-utilization", type=_fraction, default=0.90,
-                        help="Fraction of GPU memory for weights + KV cache.")
-    engine.add_argument("--kv-cache-memory", type=_byte_size,
-                        help="Bytes for KV pages, e.g. 20GiB; overrides --gpu-memory-utilization.")
-    engine.add_argument("--kv-cache-tokens", type=int, help=argparse.SUPPRESS)  # test knob: full pool size in tokens
+    engine.add_argument(
+        "--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu."
+    )
+    engine.add_argument(
+        "--max-model-len",
+        type=_token_count,
+        help="Context length (prompt + output), e.g. 32768 or 32K "
+        "(default: the config's, capped by the KV pool).",
+    )
+    engine.add_argument(
+        "--max-num-seqs", type=int, default=64, help="Most sequences in the running batch."
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="Token budget of one engine step."
+    )
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=0.90,
+        help="Fraction of GPU memory for weights + KV cache.",
+    )
+    engine.add_argument(
+        "--kv-cache-memory",
+        type=_byte_size,
+        help="Bytes for KV pages, e.g. 20GiB; overrides --gpu-memory-utilization.",
+    )
+    engine.add_argument(
+        "--kv-cache-tokens", type=int, help=argparse.SUPPRESS
+    )  # test knob: full pool size in tokens
     engine.add_argument("--block-size", type=int, default=16, help="Tokens per KV page.")
-    engine.add_argument("--num-draft-tokens", "--num-speculative-tokens", dest="num_draft_tokens", type=int, default=4,
-                        help="Draft tokens per step (k); 0 turns MTP off.")
-    engine.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True,
-                        help="Stop drafting at batch sizes where a verify + draft step costs more than the measured "
-                             "acceptance gains (step costs are measured on the CUDA graphs at start; default: on).")
-    engine.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
+    engine.add_argument(
+        "--num-draft-tokens",
+        "--num-speculative-tokens",
+        dest="num_draft_tokens",
+        type=int,
+        default=4,
+        help="Draft tokens per step (k); 0 turns MTP off.",
+    )
+    engine.add_argument(
+        "--adaptive-draft-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Stop drafting at batch sizes where a verify + draft step costs more than the measured "
+        "acceptance gains (step costs are measured on the CUDA graphs at start; default: on).",
+    )
+    engine.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"]
+    )
     engine.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
-    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                        help="Queue the next decode step before reading the current one's tokens, so host work "
-                             "overlaps the GPU (default: on).")
-    engine.add_argument("--forced-acceptance", type=_acceptance,
-                        help="BENCHMARK ONLY: force the mean tokens per verify step (a number, or a comma list). "
-                             "Outputs are then NOT the model's.")
+    engine.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Queue the next decode step before reading the current one's tokens, so host work "
+        "overlaps the GPU (default: on).",
+    )
+    engine.add_argument(
+        "--forced-acceptance",
+        type=_acceptance,
+        help="BENCHMARK ONLY: force the mean tokens per verify step (a number, or a comma list). "
+        "Outputs are then NOT the model's.",
+    )
 
     server = p.add_argument_group("server")
-    server.add_argument("--host", default="0.0.0.0",
-                        help="Address to listen on. 0.0.0.0 = every interface (what Docker needs); "
-                             "127.0.0.1 keeps the server local to this machine.")
-    server.add_argument("--port", type=int, default=8000, help="Port to listen on (0 = any free port).")
-    server.add_argument("--api-key",  # the env default is read in parse_args: --help must not print the key
-                        help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, if set). "
-                             "/health and /metrics stay open.")
-    server.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="On SIGTERM, seconds to let running requests finish before aborting them.")
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
-    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="No line per HTTP request.")
+    server.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="Address to listen on. 0.0.0.0 = every interface (what Docker needs); "
+        "127.0.0.1 keeps the server local to this machine.",
+    )
+    server.add_argument(
+        "--port", type=int, default=8000, help="Port to listen on (0 = any free port)."
+    )
+    server.add_argument(
+        "--api-key",  # the env default is read in parse_args: --help must not print the key
+        help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, if set). "
+        "/health and /metrics stay open.",
+    )
+    server.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="On SIGTERM, seconds to let running requests finish before aborting them.",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+    server.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="No line per HTTP request."
+    )
     return p
 
 
@@ -196,7 +275,9 @@ class _DropUvicornBanner(logging.Filter):
 
 def setup_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -224,7 +305,9 @@ def serve(
 
     from gemma4serve.server.app import build_app
 
-    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, drain_timeout=drain_timeout)
+    app = build_app(
+        engine, served_model_name=served_model_name, api_key=api_key, drain_timeout=drain_timeout
+    )
     state = app.state.gemma4serve
     names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
 
@@ -242,7 +325,11 @@ def serve(
                 self.force_exit = True  # a second Ctrl-C: stop waiting
                 return
             if not self.should_exit:
-                logger.info("%s: draining (up to %.0fs for running requests)", signal.Signals(sig).name, drain_timeout)
+                logger.info(
+                    "%s: draining (up to %.0fs for running requests)",
+                    signal.Signals(sig).name,
+                    drain_timeout,
+                )
             state.begin_drain()
             self.should_exit = True
 
@@ -260,7 +347,9 @@ def serve(
     try:
         Server(config).run()
     finally:
-        state.stop_engine(drain_timeout=0.0)  # no-op after a normal shutdown; stops the engine after a forced exit
+        state.stop_engine(
+            drain_timeout=0.0
+        )  # no-op after a normal shutdown; stops the engine after a forced exit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,8 +374,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = AsyncEngine(args)
-    except Exception as e:  # bad path, no GPU, out of memory...: one clear line, the traceback at debug
-        logger.error("could not start the engine: %s: %s", type(e).__name__, e, exc_info=ns.log_level == "debug")
+    except (
+        Exception
+    ) as e:  # bad path, no GPU, out of memory...: one clear line, the traceback at debug
+        logger.error(
+            "could not start the engine: %s: %s",
+            type(e).__name__,
+            e,
+            exc_info=ns.log_level == "debug",
+        )
         return 1
     serve(
         engine,

@@ -107,9 +107,13 @@ class AssistantConfig:
         """Refuse a drafter whose frozen-KV reads or embedding would not line up with the target."""
         problems = []
         if self.backbone_hidden_size != target.hidden_size:
-            problems.append(f"backbone_hidden_size {self.backbone_hidden_size} != target hidden_size {target.hidden_size}")
+            problems.append(
+                f"backbone_hidden_size {self.backbone_hidden_size} != target hidden_size {target.hidden_size}"
+            )
         if self.text.vocab_size != target.vocab_size:
-            problems.append(f"vocab_size {self.text.vocab_size} != target vocab_size {target.vocab_size}")
+            problems.append(
+                f"vocab_size {self.text.vocab_size} != target vocab_size {target.vocab_size}"
+            )
         for kind in (SLIDING, FULL):
             if kind not in self.text.layer_types:
                 continue
@@ -154,7 +158,9 @@ def parse_text_config(tc: dict, *, eos_token_ids=None) -> TextConfig:
     if mt != "gemma4_text":
         raise ConfigError(f"text config model_type {mt!r} is not supported (expected gemma4_text)")
     if tc.get("use_bidirectional_attention") == "all":
-        raise ConfigError("use_bidirectional_attention='all' (a non-causal decoder) is not supported")
+        raise ConfigError(
+            "use_bidirectional_attention='all' (a non-causal decoder) is not supported"
+        )
     if tc.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported (no released Gemma 4 uses it)")
     act = tc.get("hidden_activation", "gelu_pytorch_tanh")
@@ -186,7 +192,9 @@ def parse_text_config(tc: dict, *, eos_token_ids=None) -> TextConfig:
     moe = bool(tc.get("enable_moe_block", False))
     moe_inter = tc.get("moe_intermediate_size") or tc.get("expert_intermediate_size") or 0
     if moe and not (tc.get("num_experts") and tc.get("top_k_experts") and moe_inter):
-        raise ConfigError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+        raise ConfigError(
+            "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size"
+        )
 
     # HF 5.17 serialises the full layers' head dim / KV heads as `per_layer_config` overrides; the release
     # configs carry `global_head_dim` / `num_global_key_value_heads` instead. Accept both.
@@ -208,16 +216,18 @@ def parse_text_config(tc: dict, *, eos_token_ids=None) -> TextConfig:
         if shared and kind not in store:
             raise ConfigError(f"KV-shared layer {i} ({kind}) has no producer layer of its type")
         o = overrides.get(i, {})
-        layers.append(LayerSpec(
-            index=i,
-            kind=kind,
-            head_dim=int(o.get("head_dim", head_dim)),
-            num_kv_heads=int(o.get("num_key_value_heads", nkv)),
-            k_eq_v=k_eq_v and full,
-            kv_shared=shared,
-            kv_layer=store[kind] if shared else i,
-            mlp_width=inter * (2 if double_wide and shared and first_shared > 0 else 1),
-        ))
+        layers.append(
+            LayerSpec(
+                index=i,
+                kind=kind,
+                head_dim=int(o.get("head_dim", head_dim)),
+                num_kv_heads=int(o.get("num_key_value_heads", nkv)),
+                k_eq_v=k_eq_v and full,
+                kv_shared=shared,
+                kv_layer=store[kind] if shared else i,
+                mlp_width=inter * (2 if double_wide and shared and first_shared > 0 else 1),
+            )
+        )
 
     eos = eos_token_ids if eos_token_ids is not None else tc.get("eos_token_id", 1)
     if isinstance(eos, int):
@@ -236,7 +246,9 @@ def parse_text_config(tc: dict, *, eos_token_ids=None) -> TextConfig:
         k_eq_v=k_eq_v,
         layer_types=tuple(layer_types),
         sliding_window=int(tc.get("sliding_window", 512)),
-        rope=_rope_specs(tc, head_dim, next((l.head_dim for l in layers if l.kind == FULL), global_head_dim)),
+        rope=_rope_specs(
+            tc, head_dim, next((l.head_dim for l in layers if l.kind == FULL), global_head_dim)
+        ),
         rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
         final_logit_softcapping=float(softcap) if softcap else None,
         ple_dim=int(tc.get("hidden_size_per_layer_input") or 0),
@@ -267,7 +279,11 @@ def parse_config(cfg: dict) -> TextConfig | AssistantConfig:
         tc = dict(cfg["text_config"])
         if not tc.get("num_kv_shared_layers"):
             tc["num_kv_shared_layers"] = tc.get("num_hidden_layers")
-        if int(tc.get("hidden_size_per_layer_input") or 0) or tc.get("enable_moe_block") or tc.get("use_double_wide_mlp"):
+        if (
+            int(tc.get("hidden_size_per_layer_input") or 0)
+            or tc.get("enable_moe_block")
+            or tc.get("use_double_wide_mlp")
+        ):
             raise ConfigError("an assistant must have no PLE, no MoE and no double-wide MLP")
         # Every layer is KV-shared: it reads the *target's* store layers, so it needs no producer of its own.
         text = _parse_assistant_text(tc)
@@ -287,9 +303,12 @@ def _parse_assistant_text(tc: dict) -> TextConfig:
     # Parse as a non-shared stack (to get head dims / KV heads per type), then mark every layer shared.
     plain = parse_text_config({**tc, "num_kv_shared_layers": 0})
     layers = tuple(
-        LayerSpec(l.index, l.kind, l.head_dim, l.num_kv_heads, l.k_eq_v, True, -1, l.mlp_width) for l in plain.layers
+        LayerSpec(l.index, l.kind, l.head_dim, l.num_kv_heads, l.k_eq_v, True, -1, l.mlp_width)
+        for l in plain.layers
     )
-    return TextConfig(**{**plain.__dict__, "layers": layers, "num_kv_shared_layers": plain.num_layers})
+    return TextConfig(
+        **{**plain.__dict__, "layers": layers, "num_kv_shared_layers": plain.num_layers}
+    )
 
 
 def load_config(path: str | Path) -> TextConfig | AssistantConfig:
@@ -307,5 +326,7 @@ def load_config(path: str | Path) -> TextConfig | AssistantConfig:
         gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
         if gen_eos is not None:
             gen_eos = [gen_eos] if isinstance(gen_eos, int) else gen_eos
-            parsed = TextConfig(**{**parsed.__dict__, "eos_token_ids": tuple(int(e) for e in gen_eos)})
+            parsed = TextConfig(
+                **{**parsed.__dict__, "eos_token_ids": tuple(int(e) for e in gen_eos)}
+            )
     return parsed

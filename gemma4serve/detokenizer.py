@@ -35,7 +35,14 @@ def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, *, skip_special_tokens: bool = True, stop=(), include_stop_str_in_output=False):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        skip_special_tokens: bool = True,
+        stop=(),
+        include_stop_str_in_output=False,
+    ):
         self._tok = _backend(tokenizer)
         self._skip_special = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)

@@ -32,7 +32,12 @@ from safetensors.torch import save_file
 from gemma4serve.config import FULL, SLIDING, parse_text_config
 from gemma4serve.tiny_tokenizer import MULTIMODAL_TOKEN_IDS, SPECIAL_TOKENS, build_tiny_tokenizer
 
-LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 VARIANTS = ("dense", "moe", "ple")
 VOCAB_SIZE = 512
@@ -242,7 +247,9 @@ TOKENIZER_CONFIG = {
     "audio_token": "<|audio|>",
     "extra_special_tokens": ["<|video|>"],
 }
-assert all(v in SPECIAL_TOKENS.values() for k, v in TOKENIZER_CONFIG.items() if k.endswith("_token"))
+assert all(
+    v in SPECIAL_TOKENS.values() for k, v in TOKENIZER_CONFIG.items() if k.endswith("_token")
+)
 
 
 # ---- tensors --------------------------------------------------------------------------------------------
@@ -287,7 +294,11 @@ def text_tensor_shapes(tc: dict, *, dead_shared_kv: bool = False) -> dict[str, t
             shapes[p + "router.per_expert_scale"] = (E,)
             shapes[p + "experts.gate_up_proj"] = (E, 2 * I, H)
             shapes[p + "experts.down_proj"] = (E, H, I)
-            for norm in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
+            for norm in (
+                "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+            ):
                 shapes[p + norm + ".weight"] = (H,)
     shapes["norm.weight"] = (H,)
     return shapes
@@ -300,7 +311,11 @@ def vision_tensor_shapes(text_hidden: int) -> dict[str, tuple[int, ...]]:
     shapes = {
         "model.vision_tower.std_bias": (Vh,),
         "model.vision_tower.std_scale": (Vh,),
-        "model.vision_tower.patch_embedder.position_embedding_table": (2, vc["position_embedding_size"], Vh),
+        "model.vision_tower.patch_embedder.position_embedding_table": (
+            2,
+            vc["position_embedding_size"],
+            Vh,
+        ),
         "model.vision_tower.patch_embedder.input_proj.weight": (Vh, 3 * ps * ps),
     }
     for j in range(vc["num_hidden_layers"]):
@@ -323,7 +338,11 @@ def vision_tensor_shapes(text_hidden: int) -> dict[str, tuple[int, ...]]:
 def assistant_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     # Every assistant layer is KV-shared (it reads the target's KV), so it has no k/v weights at all.
     plain = text_tensor_shapes({**cfg["text_config"], "num_kv_shared_layers": 0})
-    text = {f"model.{k}": v for k, v in plain.items() if not re.search(r"self_attn\.(k_proj|k_norm|v_proj)", k)}
+    text = {
+        f"model.{k}": v
+        for k, v in plain.items()
+        if not re.search(r"self_attn\.(k_proj|k_norm|v_proj)", k)
+    }
     Ha, Hb = cfg["text_config"]["hidden_size"], cfg["backbone_hidden_size"]
     text["pre_projection.weight"] = (Ha, 2 * Hb)
     text["post_projection.weight"] = (Hb, Ha)
@@ -340,7 +359,9 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dty
         return torch.randperm(shape[0], generator=g, dtype=torch.int64)
     if name.endswith("layer_scalar") or name.endswith("per_expert_scale"):
         t = torch.rand(shape, generator=g) + 0.5  # uniform 0.5..1.5
-    elif name.endswith("norm.weight") or name.endswith("router.scale") or name.endswith("std_scale"):
+    elif (
+        name.endswith("norm.weight") or name.endswith("router.scale") or name.endswith("std_scale")
+    ):
         t = 1.0 + 0.3 * torch.randn(shape, generator=g)
     elif name.endswith("embed_tokens.weight") or name.endswith("embed_tokens_per_layer.weight"):
         t = EMBED_STD * torch.randn(shape, generator=g)
@@ -414,7 +435,9 @@ def write_tiny_checkpoint(
     }
     if release_format:
         vision = vision_tensor_shapes(tc["hidden_size"])
-        tensors.update({name: random_tensor(name, shape, seed, dtype) for name, shape in vision.items()})
+        tensors.update(
+            {name: random_tensor(name, shape, seed, dtype) for name, shape in vision.items()}
+        )
     _write_safetensors(out, tensors, shards)
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", GENERATION_CONFIG)
@@ -433,7 +456,10 @@ def write_tiny_assistant(
     cfg = assistant_config(variant)
     # Its own seed stream: "assistant/" keeps its embed_tokens apart from the target's.
     shapes = assistant_tensor_shapes(cfg)
-    tensors = {name: random_tensor("assistant/" + name, shape, seed, dtype) for name, shape in shapes.items()}
+    tensors = {
+        name: random_tensor("assistant/" + name, shape, seed, dtype)
+        for name, shape in shapes.items()
+    }
     _write_safetensors(out, tensors, 1)
     _write_json(out / "config.json", cfg)
     _write_tokenizer_files(out)
@@ -443,7 +469,9 @@ def write_tiny_assistant(
 def ensure_demo_model(cache_dir: str | Path | None = None) -> tuple[Path, Path]:
     """The built-in demo target and assistant (random weights, tiny vocab), built once and cached under
     `cache_dir`, else $GEMMA4SERVE_CACHE, else ~/.cache/gemma4serve; returns (target_dir, assistant_dir)."""
-    root = Path(cache_dir or os.environ.get("GEMMA4SERVE_CACHE") or Path.home() / ".cache" / "gemma4serve")
+    root = Path(
+        cache_dir or os.environ.get("GEMMA4SERVE_CACHE") or Path.home() / ".cache" / "gemma4serve"
+    )
     base = root / DEMO_VERSION
     target, assistant = base / "target", base / "assistant"
     done = base / "COMPLETE"

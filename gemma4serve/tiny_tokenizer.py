@@ -89,8 +89,12 @@ _TRAIN_SPLIT = pre_tokenizers.Split("▁", behavior="merged_with_next")
 def _gemma_pipeline(tok: Tokenizer) -> None:
     """The runtime pipeline of Gemma's tokenizer.json (and of transformers' GemmaTokenizer)."""
     tok.normalizer = normalizers.Replace(" ", "▁")
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.pre_tokenizer = pre_tokenizers.Split(
+        pattern=" ", behavior="merged_with_previous", invert=False
+    )
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
 
 
 def special_token_list() -> list[str]:
@@ -103,14 +107,18 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
     specials = special_token_list()
     reserved = specials + BYTE_TOKENS
     if vocab_size <= len(reserved) + 64:
-        raise ValueError(f"vocab_size {vocab_size} leaves too little room after {len(reserved)} reserved ids")
+        raise ValueError(
+            f"vocab_size {vocab_size} leaves too little room after {len(reserved)} reserved ids"
+        )
 
     # Train with a word-level split (merges never cross a "▁word" boundary, like SentencePiece's pieces), and
     # with the reserved strings as trainer "special tokens" purely so that they take ids 0..362 in order.
     trainer_tok = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     trainer_tok.normalizer = normalizers.Replace(" ", "▁")
     trainer_tok.pre_tokenizer = _TRAIN_SPLIT
-    trainer = BpeTrainer(vocab_size=vocab_size, special_tokens=reserved, show_progress=False, min_frequency=1)
+    trainer = BpeTrainer(
+        vocab_size=vocab_size, special_tokens=reserved, show_progress=False, min_frequency=1
+    )
     lines = [line + "\n" for line in CORPUS.splitlines()]
     trainer_tok.train_from_iterator(lines, trainer=trainer)
 
@@ -118,13 +126,17 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
     vocab: dict[str, int] = learnt["vocab"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learnt["merges"]]
     if len(vocab) != vocab_size:
-        raise RuntimeError(f"tiny tokenizer trained to {len(vocab)} ids, wanted {vocab_size}: enlarge CORPUS")
+        raise RuntimeError(
+            f"tiny tokenizer trained to {len(vocab)} ids, wanted {vocab_size}: enlarge CORPUS"
+        )
     for i, s in enumerate(reserved):
         assert vocab[s] == i, (s, vocab[s], i)
 
     # Rebuild as a plain BPE: the byte tokens are ordinary vocab entries (byte fallback looks them up by
     # name), and only the specials are added tokens, matched whole in any input text.
-    tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok = Tokenizer(
+        BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    )
     _gemma_pipeline(tok)
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     return tok

@@ -22,7 +22,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 # The special-token attributes transformers passes to the template (its SPECIAL_TOKENS_ATTRIBUTES).
-TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TEMPLATE_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -44,7 +52,9 @@ def _raise_exception(message):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt):
@@ -84,10 +94,14 @@ class Tokenizer:
         # Named special tokens as strings, e.g. {"bos_token": "<bos>", ...}: template variables.
         self.special_tokens = dict(special_tokens or {})
         bos = self.special_tokens.get("bos_token")
-        self.bos_token_id = bos_token_id if bos_token_id is not None else (self.token_to_id(bos) if bos else None)
+        self.bos_token_id = (
+            bos_token_id if bos_token_id is not None else (self.token_to_id(bos) if bos else None)
+        )
         if eos_token_ids is None:
             eos = self.special_tokens.get("eos_token")
-            eos_token_ids = (self.token_to_id(eos),) if eos and self.token_to_id(eos) is not None else ()
+            eos_token_ids = (
+                (self.token_to_id(eos),) if eos and self.token_to_id(eos) is not None else ()
+            )
         self.eos_token_ids = tuple(eos_token_ids)
         self.all_special_ids = sorted(
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special
@@ -115,7 +129,9 @@ class Tokenizer:
             template = (path / "chat_template.jinja").read_text()
         elif isinstance(cfg.get("chat_template"), str):
             template = cfg["chat_template"]
-        elif isinstance(cfg.get("chat_template"), list):  # [{"name": "default", "template": ...}, ...]
+        elif isinstance(
+            cfg.get("chat_template"), list
+        ):  # [{"name": "default", "template": ...}, ...]
             named = {t["name"]: t["template"] for t in cfg["chat_template"]}
             template = named.get("default")
 
@@ -127,7 +143,13 @@ class Tokenizer:
             if eos is not None:
                 eos_ids = tuple([eos] if isinstance(eos, int) else eos)
             bos_id = gen.get("bos_token_id")
-        return cls(tok, chat_template=template, special_tokens=special, eos_token_ids=eos_ids, bos_token_id=bos_id)
+        return cls(
+            tok,
+            chat_template=template,
+            special_tokens=special,
+            eos_token_ids=eos_ids,
+            bos_token_id=bos_id,
+        )
 
     # ---- ids <-> text -------------------------------------------------------------------------------------
 
@@ -168,8 +190,13 @@ class Tokenizer:
     ) -> str:
         source = chat_template or self.chat_template
         if source is None:
-            raise ValueError("this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json)")
-        variables = {**self.special_tokens, **template_kwargs}  # explicit kwargs override the special tokens
+            raise ValueError(
+                "this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json)"
+            )
+        variables = {
+            **self.special_tokens,
+            **template_kwargs,
+        }  # explicit kwargs override the special tokens
         return compile_chat_template(source).render(
             messages=messages,
             tools=tools,

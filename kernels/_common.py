@@ -42,7 +42,7 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -62,7 +62,7 @@ def row_warps(block: int) -> int:
 PDL_ENABLED = os.environ.get("GEMMA4SERVE_DISABLE_PDL") != "1"  # benchmarks flip it to compare
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 

@@ -20,7 +20,9 @@ def gelu_tanh_f32(x):
 
 
 @triton.jit
-def _gelu_mul_kernel(gu_ptr, o_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _gelu_mul_kernel(
+    gu_ptr, o_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -42,5 +44,13 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if g2.shape[0]:
         block = min(1024, triton.next_power_of_2(inter))
         _gelu_mul_kernel[(g2.shape[0], triton.cdiv(inter, block))](
-            g2, out, inter, g2.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_args(gate_up.device))
+            g2,
+            out,
+            inter,
+            g2.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            num_warps=4,
+            **pdl_args(gate_up.device),
+        )
     return out.view(*gate_up.shape[:-1], inter)

@@ -54,10 +54,32 @@ def _await_columns(flag_ptr, split, k_lo, k_hi, cols_per_signal, PDL: tl.constex
 
 
 @triton.jit(do_not_specialize=["k_per_split", "flag_cols"])
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, flag_ptr, M, N, K, k_per_split, flag_cols, stride_xm,
-                 stride_wn, stride_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr, DOT_FP32: tl.constexpr, GLU: tl.constexpr,
-                 SIGNAL: tl.constexpr, AWAIT: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    flag_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    flag_cols,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    GLU: tl.constexpr,
+    SIGNAL: tl.constexpr,
+    AWAIT: tl.constexpr,
+):
     """SIGNAL (a GLU producer): after storing its tile, add one to flag[first column // flag_cols]. AWAIT (a K-split
     consumer of that output): wait on flag[split] for flag_cols-column producer tiles instead of on the producer
     kernel, and read x past L1 (the lines are written while this kernel runs)."""
@@ -85,24 +107,46 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, flag_ptr, M, N, K, k_
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
     x_ptrs = x_ptr + m[:, None] * stride_xm + kk[None, :]
     # Weights never depend on the previous kernel: start reading them before waiting for it.
-    w = tl.load(w_ptrs + k_lo, mask=_in_split(n_ok, k_lo, kk, k_hi, EVEN_K), other=0.0, eviction_policy="evict_first")
+    w = tl.load(
+        w_ptrs + k_lo,
+        mask=_in_split(n_ok, k_lo, kk, k_hi, EVEN_K),
+        other=0.0,
+        eviction_policy="evict_first",
+    )
     if AWAIT:
         _await_columns(flag_ptr, split, k_lo, k_hi, flag_cols, PDL)
     else:
         wait_for_producer(PDL)
     X_CACHE: tl.constexpr = ".cg" if AWAIT else ""
-    x = tl.load(x_ptrs + k_lo, mask=_in_split(m_ok, k_lo, kk, k_hi, EVEN_K), other=0.0, cache_modifier=X_CACHE)
+    x = tl.load(
+        x_ptrs + k_lo,
+        mask=_in_split(m_ok, k_lo, kk, k_hi, EVEN_K),
+        other=0.0,
+        cache_modifier=X_CACHE,
+    )
     acc = _dot(x, w, DT, DOT_FP32)
     for k0 in range(k_lo + BK, k_hi, BK):
         k0 = tl.multiple_of(k0, BK)
-        w = tl.load(w_ptrs + k0, mask=_in_split(n_ok, k0, kk, k_hi, EVEN_K), other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, k_hi, EVEN_K), other=0.0, cache_modifier=X_CACHE)
+        w = tl.load(
+            w_ptrs + k0,
+            mask=_in_split(n_ok, k0, kk, k_hi, EVEN_K),
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+        x = tl.load(
+            x_ptrs + k0,
+            mask=_in_split(m_ok, k0, kk, k_hi, EVEN_K),
+            other=0.0,
+            cache_modifier=X_CACHE,
+        )
         acc += _dot(x, w, DT, DOT_FP32)
     if GLU:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, HALF]), (0, 2, 1)))
         col = tile * HALF + tl.arange(0, HALF)
         y = round_to(round_to(gelu_tanh_f32(round_to(gate, DT)), DT) * round_to(up, DT), DT)
-        tl.store(y_ptr + m[:, None] * stride_ym + col[None, :], y.to(DT), mask=m_ok & (col < N)[None, :])
+        tl.store(
+            y_ptr + m[:, None] * stride_ym + col[None, :], y.to(DT), mask=m_ok & (col < N)[None, :]
+        )
         if SIGNAL:
             tl.debug_barrier()  # every thread's store is issued before the release below
             tl.atomic_add(flag_ptr + tile * HALF // flag_cols, 1, sem="release")
@@ -120,8 +164,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, flag_ptr, M, N, K, k_
         if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
             total = tl.zeros([BM, BN], tl.float32)
             for s in range(SPLIT):
-                total += tl.load(part_ptr + (s * BM + m[:, None]) * N + n[None, :], mask=out_ok, other=0.0,
-                                 cache_modifier=".cg")
+                total += tl.load(
+                    part_ptr + (s * BM + m[:, None]) * N + n[None, :],
+                    mask=out_ok,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
             tl.store(out, total.to(DT), mask=out_ok)
             tl.store(count_ptr + tile, 0)  # re-armed for the next launch (and graph replay)
 
@@ -170,7 +218,9 @@ def mlp_down_config(N: int, K: int, device: torch.device) -> tuple | None:
     return (32, 256, 4, 3, 7) if K >= 16384 else None
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: bool = False) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: bool = False
+) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS; `config` overrides gemv_config (benchmarks, tests).
     glu: w is a fused [gate; up] projection and the result is gelu_tanh(gate) * up, [M, N / 2]."""
     M, K = x.shape
@@ -181,7 +231,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: boo
     return y
 
 
-def gemv_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+def gemv_mlp(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config: tuple | None = None
+) -> torch.Tensor:
     """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for M <= MAX_ROWS, with no kernel boundary between the two GEMVs:
     down runs split along K, and each of its splits starts as soon as the gate_up tiles that write its K range
     have stored (they count themselves in on a flag per range), not when all of gate_up has ended. Launched under
@@ -200,13 +252,22 @@ def gemv_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config:
     k_per_split, splits = _k_splits(inter, down_cfg[1], down_cfg[4])
     _, flags = _zeroed_scratch(x.device)
     assert splits <= len(flags) and k_per_split % (up_cfg[0] // 2) == 0
-    _launch_columns(x, gate_up, act, up_cfg, glu=True, flags=flags, flag_cols=k_per_split, signal=True)
-    _launch_columns(act, down, y, down_cfg, flags=flags, flag_cols=up_cfg[0] // 2, wait_on_flags=True)
+    _launch_columns(
+        x, gate_up, act, up_cfg, glu=True, flags=flags, flag_cols=k_per_split, signal=True
+    )
+    _launch_columns(
+        act, down, y, down_cfg, flags=flags, flag_cols=up_cfg[0] // 2, wait_on_flags=True
+    )
     return y
 
 
 def _check(x: torch.Tensor, w: torch.Tensor) -> None:
-    assert x.shape[0] <= MAX_ROWS and w.shape[1] == x.shape[1] and x.stride(1) == 1 and w.stride(1) == 1
+    assert (
+        x.shape[0] <= MAX_ROWS
+        and w.shape[1] == x.shape[1]
+        and x.stride(1) == 1
+        and w.stride(1) == 1
+    )
 
 
 def _k_splits(K: int, bk: int, split: int) -> tuple[int, int]:
@@ -215,8 +276,17 @@ def _k_splits(K: int, bk: int, split: int) -> tuple[int, int]:
     return k_per_split, triton.cdiv(K, k_per_split)
 
 
-def _launch_columns(x, w, y, config: tuple, glu: bool = False, flags=None, flag_cols: int = 0, signal: bool = False,
-                    wait_on_flags: bool = False) -> None:
+def _launch_columns(
+    x,
+    w,
+    y,
+    config: tuple,
+    glu: bool = False,
+    flags=None,
+    flag_cols: int = 0,
+    signal: bool = False,
+    wait_on_flags: bool = False,
+) -> None:
     """_gemv_kernel over column tiles of w (and K splits): y = x @ w^T, or the GLU epilogue's [M, N / 2]."""
     M, K = x.shape
     N = w.shape[0]
@@ -235,7 +305,30 @@ def _launch_columns(x, w, y, config: tuple, glu: bool = False, flags=None, flag_
     else:
         part = counters = y  # never touched
     _gemv_kernel[(tiles, split)](
-        x, w, y, part, counters, flags if flags is not None else y, M, N, K, k_per_split, flag_cols, x.stride(0),
-        w.stride(0), y.stride(0), BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0,
-        DOT_FP32=dot_in_fp32(x.dtype), GLU=glu, SIGNAL=signal, AWAIT=wait_on_flags, num_warps=warps,
-        num_stages=stages, **pdl_args(x.device))
+        x,
+        w,
+        y,
+        part,
+        counters,
+        flags if flags is not None else y,
+        M,
+        N,
+        K,
+        k_per_split,
+        flag_cols,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        BM=MAX_ROWS,
+        BN=bn,
+        BK=bk,
+        SPLIT=split,
+        EVEN_K=K % bk == 0,
+        DOT_FP32=dot_in_fp32(x.dtype),
+        GLU=glu,
+        SIGNAL=signal,
+        AWAIT=wait_on_flags,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl_args(x.device),
+    )

@@ -32,7 +32,9 @@ import triton.language as tl
 from ._common import dot_in_fp32, pdl_args, round_to, wait_for_producer
 from .gemv import MAX_ROWS, _dot, _in_split, _k_splits, gemv_config
 
-BOUND = tl.constexpr(0.625)  # interval half-width per unit of scale * |x|_1, besides rho's (see above)
+BOUND = tl.constexpr(
+    0.625
+)  # interval half-width per unit of scale * |x|_1, besides rho's (see above)
 ROWS_PER_PROGRAM = 512  # vocabulary rows each exact program screens and packs
 # 3 stages, not gemv's 4: 48 KB of shared memory a program, so the 512 programs fit in one wave
 EXACT_STAGES = 3
@@ -54,8 +56,18 @@ def _round(v):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _limbs_kernel(x_ptr, limbs_ptr, unit_ptr, mass_ptr, M, K, KP, stride_xm, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):
+def _limbs_kernel(
+    x_ptr,
+    limbs_ptr,
+    unit_ptr,
+    mass_ptr,
+    M,
+    K,
+    KP,
+    stride_xm,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Row m of x as three int8 limbs: x = s * (a + b / 128 + c / 16384) + rho, s a power of two with
     |x| / s < 64, so |a|, |b|, |c| <= 64 and each step below is exact in fp32 (scaling by powers of two, and
     v - round(v) by Sterbenz). Stores the limbs [3, BM, KP] (rows >= M and columns >= K zero), the unit
@@ -65,7 +77,9 @@ def _limbs_kernel(x_ptr, limbs_ptr, unit_ptr, mass_ptr, M, K, KP, stride_xm, BLO
     m = tl.program_id(0)
     BM = tl.num_programs(0)
     k = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + m * stride_xm + k, mask=(k < tl.where(m < M, K, 0)), other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + m * stride_xm + k, mask=(k < tl.where(m < M, K, 0)), other=0.0).to(
+        tl.float32
+    )
     # s = 2^(E - 5) for 2^E <= max |x| < 2^(E + 1), kept >= 2^-100 (a row of zeros, or of values that small, has
     # zero limbs and is all residual)
     e = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) - 127
@@ -88,9 +102,27 @@ def _limbs_kernel(x_ptr, limbs_ptr, unit_ptr, mass_ptr, M, K, KP, stride_xm, BLO
 
 
 @triton.jit
-def _screen_kernel(limbs_ptr, q_ptr, scale_ptr, unit_ptr, mass_ptr, lut_ptr, ghi_ptr, lo_ptr, M, N, K, KP,
-                   stride_qn, stride_gm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   EVEN_K: tl.constexpr, PDL: tl.constexpr):
+def _screen_kernel(
+    limbs_ptr,
+    q_ptr,
+    scale_ptr,
+    unit_ptr,
+    mass_ptr,
+    lut_ptr,
+    ghi_ptr,
+    lo_ptr,
+    M,
+    N,
+    K,
+    KP,
+    stride_qn,
+    stride_gm,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     tile = tl.program_id(0)
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -98,7 +130,9 @@ def _screen_kernel(limbs_ptr, q_ptr, scale_ptr, unit_ptr, mass_ptr, lut_ptr, ghi
     n_ok = (n < N)[:, None]
     w_ptrs = q_ptr + n[:, None].to(tl.int64) * stride_qn + kk[None, :]
     a_ptrs = limbs_ptr + m[:, None] * KP + kk[None, :]
-    w = tl.load(w_ptrs, mask=_in_split(n_ok, 0, kk, K, EVEN_K), other=0, eviction_policy="evict_first")
+    w = tl.load(
+        w_ptrs, mask=_in_split(n_ok, 0, kk, K, EVEN_K), other=0, eviction_policy="evict_first"
+    )
     wait_for_producer(PDL)
     # x @ q^T limb by limb on the int8 tensor cores: exact int32 sums, and no per-weight conversion
     wt = tl.trans(w)
@@ -107,8 +141,14 @@ def _screen_kernel(limbs_ptr, q_ptr, scale_ptr, unit_ptr, mass_ptr, lut_ptr, ghi
     acc_c = tl.dot(tl.load(a_ptrs + 2 * BM * KP), wt, out_dtype=tl.int32)
     for k0 in range(BK, K, BK):
         k0 = tl.multiple_of(k0, BK)
-        wt = tl.trans(tl.load(w_ptrs + k0, mask=_in_split(n_ok, k0, kk, K, EVEN_K), other=0,
-                              eviction_policy="evict_first"))
+        wt = tl.trans(
+            tl.load(
+                w_ptrs + k0,
+                mask=_in_split(n_ok, k0, kk, K, EVEN_K),
+                other=0,
+                eviction_policy="evict_first",
+            )
+        )
         acc_a = tl.dot(tl.load(a_ptrs + k0), wt, acc_a, out_dtype=tl.int32)
         acc_b = tl.dot(tl.load(a_ptrs + BM * KP + k0), wt, acc_b, out_dtype=tl.int32)
         acc_c = tl.dot(tl.load(a_ptrs + 2 * BM * KP + k0), wt, acc_c, out_dtype=tl.int32)
@@ -139,10 +179,31 @@ def _threshold_kernel(lo_ptr, lut_ptr, gt_ptr, tiles, TILES_P: tl.constexpr, PDL
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split"])
-def _exact_kernel(x_ptr, w_ptr, lut_ptr, ghi_ptr, gt_ptr, pack_ptr, best_g_ptr, best_i_ptr, M, N, K, k_per_split,
-                  stride_xm, stride_wn, stride_gm, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                  PDL: tl.constexpr, DOT_FP32: tl.constexpr):
+def _exact_kernel(
+    x_ptr,
+    w_ptr,
+    lut_ptr,
+    ghi_ptr,
+    gt_ptr,
+    pack_ptr,
+    best_g_ptr,
+    best_i_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_gm,
+    R: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     p = tl.program_id(0)
     P = tl.num_programs(0)
     r = p * R + tl.arange(0, R)
@@ -152,8 +213,11 @@ def _exact_kernel(x_ptr, w_ptr, lut_ptr, ghi_ptr, gt_ptr, pack_ptr, best_g_ptr, 
     # rows: an extra exact value never changes an argmax).
     m = tl.arange(0, BM)
     g_t = tl.load(gt_ptr + m, mask=m < M, other=float("inf"))
-    g_hi = tl.load(ghi_ptr + m[:, None] * stride_gm + r[None, :], mask=(m < M)[:, None] & r_ok[None, :],
-                   other=float("-inf"))
+    g_hi = tl.load(
+        ghi_ptr + m[:, None] * stride_gm + r[None, :],
+        mask=(m < M)[:, None] & r_ok[None, :],
+        other=float("-inf"),
+    )
     cand = tl.max((g_hi.to(tl.float32) >= g_t[:, None]).to(tl.int32), axis=0)
     count = tl.sum(cand, axis=0)
     # Pack the candidates in row order (through memory: registers cannot be indexed).
@@ -177,8 +241,12 @@ def _exact_kernel(x_ptr, w_ptr, lut_ptr, ghi_ptr, gt_ptr, pack_ptr, best_g_ptr, 
             total = tl.zeros([BM, BN], tl.float32)
             for k0 in range(0, K, BK):
                 k0 = tl.multiple_of(k0, BK)
-                w = tl.load(w_ptrs + k0, mask=_in_split(j_ok[:, None], k0, kk, K, EVEN_K), other=0.0,
-                            eviction_policy="evict_first")
+                w = tl.load(
+                    w_ptrs + k0,
+                    mask=_in_split(j_ok[:, None], k0, kk, K, EVEN_K),
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
                 x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, K, EVEN_K), other=0.0)
                 total += _dot(x, w, DT, DOT_FP32)
         else:
@@ -188,8 +256,12 @@ def _exact_kernel(x_ptr, w_ptr, lut_ptr, ghi_ptr, gt_ptr, pack_ptr, best_g_ptr, 
                 acc = tl.zeros([BM, BN], tl.float32)
                 for k0 in range(k_lo, k_hi, BK):
                     k0 = tl.multiple_of(k0, BK)
-                    w = tl.load(w_ptrs + k0, mask=_in_split(j_ok[:, None], k0, kk, k_hi, EVEN_K), other=0.0,
-                                eviction_policy="evict_first")
+                    w = tl.load(
+                        w_ptrs + k0,
+                        mask=_in_split(j_ok[:, None], k0, kk, k_hi, EVEN_K),
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
                     x = tl.load(x_ptrs + k0, mask=_in_split(m_ok, k0, kk, k_hi, EVEN_K), other=0.0)
                     acc += _dot(x, w, DT, DOT_FP32)
                 total += acc
@@ -241,18 +313,41 @@ def int8_limbs(x: torch.Tensor, KP: int) -> tuple[torch.Tensor, torch.Tensor, to
     limbs = torch.empty(3, MAX_ROWS, KP, dtype=torch.int8, device=x.device)
     unit = torch.empty(MAX_ROWS, dtype=torch.float32, device=x.device)
     mass = torch.empty(MAX_ROWS, dtype=torch.float32, device=x.device)
-    _limbs_kernel[(MAX_ROWS,)](x, limbs, unit, mass, M, K, KP, x.stride(0), BLOCK=triton.next_power_of_2(KP),
-                               num_warps=8, **pdl_args(x.device))
+    _limbs_kernel[(MAX_ROWS,)](
+        x,
+        limbs,
+        unit,
+        mass,
+        M,
+        K,
+        KP,
+        x.stride(0),
+        BLOCK=triton.next_power_of_2(KP),
+        num_warps=8,
+        **pdl_args(x.device),
+    )
     return limbs, unit, mass
 
 
-def greedy_head(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lut: torch.Tensor,
-                screen: tuple | None = None) -> torch.Tensor:
+def greedy_head(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    lut: torch.Tensor,
+    screen: tuple | None = None,
+) -> torch.Tensor:
     """The first argmax over N of lut[bf16(x @ w^T)] per row, for x [M <= MAX_ROWS, K]: [M] int64. q, scale:
     quantize_rows(w); lut: value_table of G. `screen` overrides SCREEN_CONFIG (benchmarks)."""
     M, K = x.shape
     N = w.shape[0]
-    assert M <= MAX_ROWS and w.shape[1] == K and q.shape == w.shape and x.stride(1) == 1 and w.stride(1) == 1
+    assert (
+        M <= MAX_ROWS
+        and w.shape[1] == K
+        and q.shape == w.shape
+        and x.stride(1) == 1
+        and w.stride(1) == 1
+    )
     assert K <= 8192, "BOUND's slack covers the GEMV's accumulation error up to K = 8192"
     dev = x.device
     bn, bk, warps, stages = screen or SCREEN_CONFIG
@@ -262,8 +357,28 @@ def greedy_head(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, scale: torch.
     g_hi = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
     lo = torch.empty(M, tiles, dtype=torch.float32, device=dev)
     _screen_kernel[(tiles,)](
-        limbs, q, scale, unit, mass, lut, g_hi, lo, M, N, K, KP, q.stride(0), g_hi.stride(0), BM=MAX_ROWS, BN=bn,
-        BK=bk, EVEN_K=K % bk == 0, num_warps=warps, num_stages=stages, **pdl_args(dev))
+        limbs,
+        q,
+        scale,
+        unit,
+        mass,
+        lut,
+        g_hi,
+        lo,
+        M,
+        N,
+        K,
+        KP,
+        q.stride(0),
+        g_hi.stride(0),
+        BM=MAX_ROWS,
+        BN=bn,
+        BK=bk,
+        EVEN_K=K % bk == 0,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl_args(dev),
+    )
     # the exact values with gemv's own tiles for this shape (bit-identical sums)
     bn, bk, warps, _, split = gemv_config(N, K, dev)
     k_per_split, split = _k_splits(K, bk, split)
@@ -273,11 +388,36 @@ def greedy_head(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, scale: torch.
     best_g = torch.empty(M, P, dtype=torch.float32, device=dev)
     best_i = torch.empty(M, P, dtype=torch.int32, device=dev)
     g_t = torch.empty(M, dtype=torch.float32, device=dev)
-    _threshold_kernel[(M,)](lo, lut, g_t, tiles, TILES_P=triton.next_power_of_2(tiles), num_warps=8, **pdl_args(dev))
+    _threshold_kernel[(M,)](
+        lo, lut, g_t, tiles, TILES_P=triton.next_power_of_2(tiles), num_warps=8, **pdl_args(dev)
+    )
     _exact_kernel[(P,)](
-        x, w, lut, g_hi, g_t, pack, best_g, best_i, M, N, K, k_per_split, x.stride(0), w.stride(0), g_hi.stride(0),
-        R=R, BM=MAX_ROWS, BN=bn, BK=bk, SPLIT=split, EVEN_K=K % bk == 0, DOT_FP32=dot_in_fp32(x.dtype),
-        num_warps=warps, num_stages=EXACT_STAGES, **pdl_args(dev))
+        x,
+        w,
+        lut,
+        g_hi,
+        g_t,
+        pack,
+        best_g,
+        best_i,
+        M,
+        N,
+        K,
+        k_per_split,
+        x.stride(0),
+        w.stride(0),
+        g_hi.stride(0),
+        R=R,
+        BM=MAX_ROWS,
+        BN=bn,
+        BK=bk,
+        SPLIT=split,
+        EVEN_K=K % bk == 0,
+        DOT_FP32=dot_in_fp32(x.dtype),
+        num_warps=warps,
+        num_stages=EXACT_STAGES,
+        **pdl_args(dev),
+    )
     out = torch.empty(M, dtype=torch.int64, device=dev)
     _pick_kernel[(M,)](best_g, best_i, out, N, P, BLOCK=triton.next_power_of_2(P), **pdl_args(dev))
     return out

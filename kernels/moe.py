@@ -22,8 +22,17 @@ from .activation import gelu_tanh_f32
 
 # ---------------------------------------------------------------------------------------------- routing
 @triton.jit
-def _route_kernel(logit_ptr, scale_ptr, w_ptr, id_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, K_P: tl.constexpr, E_P: tl.constexpr):
+def _route_kernel(
+    logit_ptr,
+    scale_ptr,
+    w_ptr,
+    id_ptr,
+    num_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    K_P: tl.constexpr,
+    E_P: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P)
     ok = e < num_experts
@@ -54,8 +63,18 @@ def moe_route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits, per_expert_scale, weights, ids, E, logits.stride(0),
-                            TOP_K=top_k, K_P=next_pow2(top_k), E_P=next_pow2(E), num_warps=1 if E <= 256 else 4)
+        _route_kernel[(T,)](
+            logits,
+            per_expert_scale,
+            weights,
+            ids,
+            E,
+            logits.stride(0),
+            TOP_K=top_k,
+            K_P=next_pow2(top_k),
+            E_P=next_pow2(E),
+            num_warps=1 if E <= 256 else 4,
+        )
     return weights, ids
 
 
@@ -76,8 +95,18 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, chunk, E_P: tl.constexpr, SUB:
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
-def _offsets_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_pairs, max_blocks,
-                    C: tl.constexpr, E_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+def _offsets_kernel(
+    counts_ptr,
+    base_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_pairs,
+    max_blocks,
+    C: tl.constexpr,
+    E_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     cc = tl.arange(0, C)
     eo = tl.arange(0, E_P)
     counts = tl.load(counts_ptr + cc[:, None] * E_P + eo[None, :])  # [chunks, experts]
@@ -86,7 +115,10 @@ def _offsets_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_pair
     pad_end = tl.cumsum(padded, axis=0)
     pad_start = pad_end - padded
     # Each chunk's first slot per expert: the expert's segment start + the pairs of earlier chunks.
-    tl.store(base_ptr + cc[:, None] * E_P + eo[None, :], pad_start[None, :] + tl.cumsum(counts, axis=0) - counts)
+    tl.store(
+        base_ptr + cc[:, None] * E_P + eo[None, :],
+        pad_start[None, :] + tl.cumsum(counts, axis=0) - counts,
+    )
     r = tl.arange(0, BLOCK_M)
     pad_slot = (pad_start + total)[:, None] + r[None, :]
     tl.store(sorted_ptr + pad_slot, num_pairs, mask=pad_slot < pad_end[:, None])
@@ -99,7 +131,9 @@ def _offsets_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_pair
 
 
 @triton.jit(do_not_specialize=["num_pairs", "chunk"])
-def _scatter_kernel(ids_ptr, base_ptr, sorted_ptr, num_pairs, chunk, E_P: tl.constexpr, SUB: tl.constexpr):
+def _scatter_kernel(
+    ids_ptr, base_ptr, sorted_ptr, num_pairs, chunk, E_P: tl.constexpr, SUB: tl.constexpr
+):
     c = tl.program_id(0)
     eo = tl.arange(0, E_P)
     run = tl.load(base_ptr + c * E_P + eo)
@@ -136,8 +170,19 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(chunks,)](ids, counts, n, chunk, E_P=e_p, SUB=sub, num_warps=4)
-    _offsets_kernel[(1,)](counts, base, sorted_pairs, block_expert, n, max_blocks,
-                          C=chunks, E_P=e_p, BLOCK_M=block_m, BLOCK_B=64, num_warps=4)
+    _offsets_kernel[(1,)](
+        counts,
+        base,
+        sorted_pairs,
+        block_expert,
+        n,
+        max_blocks,
+        C=chunks,
+        E_P=e_p,
+        BLOCK_M=block_m,
+        BLOCK_B=64,
+        num_warps=4,
+    )
     _scatter_kernel[(chunks,)](ids, base, sorted_pairs, n, chunk, E_P=e_p, SUB=sub, num_warps=4)
     return sorted_pairs, block_expert
 
@@ -152,12 +197,28 @@ def _mma(a, b, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr,
-                     num_pairs, num_experts, n_out, k_in,
-                     stride_am, stride_we, stride_wn, stride_wk, stride_cm,
-                     ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_FP32: tl.constexpr):
+def _moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    n_out,
+    k_in,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_cm,
+    ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """C[pair, n] = A[pair // ROW_DIV] @ W[expert]ᵀ for the rows of one expert-owned block.
 
     GATED: W holds [gate; up] (2·n_out rows) and C = gelu_tanh(gate) * up, with the reference's roundings.
@@ -178,12 +239,20 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr,
     for k0 in range(0, k_in, BLOCK_K):
         k = k0 + kk
         k_ok = k < k_in
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         w_mask = n_ok[None, :] & k_ok[:, None]
         w = tl.load(w_e + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
         acc = _mma(a, w, acc, DOT_FP32)
         if GATED:
-            w_up = tl.load(w_e + (n + n_out)[None, :] * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            w_up = tl.load(
+                w_e + (n + n_out)[None, :] * stride_wn + k[:, None] * stride_wk,
+                mask=w_mask,
+                other=0.0,
+            )
             acc_up = _mma(a, w_up, acc_up, DOT_FP32)
     DT: tl.constexpr = c_ptr.dtype.element_ty
     y = round_to(acc, DT)  # the projection output in the model dtype
@@ -194,7 +263,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr,
 
 
 @triton.jit
-def _weighted_sum_kernel(y_ptr, w_ptr, o_ptr, hidden, stride_y, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _weighted_sum_kernel(
+    y_ptr, w_ptr, o_ptr, hidden, stride_y, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -221,8 +292,14 @@ def _tile(block: int, dim: int) -> int:
     return max(16, min(block, next_pow2(dim)))
 
 
-def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [T, H] (already pre_feedforward_layernorm_2-normed), gate_up_proj [E, 2I, H], down_proj [E, H, I],
     weights [T, k] fp32, ids [T, k] -> [T, H] = round(Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]))."""
     T, H = x.shape
@@ -246,20 +323,59 @@ def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     bn, bk = _tile(cfg["block_n"], inter), _tile(cfg["block_k"], H)
     _moe_gemm_kernel[(blocks, triton.cdiv(inter, bn))](
-        x, gate_up_proj, act, sorted_pairs, block_expert, n, E, inter, H,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_proj.stride(2), act.stride(0),
-        ROW_DIV=top_k, GATED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=fp32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        x,
+        gate_up_proj,
+        act,
+        sorted_pairs,
+        block_expert,
+        n,
+        E,
+        inter,
+        H,
+        x.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        gate_up_proj.stride(2),
+        act.stride(0),
+        ROW_DIV=top_k,
+        GATED=True,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        DOT_FP32=fp32,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
 
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     bn, bk = _tile(cfg["block_n"], H), _tile(cfg["block_k"], inter)
     _moe_gemm_kernel[(blocks, triton.cdiv(H, bn))](
-        act, down_proj, y, sorted_pairs, block_expert, n, E, H, inter,
-        act.stride(0), down_proj.stride(0), down_proj.stride(1), down_proj.stride(2), y.stride(0),
-        ROW_DIV=1, GATED=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=fp32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        act,
+        down_proj,
+        y,
+        sorted_pairs,
+        block_expert,
+        n,
+        E,
+        H,
+        inter,
+        act.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        down_proj.stride(2),
+        y.stride(0),
+        ROW_DIV=1,
+        GATED=False,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        DOT_FP32=fp32,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
 
     block = min(1024, next_pow2(H))
     _weighted_sum_kernel[(T, triton.cdiv(H, block))](
-        y, weights, out, H, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
+        y, weights, out, H, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4
+    )
     return out

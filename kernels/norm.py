@@ -14,8 +14,20 @@ from ._common import next_pow2, pdl_args, round_to, row_warps, wait_for_producer
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, n, inner, stride_x0, stride_x1, stride_o, eps,
-                     HAS_W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    o_ptr,
+    n,
+    inner,
+    stride_x0,
+    stride_x1,
+    stride_o,
+    eps,
+    HAS_W: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_for_producer(PDL)
     # Row r of the output is x[r // inner, r % inner, :]: per-head views of a fused projection output
     # ([T, heads, hd] with a wide token stride) are normed in place of a copy.
@@ -32,9 +44,25 @@ def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, n, inner, stride_x0, stride_x1, stride
 
 
 @triton.jit
-def _residual_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, w2_ptr, o_ptr, o2_ptr, n, stride_x, stride_h, stride_o,
-                          stride_o2, eps, HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+def _residual_norm_kernel(
+    x_ptr,
+    h_ptr,
+    w_ptr,
+    s_ptr,
+    w2_ptr,
+    o_ptr,
+    o2_ptr,
+    n,
+    stride_x,
+    stride_h,
+    stride_o,
+    stride_o2,
+    eps,
+    HAS_SCALAR: tl.constexpr,
+    HAS_NEXT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -59,9 +87,25 @@ def _residual_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, w2_ptr, o_ptr, o2_ptr, n, 
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, o_ptr, num_heads,
-                      stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st, eps,
-                      HAS_W: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def _norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    o_ptr,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    stride_st,
+    eps,
+    HAS_W: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -104,13 +148,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if outer * inner:
         block = next_pow2(n)
         _rms_norm_kernel[(outer * inner,)](
-            x3, weight if weight is not None else x3, out, n, inner, x3.stride(0), x3.stride(1), n, eps,
-            HAS_W=weight is not None, BLOCK=block, num_warps=row_warps(block), **pdl_args(x.device))
+            x3,
+            weight if weight is not None else x3,
+            out,
+            n,
+            inner,
+            x3.stride(0),
+            x3.stride(1),
+            n,
+            eps,
+            HAS_W=weight is not None,
+            BLOCK=block,
+            num_warps=row_warps(block),
+            **pdl_args(x.device),
+        )
     return out
 
 
-def rmsnorm_residual_add(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
-                         layer_scalar: torch.Tensor | None = None, next_weight: torch.Tensor | None = None):
+def rmsnorm_residual_add(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    layer_scalar: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+):
     """y = x + RMSNorm(h; weight), then `* layer_scalar` when given (a 1-element tensor), rounded like the torch
     ops. With `next_weight`, returns (y, RMSNorm(y; next_weight)): the next sublayer's normed input too."""
     assert x.shape == h.shape and x.dtype == h.dtype
@@ -121,18 +183,33 @@ def rmsnorm_residual_add(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
     if x2.shape[0]:
         block = next_pow2(n)
         _residual_norm_kernel[(x2.shape[0],)](
-            x2, h2, weight, layer_scalar if layer_scalar is not None else weight,
-            next_weight if next_weight is not None else weight, out, out2, n,
-            x2.stride(0), h2.stride(0), out.stride(0), out2.stride(0), eps,
-            HAS_SCALAR=layer_scalar is not None, HAS_NEXT=next_weight is not None,
-            BLOCK=block, num_warps=row_warps(block), **pdl_args(x.device))
+            x2,
+            h2,
+            weight,
+            layer_scalar if layer_scalar is not None else weight,
+            next_weight if next_weight is not None else weight,
+            out,
+            out2,
+            n,
+            x2.stride(0),
+            h2.stride(0),
+            out.stride(0),
+            out2.stride(0),
+            eps,
+            HAS_SCALAR=layer_scalar is not None,
+            HAS_NEXT=next_weight is not None,
+            BLOCK=block,
+            num_warps=row_warps(block),
+            **pdl_args(x.device),
+        )
     if next_weight is None:
         return out.view(x.shape)
     return out.view(x.shape), out2.view(x.shape)
 
 
-def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+def rmsnorm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
     """apply_rope(rms_norm(x, weight), cos, sin) for x [T, heads, hd] (q_norm/k_norm + half-split RoPE);
     cos/sin [T, hd] in the model dtype."""
     T, heads, hd = x.shape
@@ -141,7 +218,23 @@ def rmsnorm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor
     if T:
         block_h = min(next_pow2(heads), max(1, 4096 // hd))
         _norm_rope_kernel[(T, triton.cdiv(heads, block_h))](
-            x, weight if weight is not None else x, cos, sin, out, heads,
-            x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0), eps,
-            HAS_W=weight is not None, HEAD_DIM=hd, BLOCK_H=block_h, num_warps=row_warps(block_h * hd), **pdl_args(x.device))
+            x,
+            weight if weight is not None else x,
+            cos,
+            sin,
+            out,
+            heads,
+            x.stride(0),
+            x.stride(1),
+            out.stride(0),
+            out.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            eps,
+            HAS_W=weight is not None,
+            HEAD_DIM=hd,
+            BLOCK_H=block_h,
+            num_warps=row_warps(block_h * hd),
+            **pdl_args(x.device),
+        )
     return out

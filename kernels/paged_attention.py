@@ -21,10 +21,20 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import INTERPRET, dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
+from ._common import (
+    INTERPRET,
+    dot_in_fp32,
+    next_pow2,
+    pdl_args,
+    round_to,
+    sm_count,
+    wait_for_producer,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
-TABLE_CHUNK = 32  # page-table entries a program holds in registers (more where one key tile needs more)
+TABLE_CHUNK = (
+    32  # page-table entries a program holds in registers (more where one key tile needs more)
+)
 
 
 def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
@@ -35,19 +45,50 @@ def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _attend_tile(q, k_ptr, v_ptr, m_i, l_i, acc, pos, lo, hi, start, end, pages, p0, entries, kvh, d,
-                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                 PAGE: tl.constexpr, DOT_FP32: tl.constexpr):
+def _attend_tile(
+    q,
+    k_ptr,
+    v_ptr,
+    m_i,
+    l_i,
+    acc,
+    pos,
+    lo,
+    hi,
+    start,
+    end,
+    pages,
+    p0,
+    entries,
+    kvh,
+    d,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    PAGE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """One tile of keys at positions `pos` into the online softmax (m_i, l_i, acc). Keys outside [lo, hi) are
     neither looked up nor loaded; a key's page comes from `pages`, the table entries from page p0 on."""
     kv_ok = (pos >= lo) & (pos < hi)
     rel = pos // PAGE - p0
-    page = tl.sum(tl.where(rel[:, None] == entries[None, :], pages[None, :], 0), axis=1).to(tl.int64)
+    page = tl.sum(tl.where(rel[:, None] == entries[None, :], pages[None, :], 0), axis=1).to(
+        tl.int64
+    )
     in_page = pos % PAGE
-    k = tl.load(k_ptr + (page * stride_kp + in_page * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
-                mask=kv_ok[:, None], other=0.0)
-    v = tl.load(v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                mask=kv_ok[:, None], other=0.0)
+    k = tl.load(
+        k_ptr + (page * stride_kp + in_page * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
+        mask=kv_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+        mask=kv_ok[:, None],
+        other=0.0,
+    )
     if DOT_FP32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -72,16 +113,44 @@ def _attend_tile(q, k_ptr, v_ptr, m_i, l_i, acc, pos, lo, hi, start, end, pages,
 # the split count, and the page-table width of an eager step.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_table"])
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr,
-    token_seq_ptr, kv_end_ptr, table_ptr, cu_ptr,
-    window, num_q_heads, num_splits,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    token_seq_ptr,
+    kv_end_ptr,
+    table_ptr,
+    cu_ptr,
+    window,
+    num_q_heads,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
     stride_table,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, MIN_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-    TABLE_CHUNK: tl.constexpr, CHUNK_TILES: tl.constexpr, LAUNCH_NEXT_LATE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
+    TABLE_CHUNK: tl.constexpr,
+    CHUNK_TILES: tl.constexpr,
+    LAUNCH_NEXT_LATE: tl.constexpr,
 ):
     g = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
@@ -119,7 +188,9 @@ def _attn_kernel(
     p_lo = lo // PAGE
     p_hi = tl.cdiv(hi, PAGE)
     p0 = b_lo * BLOCK_N // PAGE
-    pages = tl.load(table_row + p0 + entries, mask=(p0 + entries >= p_lo) & (p0 + entries < p_hi), other=0)
+    pages = tl.load(
+        table_row + p0 + entries, mask=(p0 + entries >= p_lo) & (p0 + entries < p_hi), other=0
+    )
 
     # All of the above reads metadata written before the step; q and the step's new keys come from the kernel
     # just before (the qkv epilogue), so wait for it only now.
@@ -129,8 +200,11 @@ def _attn_kernel(
     else:
         wait_for_producer(PDL)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -144,12 +218,38 @@ def _attn_kernel(
         p0 = c_lo * BLOCK_N // PAGE
         p_next = c_hi * BLOCK_N // PAGE
         p_stop = tl.where(c_hi < b_hi, p_hi, 0)  # (nothing after the last chunk)
-        next_pages = tl.load(table_row + p_next + entries,
-                             mask=(p_next + entries >= p_lo) & (p_next + entries < p_stop), other=0)
+        next_pages = tl.load(
+            table_row + p_next + entries,
+            mask=(p_next + entries >= p_lo) & (p_next + entries < p_stop),
+            other=0,
+        )
         for b in range(c_lo, c_hi):
             m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, m_i, l_i, acc, b * BLOCK_N + tl.arange(0, BLOCK_N), lo, hi, start, end, pages, p0,
-                entries, kvh, d, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE, DOT_FP32)
+                q,
+                k_ptr,
+                v_ptr,
+                m_i,
+                l_i,
+                acc,
+                b * BLOCK_N + tl.arange(0, BLOCK_N),
+                lo,
+                hi,
+                start,
+                end,
+                pages,
+                p0,
+                entries,
+                kvh,
+                d,
+                stride_kp,
+                stride_ks,
+                stride_kh,
+                stride_vp,
+                stride_vs,
+                stride_vh,
+                PAGE,
+                DOT_FP32,
+            )
         pages = next_pages
     if LAUNCH_NEXT_LATE:
         if PDL:
@@ -167,13 +267,23 @@ def _attn_kernel(
         part = (tok * num_q_heads + head) * num_splits + split
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=(row_ok & has)[:, None])
+        tl.store(
+            part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=(row_ok & has)[:, None]
+        )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    part_o_ptr, part_lse_ptr, o_ptr, num_q_heads, num_splits, stride_ot, stride_oh,
-    SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    part_o_ptr,
+    part_lse_ptr,
+    o_ptr,
+    num_q_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -208,8 +318,13 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
         # us at 1k context and 2922 -> 1671 us at 4k; sliding layers 147 -> 118 us and 221 -> 155 us.
         block_t = max(1, min(next_pow2(max_q_len), 64 // group_p))
         block_m = max(16, block_t * group_p)
-        return dict(block_t=block_t, block_m=block_m, block_n=32,
-                    num_warps=8 if block_m * head_dim > 16384 else 4, num_stages=2)
+        return dict(
+            block_t=block_t,
+            block_m=block_m,
+            block_n=32,
+            num_warps=8 if block_m * head_dim > 16384 else 4,
+            num_stages=2,
+        )
     max_rows = 64 if head_dim <= 256 else 32
     block_t = max(1, min(next_pow2(max_q_len), max_rows // group_p))
     block_m = max(16, block_t * group_p)
@@ -233,7 +348,11 @@ def split_limits(window: int, max_q_len: int) -> tuple[int, int]:
     us at 1k keys, 21 -> 18 us at 4k); their verify tiles hold 4 tokens x 8 heads of 512 dims, one program per
     SM, so at most 16 splits (one wave at batch 1: 33.6 -> 15.9 us at 1k keys, 149 -> 91 us at 16k)."""
     if window > 0:
-        return (max(1, window // 64), 64) if max_q_len == 1 else (triton.cdiv(window + max_q_len - 1, 128), 128)
+        return (
+            (max(1, window // 64), 64)
+            if max_q_len == 1
+            else (triton.cdiv(window + max_q_len - 1, 128), 128)
+        )
     return (32, 32) if max_q_len == 1 else (16, 64)
 
 
@@ -263,7 +382,9 @@ def paged_attention(
 ) -> torch.Tensor:
     T, nh, hd = q.shape
     page_size, nkv = k_cache.shape[1], k_cache.shape[2]
-    assert nh % nkv == 0 and hd >= 16 and hd & (hd - 1) == 0, "head_dim must be a power of two >= 16"
+    assert nh % nkv == 0 and hd >= 16 and hd & (hd - 1) == 0, (
+        "head_dim must be a power of two >= 16"
+    )
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert page_table.stride(-1) == 1
     if out is None:
@@ -293,7 +414,9 @@ def paged_attention(
         if window == 0 and max_q_len == 1 and num_splits >= 16:
             cfg.update(block_n=16, num_stages=4)
         if q.dtype == torch.float32 and not INTERPRET:
-            cfg.update(block_n=16, num_stages=1)  # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
+            cfg.update(
+                block_n=16, num_stages=1
+            )  # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
     entries, chunk = table_chunk(page_size, cfg["block_n"])
     if num_splits > 1:
         part_o = torch.empty(T, nh, num_splits, hd, dtype=torch.float32, device=q.device)
@@ -306,23 +429,59 @@ def paged_attention(
     # Verification (+0.20 ms at batch 1) and larger decode grids (+0.11 ms at batch 8) lost with it.
     late = max_q_len == 1 and G * q_blocks * nkv * num_splits <= 2 * sm_count(q.device)
     _attn_kernel[(G, q_blocks, nkv * num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse,
-        token_seq, kv_end, page_table, cu_seqlens_q,
-        int(window), nh, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_o,
+        part_lse,
+        token_seq,
+        kv_end,
+        page_table,
+        cu_seqlens_q,
+        int(window),
+        nh,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         page_table.stride(0),
-        GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=hd, PAGE=page_size,
-        BLOCK_T=cfg["block_t"], BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        SPLIT=num_splits > 1, MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
-        DOT_FP32=dot_in_fp32(q.dtype), TABLE_CHUNK=entries, CHUNK_TILES=chunk, LAUNCH_NEXT_LATE=late,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q.device),
+        GROUP=group,
+        GROUP_P=next_pow2(group),
+        HEAD_DIM=hd,
+        PAGE=page_size,
+        BLOCK_T=cfg["block_t"],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        SPLIT=num_splits > 1,
+        MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
+        DOT_FP32=dot_in_fp32(q.dtype),
+        TABLE_CHUNK=entries,
+        CHUNK_TILES=chunk,
+        LAUNCH_NEXT_LATE=late,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **pdl_args(q.device),
     )
     if num_splits > 1:
         _merge_kernel[(T, nh)](
-            part_o, part_lse, out, nh, num_splits, out.stride(0), out.stride(1),
-            SPLITS_P=8 if num_splits <= 8 else next_pow2(num_splits), HEAD_DIM=hd,
-            num_warps=4 if hd <= 256 else 8, **pdl_args(q.device),
+            part_o,
+            part_lse,
+            out,
+            nh,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            SPLITS_P=8 if num_splits <= 8 else next_pow2(num_splits),
+            HEAD_DIM=hd,
+            num_warps=4 if hd <= 256 else 8,
+            **pdl_args(q.device),
         )
     return out

@@ -22,19 +22,41 @@ def _normed(row_ptr, w, d, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_row(row_ptr, w, w_rot, d, d_rot, c, s, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr):
+def _norm_rope_row(
+    row_ptr, w, w_rot, d, d_rot, c, s, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr
+):
     """RoPE(RMSNorm(row) * w): dim d pairs with d_rot = d + hd/2 (mod hd) in the half-split rotation."""
     HALF: tl.constexpr = HEAD_DIM // 2
     y = round_to(_normed(row_ptr, w, d, eps, HEAD_DIM), DT)
-    y_rot = round_to(tl.where(d < HALF, -1.0, 1.0) * _normed(row_ptr, w_rot, d_rot, eps, HEAD_DIM), DT)
+    y_rot = round_to(
+        tl.where(d < HALF, -1.0, 1.0) * _normed(row_ptr, w_rot, d_rot, eps, HEAD_DIM), DT
+    )
     return round_to(round_to(y * c, DT) + round_to(y_rot * s, DT), DT)
 
 
 @triton.jit
-def _qkv_epilogue_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
-                         stride_xt, stride_ct, stride_st, stride_qt, stride_cslot, eps,
-                         NH: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, K_EQ_V: tl.constexpr,
-                         PDL: tl.constexpr):
+def _qkv_epilogue_kernel(
+    x_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    stride_xt,
+    stride_ct,
+    stride_st,
+    stride_qt,
+    stride_cslot,
+    eps,
+    NH: tl.constexpr,
+    NKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    K_EQ_V: tl.constexpr,
+    PDL: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -65,19 +87,51 @@ def _qkv_epilogue_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr,
             tl.store(vc_ptr + dst, v.to(DT))
 
 
-def qkv_epilogue(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 num_heads: int, num_kv_heads: int, k_eq_v: bool) -> torch.Tensor:
+def qkv_epilogue(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    k_eq_v: bool,
+) -> torch.Tensor:
     """qkv [T, (nh + nkv (+ nkv)) * hd] (q, k, then v unless k_eq_v) -> q [T, nh, hd]; K/V go to the caches
     [num_pages, page_size, nkv, hd] at `slots` [T] (-1 = no write)."""
     T = qkv.shape[0]
     hd = k_cache.shape[-1]
-    assert hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    assert (
+        hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    )
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2] == num_kv_heads
     q = torch.empty(T, num_heads, hd, dtype=qkv.dtype, device=qkv.device)
     if T:
         _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
-            qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slots,
-            qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), num_kv_heads * hd, eps,
-            NH=num_heads, NKV=num_kv_heads, HEAD_DIM=hd, K_EQ_V=k_eq_v, num_warps=4 if hd <= 256 else 8, **pdl_args(qkv.device))
+            qkv,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            q,
+            k_cache,
+            v_cache,
+            slots,
+            qkv.stride(0),
+            cos.stride(0),
+            sin.stride(0),
+            q.stride(0),
+            num_kv_heads * hd,
+            eps,
+            NH=num_heads,
+            NKV=num_kv_heads,
+            HEAD_DIM=hd,
+            K_EQ_V=k_eq_v,
+            num_warps=4 if hd <= 256 else 8,
+            **pdl_args(qkv.device),
+        )
     return q

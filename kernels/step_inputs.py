@@ -20,12 +20,23 @@ from ._common import INTERPRET, round_to
 # One compiled variant each, whatever the step's token count (a new block size or integer specialisation would
 # compile mid-serving, on the first prefill of an unseen length).
 @triton.jit(do_not_specialize=["T"])
-def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-                        LIBDEVICE: tl.constexpr):
+def _rope_tables_kernel(
+    pos_ptr,
+    inv_ptr,
+    cos_ptr,
+    sin_ptr,
+    T,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 2 * HALF)
     ok = (t < T)[:, None]
-    theta = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)[:, None] * tl.load(inv_ptr + d % HALF)[None, :]
+    theta = (
+        tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)[:, None]
+        * tl.load(inv_ptr + d % HALF)[None, :]
+    )
     if LIBDEVICE:
         c, s = libdevice.cos(theta), libdevice.sin(theta)
     else:  # the interpreter has no libdevice
@@ -45,14 +56,35 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
     sin = torch.empty_like(cos)
     if T:
         block_t = max(1, 4096 // (2 * half))
-        _rope_tables_kernel[(triton.cdiv(T, block_t),)](positions, inv_freq, cos, sin, T, HALF=half, BLOCK_T=block_t,
-                                                         LIBDEVICE=not INTERPRET, num_warps=4)
+        _rope_tables_kernel[(triton.cdiv(T, block_t),)](
+            positions,
+            inv_freq,
+            cos,
+            sin,
+            T,
+            HALF=half,
+            BLOCK_T=block_t,
+            LIBDEVICE=not INTERPRET,
+            num_warps=4,
+        )
     return cos, sin
 
 
 @triton.jit(do_not_specialize=["stride_a", "stride_b", "T"])
-def _write_slots_kernel(token_seq_ptr, pos_ptr, table_a_ptr, table_b_ptr, stride_a, stride_b, kv_end_ptr,
-                        slot_a_ptr, slot_b_ptr, T, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+def _write_slots_kernel(
+    token_seq_ptr,
+    pos_ptr,
+    table_a_ptr,
+    table_b_ptr,
+    stride_a,
+    stride_b,
+    kv_end_ptr,
+    slot_a_ptr,
+    slot_b_ptr,
+    T,
+    PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = t < T
     pos = tl.load(pos_ptr + t, mask=ok, other=0).to(tl.int64)
@@ -70,13 +102,30 @@ def write_slots(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, page_s
     its sequence's row of each of the two page tables, as attention.metadata.causal_metadata."""
     (kind_a, table_a), (kind_b, table_b) = tables.items()
     T = pos.shape[0]
-    assert token_seq.is_contiguous() and pos.is_contiguous() and table_a.stride(1) == 1 and table_b.stride(1) == 1
+    assert (
+        token_seq.is_contiguous()
+        and pos.is_contiguous()
+        and table_a.stride(1) == 1
+        and table_b.stride(1) == 1
+    )
     kv_end = torch.empty(T, dtype=torch.int32, device=pos.device)
     slot_a = torch.empty(T, dtype=torch.int64, device=pos.device)
     slot_b = torch.empty_like(slot_a)
     if T:
         block = 128
-        _write_slots_kernel[(triton.cdiv(T, block),)](token_seq, pos, table_a, table_b, table_a.stride(0),
-                                                      table_b.stride(0), kv_end, slot_a, slot_b, T, PAGE=page_size,
-                                                      BLOCK=block, num_warps=4)
+        _write_slots_kernel[(triton.cdiv(T, block),)](
+            token_seq,
+            pos,
+            table_a,
+            table_b,
+            table_a.stride(0),
+            table_b.stride(0),
+            kv_end,
+            slot_a,
+            slot_b,
+            T,
+            PAGE=page_size,
+            BLOCK=block,
+            num_warps=4,
+        )
     return kv_end, {kind_a: slot_a, kind_b: slot_b}

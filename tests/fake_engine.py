@@ -25,7 +25,13 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gemma4serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
+from gemma4serve.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 
 REPLY = "The quick brown fox jumps over the lazy dog."
 
@@ -40,7 +46,9 @@ class FakeTokenizer:
     vocab_size = OFFSET + 0x110000
 
     def __init__(self):
-        self.template_threads: list[threading.Thread] = []  # who rendered templates (must not be the loop)
+        self.template_threads: list[
+            threading.Thread
+        ] = []  # who rendered templates (must not be the loop)
         self._names = {v: k for k, v in self.SPECIALS.items()}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -67,12 +75,16 @@ class FakeTokenizer:
             self.id_to_token(t) for t in ids if not (skip_special_tokens and t < self.OFFSET)
         )
 
-    def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None, **kwargs) -> str:
+    def apply_chat_template(
+        self, messages, *, add_generation_prompt=True, tools=None, **kwargs
+    ) -> str:
         self.template_threads.append(threading.current_thread())
         out = ["<bos>"]
         for i, m in enumerate(messages):
             if m["role"] in ("system", "developer") and i > 0:
-                raise ValueError("a system message is only allowed first")  # like the Gemma template's raise
+                raise ValueError(
+                    "a system message is only allowed first"
+                )  # like the Gemma template's raise
             out.append(f"<|turn>{m['role']}\n{m.get('content') or ''}<turn|>\n")
         if add_generation_prompt:
             out.append("<|turn>model\n")
@@ -101,17 +113,23 @@ class FakeEngine:
         self.model_name = "fake/gemma-4-fake"
         self.token_delay = token_delay
         self.tokens_per_step = tokens_per_step
-        self.fail_after_steps = fail_after_steps  # raise RuntimeError after this many outputs (engine bug)
+        self.fail_after_steps = (
+            fail_after_steps  # raise RuntimeError after this many outputs (engine bug)
+        )
         self.reply_ids = self.tokenizer.encode(reply)
         self.page_size = page_size
         self.full_pages = full_pages
         self.sliding_pages = sliding_pages
         self.started = False
         self.shutdown_calls: list[float] = []
-        self.requests: dict[str, tuple[list[int], object]] = {}  # request id -> (prompt ids, SamplingParams)
+        self.requests: dict[
+            str, tuple[list[int], object]
+        ] = {}  # request id -> (prompt ids, SamplingParams)
         self.abort_calls: list[str] = []
         self.aborted: list[str] = []  # requests that ended early: abort() or the consumer went away
-        self.active: dict[str, tuple[int, int]] = {}  # request id -> (full pages, sliding pages) held
+        self.active: dict[
+            str, tuple[int, int]
+        ] = {}  # request id -> (full pages, sliding pages) held
         self._abort_requested: set[str] = set()
         self._stats = EngineStats(full_pages_total=full_pages, swa_pages_total=sliding_pages)
         self._lock = threading.Lock()
@@ -154,12 +172,21 @@ class FakeEngine:
     async def generate(self, prompt_token_ids, params, request_id):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_token_ids)
+        max_tokens = (
+            params.max_tokens
+            if params.max_tokens is not None
+            else self.max_model_len - len(prompt_token_ids)
+        )
         if len(prompt_token_ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({max_tokens}) > {self.max_model_len}")
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)}) + max_tokens ({max_tokens}) > {self.max_model_len}"
+            )
         self.requests[request_id] = (list(prompt_token_ids), params)
         metrics = RequestMetrics(arrival_time=time.monotonic())
-        need = (params.n * math.ceil((len(prompt_token_ids) + max_tokens) / self.page_size), params.n)
+        need = (
+            params.n * math.ceil((len(prompt_token_ids) + max_tokens) / self.page_size),
+            params.n,
+        )
         choices = [_Choice(i) for i in range(params.n)]
         admitted = ended_early = False
         try:
@@ -186,7 +213,10 @@ class FakeEngine:
                                     metrics if finished else None)  # fmt: skip
                 if finished:
                     return
-        except (asyncio.CancelledError, GeneratorExit):  # the consumer went away: what the real engine aborts on
+        except (
+            asyncio.CancelledError,
+            GeneratorExit,
+        ):  # the consumer went away: what the real engine aborts on
             ended_early = True
             raise
         finally:
@@ -221,11 +251,17 @@ class FakeEngine:
         new_logprobs: list[TokenLogprob] = []
         while c.finish_reason is None and len(new_ids) < self.tokens_per_step:
             pos = len(c.token_ids)
-            token = self.reply_ids[pos % len(self.reply_ids)] if params.ignore_eos or pos < len(self.reply_ids) else 1
+            token = (
+                self.reply_ids[pos % len(self.reply_ids)]
+                if params.ignore_eos or pos < len(self.reply_ids)
+                else 1
+            )
             c.token_ids.append(token)
             new_ids.append(token)
             if params.logprobs is not None:
-                top = [(token, -0.25)] + [(self.tokenizer.OFFSET + ord(ch), -2.0 - j) for j, ch in enumerate("xyz")]
+                top = [(token, -0.25)] + [
+                    (self.tokenizer.OFFSET + ord(ch), -2.0 - j) for j, ch in enumerate("xyz")
+                ]
                 new_logprobs.append(TokenLogprob(token, -0.25, top[: params.logprobs]))
             if token == 1 and not params.ignore_eos:
                 c.finish_reason = "stop"
@@ -236,7 +272,9 @@ class FakeEngine:
                 for s in params.stop:
                     at = c.full_text.find(s)
                     if at >= 0:
-                        c.full_text = c.full_text[: at + (len(s) if params.include_stop_str_in_output else 0)]
+                        c.full_text = c.full_text[
+                            : at + (len(s) if params.include_stop_str_in_output else 0)
+                        ]
                         c.finish_reason, c.stop_reason = "stop", s
                         break
             if c.finish_reason is None and len(c.token_ids) >= max_tokens:
@@ -264,7 +302,11 @@ class FakeEngine:
 
     def _count_finished(self, choices: list[_Choice]) -> None:
         with self._lock:
-            reason = "abort" if any(c.finish_reason == "abort" for c in choices) else choices[0].finish_reason
+            reason = (
+                "abort"
+                if any(c.finish_reason == "abort" for c in choices)
+                else choices[0].finish_reason
+            )
             self._stats.requests_finished[reason] = self._stats.requests_finished.get(reason, 0) + 1
 
 
@@ -291,7 +333,9 @@ class ServerProcess:
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(ready_timeout) or not self.url:
             self.kill()
-            raise RuntimeError(f"server not ready after {ready_timeout}s; output:\n" + "\n".join(self.lines[-60:]))
+            raise RuntimeError(
+                f"server not ready after {ready_timeout}s; output:\n" + "\n".join(self.lines[-60:])
+            )
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -333,7 +377,7 @@ def sse_data(lines) -> list[str]:
             expect_blank = False
         elif line:
             assert line.startswith("data: "), line
-            payloads.append(line[len("data: "):])
+            payloads.append(line[len("data: ") :])
             expect_blank = True
     return payloads
 

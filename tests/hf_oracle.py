@@ -12,7 +12,9 @@ def load_hf_target(path, dtype=torch.float32, device="cpu", attn="eager"):
 
     release = json.loads((path / "config.json").read_text())["model_type"] == "gemma4"
     cls = Gemma4ForConditionalGeneration if release else Gemma4ForCausalLM
-    model, info = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn, output_loading_info=True)
+    model, info = cls.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return model.to(device).eval()
 
@@ -51,4 +53,4 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
         out = hf.generate(torch.tensor([ids], device=dev), generation_config=gc)
     finally:
         hf.generation_config.eos_token_id = saved
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()

@@ -66,7 +66,11 @@ def test_bench_hf_baseline_on_the_same_weights():
     out = run_bench("--input-len", "20", "--output-len", "8", "--concurrency", "1", "--num-prompts", "2",
                     "--num-draft-tokens", "2", "--hf-baseline")  # fmt: skip
     assert set(table(out)) == {1}
-    hf_rows = [line for line in out.splitlines() if line.strip().startswith(("transformers", "+ assistant_model"))]
+    hf_rows = [
+        line
+        for line in out.splitlines()
+        if line.strip().startswith(("transformers", "+ assistant_model"))
+    ]
     assert len(hf_rows) == 2, out
     # Greedy on the same weights: HF generates our tokens exactly, with and without the assistant.
     assert all(line.rstrip().endswith("yes") for line in hf_rows), out

@@ -119,7 +119,9 @@ def test_random_streams_equal_full_decode_cut_at_stop(tok, seed):
     stops = rng.sample(["END", "STOP", "sang the", "本😀", "zzz"], 2)
     chunk = rng.randint(1, 4)
     for include in (False, True):
-        pieces, stop, _ = stream(tok, ids, chunk=chunk, stop=stops, include_stop_str_in_output=include)
+        pieces, stop, _ = stream(
+            tok, ids, chunk=chunk, stop=stops, include_stop_str_in_output=include
+        )
         full = tok.decode(ids)
         hits = [(full.find(s), s) for s in stops if s in full]
         if hits:

@@ -7,10 +7,10 @@ import fnmatch
 import json
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -69,9 +69,13 @@ def test_installs_the_package_without_test_extras():
     (target,) = [w for w in words[2:] if w.startswith(".")]
     extras = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", target)
     assert extras, f"install the package itself, e.g. `pip install .`; got {target}"
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     chosen = set(extras.group(1).split(",")) if extras.group(1) else set()
-    assert chosen <= set(declared) and "test" not in chosen, f"extras {chosen}: unknown, or the test extra"
+    assert chosen <= set(declared) and "test" not in chosen, (
+        f"extras {chosen}: unknown, or the test extra"
+    )
 
 
 def test_install_command_equals_the_readme():
@@ -82,7 +86,9 @@ def test_install_command_equals_the_readme():
         if line.strip().startswith("```"):
             in_code = not in_code
         elif in_code and "pip install" in line:
-            for part in line.split("&&"):  # `pip install ... && gemma4serve --demo`: each command on its own
+            for part in line.split(
+                "&&"
+            ):  # `pip install ... && gemma4serve --demo`: each command on its own
                 words = normalized_pip_install(part.strip())
                 if words:
                     readme_installs.append(words)
@@ -101,7 +107,9 @@ def test_runs_as_non_root_after_installing():
     assert user not in ("root", "0"), users[-1]
     last_user = len(names) - 1 - names[::-1].index("USER")
     last_run = len(names) - 1 - names[::-1].index("RUN")
-    assert last_user > last_run, "USER must come after the last RUN (the install steps need root, serving does not)"
+    assert last_user > last_run, (
+        "USER must come after the last RUN (the install steps need root, serving does not)"
+    )
 
 
 def test_hf_cache_volume():
@@ -119,7 +127,9 @@ def test_exposes_8000_and_checks_health():
 
 def test_entrypoint_is_the_console_script():
     (entrypoint,) = args_of("ENTRYPOINT")
-    assert json.loads(entrypoint) == ["gemma4serve"], "exec form, so that SIGTERM reaches the server (drain, exit 0)"
+    assert json.loads(entrypoint) == ["gemma4serve"], (
+        "exec form, so that SIGTERM reaches the server (drain, exit 0)"
+    )
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["gemma4serve"] == "gemma4serve.cli:main"
     (cmd,) = args_of("CMD")
@@ -133,7 +143,9 @@ def test_dockerignore_keeps_what_the_build_copies():
     for copy in args_of("COPY"):
         *sources, _dest = shlex.split(copy)
         for source in sources:
-            assert not any(fnmatch.fnmatch(source, p) for p in patterns), f".dockerignore drops COPY source {source}"
+            assert not any(fnmatch.fnmatch(source, p) for p in patterns), (
+                f".dockerignore drops COPY source {source}"
+            )
             if source == "README.md" and not README.exists():
                 continue  # written by the docs; test_install_command_equals_the_readme skips meanwhile
             assert (ROOT / source).exists(), f"COPY source {source} is missing"

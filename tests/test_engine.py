@@ -36,7 +36,9 @@ MAX_STEPS = 5000  # a run that needs more is stuck: fail rather than hang
 # The main engine: a full pool of 64 pages of 4 tokens that 64 growing requests cannot share (preemption, also
 # of sequences that are decoding), and a 48-token budget that long prompts need several steps for (chunked
 # prefill). max_model_len is above what the pool holds, so the "does not fit the KV cache" check is reachable.
-MAIN = dict(kv_cache_tokens=256, page_size=4, max_num_batched_tokens=48, max_num_seqs=64, max_model_len=1024)
+MAIN = dict(
+    kv_cache_tokens=256, page_size=4, max_num_batched_tokens=48, max_num_seqs=64, max_model_len=1024
+)
 
 _ids = itertools.count()
 
@@ -87,9 +89,13 @@ def all_free(engine: LLMEngine) -> dict:
 @dataclass
 class Run:
     final: dict[str, RequestOutput] = field(default_factory=dict)
-    deltas: dict[tuple, list[list[int]]] = field(default_factory=dict)  # (rid, choice) -> new_token_ids per output
+    deltas: dict[tuple, list[list[int]]] = field(
+        default_factory=dict
+    )  # (rid, choice) -> new_token_ids per output
     text_deltas: dict[tuple, list[str]] = field(default_factory=dict)
-    logprobs: dict[tuple, list] = field(default_factory=dict)  # (rid, choice) -> TokenLogprob per token
+    logprobs: dict[tuple, list] = field(
+        default_factory=dict
+    )  # (rid, choice) -> TokenLogprob per token
     steps: int = 0
 
     def record(self, out: RequestOutput) -> None:
@@ -187,7 +193,9 @@ def mixed_requests(n: int) -> list[tuple[list[int], SamplingParams, bool]]:
 def test_64_concurrent_mixed_requests(engine):
     assert engine.kv_pool_free() == all_free(engine)
     reqs = mixed_requests(64)
-    assert max(len(p) for p, _, _ in reqs) > engine.scheduler.max_num_batched_tokens  # chunked prefill needed
+    assert (
+        max(len(p) for p, _, _ in reqs) > engine.scheduler.max_num_batched_tokens
+    )  # chunked prefill needed
     solos = {i: solo(engine, p, sp) for i, (p, sp, repro) in enumerate(reqs) if repro}
     preempted_before = engine.scheduler.num_preemptions
     assert engine.kv_pool_free() == all_free(engine)
@@ -204,7 +212,9 @@ def test_64_concurrent_mixed_requests(engine):
     run = run_requests(engine, {f"mix-{i}": (p, sp) for i, (p, sp, _) in enumerate(reqs)}, on_step)
 
     assert seen == {"chunked prefill", "preempted while decoding"}
-    assert engine.scheduler.num_preemptions > preempted_before, "the pool was meant to be too small for all 64"
+    assert engine.scheduler.num_preemptions > preempted_before, (
+        "the pool was meant to be too small for all 64"
+    )
     assert engine.snapshot().num_preemptions == engine.scheduler.num_preemptions
     assert engine.kv_pool_free() == all_free(engine)
     assert len(run.final) == 64
@@ -218,13 +228,17 @@ def test_64_concurrent_mixed_requests(engine):
                 assert len(c.token_ids) == sp.max_tokens and c.finish_reason == "length", i
             assert 1 <= len(c.token_ids) <= sp.max_tokens
         if repro:
-            assert choices(out) == choices(solos[i][0]), f"request {i} ({sp}) differs from its solo run"
+            assert choices(out) == choices(solos[i][0]), (
+                f"request {i} ({sp}) differs from its solo run"
+            )
         if sp.logprobs is not None:
             lps = run.logprobs[(f"mix-{i}", 0)]
             assert len(lps) == len(out.token_ids) and all(len(lp.top) == sp.logprobs for lp in lps)
             if repro:  # the same tokens, and the same values up to batch-shape rounding
                 ref = solos[i][1].logprobs[(solos[i][0].request_id, 0)]
-                assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in ref], abs=1e-4)
+                assert [lp.logprob for lp in lps] == pytest.approx(
+                    [lp.logprob for lp in ref], abs=1e-4
+                )
 
 
 # ---- aborts ---------------------------------------------------------------------------------------------
@@ -267,7 +281,10 @@ def test_abort_mid_prefill_mid_decode_mid_draft(engine):
     solos = {rid: solo(engine, p, sp)[0] for rid, (p, sp) in keep.items()}
     victims = {
         "prefill": (prompt_of(200, 21), greedy(8)),  # 200 prompt tokens at <= 48 a step
-        "decode": (prompt_of(10, 22), SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=40, ignore_eos=True)),
+        "decode": (
+            prompt_of(10, 22),
+            SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=40, ignore_eos=True),
+        ),
         "draft": (prompt_of(12, 23), greedy(40)),
     }
     aborted = {}
@@ -277,14 +294,18 @@ def test_abort_mid_prefill_mid_decode_mid_draft(engine):
         reqs = engine.requests
         if "prefill" in reqs and "prefill" not in aborted:
             seq = reqs["prefill"].seqs[0]
-            if 0 < seq.num_computed < seq.num_prompt:  # part of the prompt is in the cache, part is not
+            if (
+                0 < seq.num_computed < seq.num_prompt
+            ):  # part of the prompt is in the cache, part is not
                 aborted["prefill"] = abort_and_check(engine, run, "prefill")
         if "decode" in reqs and "decode" not in aborted:
             if all(len(s.output_ids) >= 2 for s in reqs["decode"].seqs):
                 aborted["decode"] = abort_and_check(engine, run, "decode")
         if "draft" in reqs and "draft" not in aborted:
             seq = reqs["draft"].seqs[0]
-            if "draft" in touched and seq.drafts and len(seq.output_ids) >= 3:  # this step just drafted
+            if (
+                "draft" in touched and seq.drafts and len(seq.output_ids) >= 3
+            ):  # this step just drafted
                 aborted["draft"] = abort_and_check(engine, run, "draft")
 
     # One more that never gets scheduled: aborted while it waits.
@@ -296,7 +317,9 @@ def test_abort_mid_prefill_mid_decode_mid_draft(engine):
 
     assert set(aborted) == set(victims), "every abort point was reached"
     assert aborted["prefill"].outputs[0].token_ids == []
-    assert all(0 < len(c.token_ids) < 40 for name in ("decode", "draft") for c in aborted[name].outputs)
+    assert all(
+        0 < len(c.token_ids) < 40 for name in ("decode", "draft") for c in aborted[name].outputs
+    )
     for rid, ref in solos.items():
         assert choices(run.final[rid]) == choices(ref), rid
     assert engine.kv_pool_free() == all_free(engine)
@@ -336,7 +359,9 @@ def test_eos_ids_stop_unless_ignore_eos(any_engine):
     assert eng.eos_ids == EOS
     prompts = {f"eos-{i}": prompt_of(6, 500 + i) for i in range(64)}
     run = run_requests(eng, {rid: (p, greedy(24)) for rid, p in prompts.items()})
-    assert all(len(o.token_ids) == 24 for o in run.final.values())  # ignore_eos: EOS does not end them
+    assert all(
+        len(o.token_ids) == 24 for o in run.final.values()
+    )  # ignore_eos: EOS does not end them
     hits = [(rid, next(j for j, t in enumerate(o.token_ids) if t in EOS))
             for rid, o in run.final.items() if EOS & set(o.token_ids)]  # fmt: skip
     assert hits, "no greedy output met an EOS id; try more prompts"
@@ -354,13 +379,23 @@ def test_stop_token_ids_cut_the_step(any_engine):
     mid = overshoots(eng, steps)
     j = next(j for j in range(1, len(ids)) if ids[j] not in ids[:j] and j in mid)
     out, _ = solo(eng, prompt, greedy(16, stop_token_ids=[ids[j]]))
-    assert out.token_ids == ids[: j + 1]  # ends at the stop token; what its step drafted after it is gone
+    assert (
+        out.token_ids == ids[: j + 1]
+    )  # ends at the stop token; what its step drafted after it is gone
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", ids[j])
-    assert out.text == solo(eng, prompt, greedy(j))[0].text  # the stop token's own text is not output
-    shown, _ = solo(eng, prompt, greedy(16, stop_token_ids=[ids[j]], include_stop_str_in_output=True))
+    assert (
+        out.text == solo(eng, prompt, greedy(j))[0].text
+    )  # the stop token's own text is not output
+    shown, _ = solo(
+        eng, prompt, greedy(16, stop_token_ids=[ids[j]], include_stop_str_in_output=True)
+    )
     assert shown.token_ids == ids[: j + 1]
-    if eng.runner.forced is None:  # forced acceptance's tokens depend on max_tokens: no shorter twin to compare
-        assert shown.text == solo(eng, prompt, greedy(j + 1))[0].text  # now with the stop token's text
+    if (
+        eng.runner.forced is None
+    ):  # forced acceptance's tokens depend on max_tokens: no shorter twin to compare
+        assert (
+            shown.text == solo(eng, prompt, greedy(j + 1))[0].text
+        )  # now with the stop token's text
 
 
 def test_stop_string_across_tokens(any_engine):
@@ -374,7 +409,11 @@ def test_stop_string_across_tokens(any_engine):
         a, b = texts[j - 1], texts[j]
         if len(b) > len(a) and len(texts[j + 1]) > len(b) and j + 1 in mid:
             stop = b[-1] + texts[j + 1][len(b)]
-            if stop.isprintable() and "\ufffd" not in stop and texts[j + 1].find(stop) == len(b) - 1:
+            if (
+                stop.isprintable()
+                and "\ufffd" not in stop
+                and texts[j + 1].find(stop) == len(b) - 1
+            ):
                 break
     else:
         pytest.fail("no token boundary to put a stop string across")
@@ -383,7 +422,9 @@ def test_stop_string_across_tokens(any_engine):
     assert out.token_ids == ids[: j + 2]
     assert out.text == b[:-1]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
-    out, _ = solo(eng, prompt, greedy(24, stop=["never printed", stop], include_stop_str_in_output=True))
+    out, _ = solo(
+        eng, prompt, greedy(24, stop=["never printed", stop], include_stop_str_in_output=True)
+    )
     assert out.token_ids == ids[: j + 2] and out.text == b[:-1] + stop
 
 
@@ -393,7 +434,9 @@ def test_max_tokens_exactly(any_engine, max_tokens):
     ids, _, _ = reference(any_engine, prompt, 12)
     out, _ = solo(any_engine, prompt, greedy(max_tokens))
     assert len(out.token_ids) == max_tokens
-    if any_engine.runner.forced is None:  # forced acceptance emits drafts, which depend on the room left
+    if (
+        any_engine.runner.forced is None
+    ):  # forced acceptance emits drafts, which depend on the room left
         assert out.token_ids == ids[:max_tokens]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("length", None)
 
@@ -401,7 +444,11 @@ def test_max_tokens_exactly(any_engine, max_tokens):
 @pytest.mark.parametrize("prompt_len", [55, 60, 63])
 def test_context_length_ends_generation(forced, prompt_len):
     assert forced.max_model_len == 64
-    out, _ = solo(forced, prompt_of(prompt_len, 80), SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    out, _ = solo(
+        forced,
+        prompt_of(prompt_len, 80),
+        SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+    )
     assert len(out.token_ids) == 64 - prompt_len
     assert out.outputs[0].finish_reason == "length"
     assert forced.kv_pool_free() == all_free(forced)
@@ -485,12 +532,16 @@ def test_seeds_reproduce_across_runs_and_batches(engine):
     })  # fmt: skip
     tokens = {rid: out.token_ids for rid, out in run.final.items()}
     assert tokens["a"] == tokens["b"] == alone
-    assert len({tuple(tokens[r]) for r in "acd"}) == 3, "different seeds should sample different tokens"
+    assert len({tuple(tokens[r]) for r in "acd"}) == 3, (
+        "different seeds should sample different tokens"
+    )
     n2 = solo(engine, prompt, sampled(7, n=2))[0]
     assert n2.outputs[0].token_ids != n2.outputs[1].token_ids  # each choice gets its own seed
     # Without a seed every run draws a fresh one.
     unseeded = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True)
-    assert solo(engine, prompt, unseeded)[0].token_ids != solo(engine, prompt, unseeded)[0].token_ids
+    assert (
+        solo(engine, prompt, unseeded)[0].token_ids != solo(engine, prompt, unseeded)[0].token_ids
+    )
 
 
 def test_speculation_is_lossless(tiny_checkpoints, engine):
@@ -527,7 +578,9 @@ def async_requests() -> dict:
             SamplingParams(temperature=0.0, max_tokens=80),  # stops at an EOS, if it meets one
             greedy(60, stop_token_ids=[prompt_of(1, 950 + i)[0], 400 + i]),
             greedy(60, stop=["a", "e "]),
-            SamplingParams(temperature=0.9, top_k=30, seed=i, max_tokens=9 + 5 * i, ignore_eos=True, logprobs=2),
+            SamplingParams(
+                temperature=0.9, top_k=30, seed=i, max_tokens=9 + 5 * i, ignore_eos=True, logprobs=2
+            ),
             SamplingParams(temperature=1.1, top_p=0.9, seed=i, n=2, max_tokens=50, ignore_eos=True),
         ][i % 6]
         out[f"async-{i}"] = (prompt, params)
@@ -539,7 +592,13 @@ def test_async_scheduling_changes_no_output(tiny_checkpoints, which):
     """A step queued before the previous one is read must not change any output: the same tokens, text,
     finish reasons and streamed deltas as the synchronous engine, and every page back after. Eight running
     sequences at most, so requests wait while others decode."""
-    kw = dict(kv_cache_tokens=4096, page_size=4, max_num_batched_tokens=96, max_num_seqs=8, max_model_len=256)
+    kw = dict(
+        kv_cache_tokens=4096,
+        page_size=4,
+        max_num_batched_tokens=96,
+        max_num_seqs=8,
+        max_model_len=256,
+    )
     if which == "forced":
         kw["forced_acceptance"] = float(K + 1)
     args = engine_args(tiny_checkpoints, **kw)
@@ -549,7 +608,9 @@ def test_async_scheduling_changes_no_output(tiny_checkpoints, which):
     off = LLMEngine(EngineArgs(**{**args.__dict__, "async_scheduling": False}))
     reqs = async_requests()
     got, want = run_requests(on, reqs), run_requests(off, reqs)
-    assert on.num_continued_steps > got.steps // 4, "steady decoding should continue steps on the device"
+    assert on.num_continued_steps > got.steps // 4, (
+        "steady decoding should continue steps on the device"
+    )
     assert off.num_continued_steps == 0
     for rid in reqs:
         assert choices(got.final[rid]) == choices(want.final[rid]), rid
@@ -600,22 +661,32 @@ def test_draft_length_policy():
     for _ in range(400):
         dl.observe(4, 4)
     assert dl.choose(8) == 4
-    assert DraftLength(4).choose(64) == 4 and DraftLength(0, costs).choose(1) == 0  # no costs: k stays fixed
+    assert (
+        DraftLength(4).choose(64) == 4 and DraftLength(0, costs).choose(1) == 0
+    )  # no costs: k stays fixed
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_adaptive_draft_length_is_lossless(tiny_checkpoints, async_scheduling):
     """Drafting on for a lone sequence and off for a batch (the step costs say so), switching both ways as
     requests come and go: the same tokens as without a drafter, and pages all back."""
-    kw = dict(kv_cache_tokens=4096, page_size=4, max_num_batched_tokens=96, max_num_seqs=8, max_model_len=256,
-              async_scheduling=async_scheduling)
+    kw = dict(
+        kv_cache_tokens=4096,
+        page_size=4,
+        max_num_batched_tokens=96,
+        max_num_seqs=8,
+        max_model_len=256,
+        async_scheduling=async_scheduling,
+    )
     eng = LLMEngine(engine_args(tiny_checkpoints, **kw))
     args = engine_args(tiny_checkpoints, **kw)
     args.draft, args.num_draft_tokens = None, 0
     plain = LLMEngine(args)
     eng.draft_length = DraftLength(K, {1: StepCost(1.0, 1.0, 0.1), 8: StepCost(1.0, 9.0, 1.0)})
     drafting = []
-    reqs = {f"adapt-{i}": (prompt_of(6 + 5 * i, 70 + i), greedy(10 + 30 * (i == 0))) for i in range(4)}
+    reqs = {
+        f"adapt-{i}": (prompt_of(6 + 5 * i, 70 + i), greedy(10 + 30 * (i == 0))) for i in range(4)
+    }
 
     def on_step(run, outs):
         drafting.append((len(eng.scheduler.running), eng.snapshot().spec_num_steps))
@@ -742,7 +813,9 @@ def test_async_engine_concurrent_consumers(tiny_checkpoints, engine):
         assert ae.stats().requests_finished.get("length") == len(prompts)
     finally:
         done = threading.Event()
-        threading.Thread(target=lambda: (ae.shutdown(drain_timeout=5), done.set()), daemon=True).start()
+        threading.Thread(
+            target=lambda: (ae.shutdown(drain_timeout=5), done.set()), daemon=True
+        ).start()
         assert done.wait(30), "shutdown() did not return"
     assert not ae._thread.is_alive()
 
@@ -752,7 +825,11 @@ def test_generation_config_supplies_the_default_sampling_settings(tiny_checkpoin
     says nothing samples with, as in vLLM; fields the file does not set stay unset."""
     from gemma4serve.engine.engine import generation_defaults
 
-    assert generation_defaults(tiny_checkpoints.get("dense")) == {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+    assert generation_defaults(tiny_checkpoints.get("dense")) == {
+        "temperature": 1.0,
+        "top_k": 64,
+        "top_p": 0.95,
+    }
 
 
 def test_text_prompts_start_with_bos(tiny_checkpoints):

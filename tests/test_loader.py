@@ -16,7 +16,6 @@ from gemma4serve.weights.dummy import init_dummy_weights
 from gemma4serve.weights.hub import CheckpointNotFoundError, resolve_checkpoint
 from gemma4serve.weights.loader import WeightLoadError, checkpoint_files, load_weights
 
-
 # ---- a module with HF's parameter names (prefix stripped), built from our parsed config ------------------
 
 
@@ -63,7 +62,11 @@ class Layer(nn.Module):
             self.experts = nn.Module()
             self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
             self.experts.down_proj = nn.Parameter(torch.empty(E, H, I))
-            for name in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
+            for name in (
+                "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+            ):
                 setattr(self, name, norm(H))
 
 
@@ -95,7 +98,9 @@ class AssistantWeights(nn.Module):
         if acfg.use_ordered_embeddings:
             self.masked_embedding = nn.Module()
             self.masked_embedding.centroids = linear(acfg.num_centroids, Ha)
-            self.masked_embedding.register_buffer("token_ordering", torch.zeros(acfg.text.vocab_size, dtype=torch.int64))
+            self.masked_embedding.register_buffer(
+                "token_ordering", torch.zeros(acfg.text.vocab_size, dtype=torch.int64)
+            )
 
 
 def text_param_name(prefix: str, cfg):
@@ -127,13 +132,27 @@ def load_target(ckpt, dtype=torch.float32, module=None):
     module = module or TextWeights(cfg)
     release = json.loads((ckpt / "config.json").read_text())["model_type"] == "gemma4"
     prefix = "model.language_model." if release else "model."
-    load_weights(module, ckpt, to_param_name=text_param_name(prefix, cfg), device="cpu", dtype=dtype, progress=False)
+    load_weights(
+        module,
+        ckpt,
+        to_param_name=text_param_name(prefix, cfg),
+        device="cpu",
+        dtype=dtype,
+        progress=False,
+    )
     return module, prefix
 
 
 @pytest.mark.parametrize(
     "variant,release_format,shards",
-    [("dense", True, 1), ("dense", False, 1), ("moe", True, 3), ("moe", False, 2), ("ple", True, 1), ("ple", False, 1)],
+    [
+        ("dense", True, 1),
+        ("dense", False, 1),
+        ("moe", True, 3),
+        ("moe", False, 2),
+        ("ple", True, 1),
+        ("ple", False, 1),
+    ],
 )
 def test_load_target(tiny_checkpoints, variant, release_format, shards):
     ckpt = tiny_checkpoints.get(variant, release_format, shards=shards)
@@ -155,11 +174,15 @@ def test_load_keeps_integer_buffers_and_converts_floats(tiny_checkpoints):
     ckpt = tiny_checkpoints.get_assistant("ple")
     acfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     module = AssistantWeights(acfg)
-    load_weights(module, ckpt, to_param_name=lambda n: n, device="cpu", dtype=torch.bfloat16, progress=True)
+    load_weights(
+        module, ckpt, to_param_name=lambda n: n, device="cpu", dtype=torch.bfloat16, progress=True
+    )
     order = module.masked_embedding.token_ordering
     assert order.dtype == torch.int64
     assert torch.equal(order, file_tensors(ckpt)["masked_embedding.token_ordering"])
-    assert torch.equal(module.pre_projection.weight, file_tensors(ckpt)["pre_projection.weight"].float())
+    assert torch.equal(
+        module.pre_projection.weight, file_tensors(ckpt)["pre_projection.weight"].float()
+    )
 
 
 def test_missing_weights_are_named(tiny_checkpoints):
@@ -189,7 +212,9 @@ def test_checkpoint_without_a_weight_the_module_needs(tiny_checkpoints):
 def test_shape_mismatch_is_named(tiny_checkpoints):
     ckpt = tiny_checkpoints.get("dense", True)
     module = TextWeights(load_config(ckpt))
-    module.layers[2].self_attn.k_proj = linear(64, 48)  # a full k_eq_v layer has 1 KV head of 32: [32, 48]
+    module.layers[2].self_attn.k_proj = linear(
+        64, 48
+    )  # a full k_eq_v layer has 1 KV head of 32: [32, 48]
     with torch.no_grad():
         module.norm.weight.fill_(7.0)
     with pytest.raises(WeightLoadError) as e:
@@ -198,14 +223,18 @@ def test_shape_mismatch_is_named(tiny_checkpoints):
         "model.language_model.layers.2.self_attn.k_proj.weight: checkpoint [32, 48], "
         "module layers.2.self_attn.k_proj.weight expects [64, 48]"
     ) in str(e.value)
-    assert (module.norm.weight == 7.0).all()  # nothing was copied: every check runs on the headers first
+    assert (
+        module.norm.weight == 7.0
+    ).all()  # nothing was copied: every check runs on the headers first
 
 
 def test_unknown_and_duplicate_targets_are_named(tiny_checkpoints):
     ckpt = tiny_checkpoints.get("dense", True)
     cfg = load_config(ckpt)
     strip = text_param_name("model.language_model.", cfg)
-    with pytest.raises(WeightLoadError, match=r"model\.vision_tower\.std_bias -> vision_tower\.std_bias"):
+    with pytest.raises(
+        WeightLoadError, match=r"model\.vision_tower\.std_bias -> vision_tower\.std_bias"
+    ):
         load_weights(TextWeights(cfg), ckpt, device="cpu", dtype=None, progress=False,
                      to_param_name=lambda n: n.removeprefix("model.") if "vision" in n else strip(n))  # fmt: skip
     dup = "model.language_model.layers.0.input_layernorm.weight"
@@ -213,7 +242,9 @@ def test_unknown_and_duplicate_targets_are_named(tiny_checkpoints):
     with pytest.raises(WeightLoadError, match=twice) as e:
         load_weights(TextWeights(cfg), ckpt, device="cpu", dtype=None, progress=False,
                      to_param_name=lambda n: "norm.weight" if n == dup else strip(n))  # fmt: skip
-    assert dup in str(e.value) and "missing from the checkpoint:\n  layers.0.input_layernorm.weight" in str(e.value)
+    assert dup in str(
+        e.value
+    ) and "missing from the checkpoint:\n  layers.0.input_layernorm.weight" in str(e.value)
 
 
 def test_meta_module_is_refused(tiny_checkpoints):
@@ -241,7 +272,13 @@ def test_dummy_weights(tiny_checkpoints, dtype):
     for name, t in state.items():
         if t.is_floating_point():
             assert torch.isfinite(t).all(), name
-    norms = torch.cat([t.float() for n, t in state.items() if n.endswith("norm.weight") or n.endswith("layer_scalar")])
+    norms = torch.cat(
+        [
+            t.float()
+            for n, t in state.items()
+            if n.endswith("norm.weight") or n.endswith("layer_scalar")
+        ]
+    )
     assert ((norms > 0.85) & (norms < 1.15)).all()
     w = module.pre_projection.weight.float()
     assert 0.015 < w.std() < 0.025
@@ -281,5 +318,7 @@ def test_resolve_from_offline_hf_cache(tmp_path, monkeypatch):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     assert resolve_checkpoint("google/gemma-4-tiny", cache_dir=tmp_path) == snap
-    with pytest.raises(CheckpointNotFoundError, match="not in the Hugging Face cache.*HF_HUB_OFFLINE"):
+    with pytest.raises(
+        CheckpointNotFoundError, match="not in the Hugging Face cache.*HF_HUB_OFFLINE"
+    ):
         resolve_checkpoint("google/not-there", cache_dir=tmp_path)

@@ -42,8 +42,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.fixture(scope="module", params=[(v, fmt) for v in VARIANTS for fmt in (True, False)],
-                ids=lambda p: f"{p[0]}-{'release' if p[1] else 'text'}")
+@pytest.fixture(
+    scope="module",
+    params=[(v, fmt) for v in VARIANTS for fmt in (True, False)],
+    ids=lambda p: f"{p[0]}-{'release' if p[1] else 'text'}",
+)
 def pair(request, tiny_checkpoints):
     variant, release = request.param
     path = tiny_checkpoints.get(variant, release_format=release)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -60,7 +59,9 @@ def test_draft_tokens_match_hf_assistant(setup):
         running = [s for s in eng.scheduler.running if s.request_id == "r"]
         if running and running[0].drafts:
             seq = running[0]
-            assert seq.drafts == hf_drafts(hf, asst, seq.token_ids, k), f"after {seq.num_tokens} tokens"
+            assert seq.drafts == hf_drafts(hf, asst, seq.token_ids, k), (
+                f"after {seq.num_tokens} tokens"
+            )
             checked += 1
     assert checked >= 3  # after prefill and after several verify steps
 
@@ -68,16 +69,30 @@ def test_draft_tokens_match_hf_assistant(setup):
 def LLMEngine_for(target, assistant, k, **kw) -> LLMEngine:
     from gemma4serve.engine.args import EngineArgs
 
-    args = EngineArgs(model=str(target), draft=str(assistant) if assistant else None, device="cpu", dtype="float32",
-                      num_draft_tokens=k, max_num_seqs=16, max_num_batched_tokens=256, **kw)
+    args = EngineArgs(
+        model=str(target),
+        draft=str(assistant) if assistant else None,
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=k,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        **kw,
+    )
     return LLMEngine(args)
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_with_drafter_equals_without_and_hf(setup, k):
     variant, target, assistant, hf, _ = setup
-    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=k,
-               max_num_batched_tokens=48)
+    spec = LLM(
+        str(target),
+        draft=str(assistant),
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=k,
+        max_num_batched_tokens=48,
+    )
     plain = LLM(str(target), device="cpu", dtype="float32")
     prompts = [prompt_of(n, seed=n) for n in (2, 11, 37)]
     sp = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
@@ -103,9 +118,11 @@ def oracle_drafts(engine: LLMEngine, prompts, outputs, k: int, wrong_every: int)
         original(req, seq, drafts, result)
         ref = reference[tuple(seq.token_ids[: seq.num_prompt])]
         done = len(seq.output_ids)
-        proposal = ref[done: done + k]
-        proposal = [(t + 1) % engine.cfg.vocab_size if (done + i) % wrong_every == 0 else t
-                    for i, t in enumerate(proposal)]
+        proposal = ref[done : done + k]
+        proposal = [
+            (t + 1) % engine.cfg.vocab_size if (done + i) % wrong_every == 0 else t
+            for i, t in enumerate(proposal)
+        ]
         proposal += [0] * (k - len(proposal))
         seq.drafts = proposal
 
@@ -119,8 +136,15 @@ def test_greedy_with_accepted_drafts(setup, k):
     across them, rejected rows overwritten."""
     variant, target, assistant, _, _ = setup
     plain = LLM(str(target), device="cpu", dtype="float32")
-    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=k,
-               max_num_batched_tokens=64, async_scheduling=False)
+    spec = LLM(
+        str(target),
+        draft=str(assistant),
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=k,
+        max_num_batched_tokens=64,
+        async_scheduling=False,
+    )
     prompts = [prompt_of(n, seed=50 + n) for n in (3, 25, 40)]
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
@@ -130,9 +154,13 @@ def test_greedy_with_accepted_drafts(setup, k):
     got = [o.token_ids for o in spec.generate(prompts, sp)]
     assert got == ref
     st = eng.snapshot()
-    assert st.spec_accepted_tokens > st.spec_num_steps  # more than one accepted draft per step on average
+    assert (
+        st.spec_accepted_tokens > st.spec_num_steps
+    )  # more than one accepted draft per step on average
     assert st.spec_accepted_per_position[k - 1] > 0  # full acceptance happened
-    assert st.spec_accepted_per_position[0] < st.spec_num_steps  # and so did rejection at the first draft
+    assert (
+        st.spec_accepted_per_position[0] < st.spec_num_steps
+    )  # and so did rejection at the first draft
     assert eng.kv_pool_free() == free0
 
 
@@ -141,15 +169,29 @@ def test_seeded_sampling_is_identical_with_and_without_drafts(setup):
     changes what a seeded request emits."""
     variant, target, assistant, _, _ = setup
     plain = LLM(str(target), device="cpu", dtype="float32")
-    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=3,
-               async_scheduling=False)  # oracle drafts
+    spec = LLM(
+        str(target),
+        draft=str(assistant),
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=3,
+        async_scheduling=False,
+    )  # oracle drafts
     prompts = [prompt_of(n, seed=n) for n in (4, 19)]
     settings = [
         SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=1.0, top_k=5, seed=12, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=1.2, top_p=0.7, min_p=0.05, seed=13, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, seed=14,
-                       ignore_eos=True),
+        SamplingParams(
+            max_tokens=24, temperature=1.2, top_p=0.7, min_p=0.05, seed=13, ignore_eos=True
+        ),
+        SamplingParams(
+            max_tokens=24,
+            temperature=1.0,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            seed=14,
+            ignore_eos=True,
+        ),
     ]
     for sp in settings:
         ref = [o.token_ids for o in plain.generate(prompts, sp)]
@@ -206,8 +248,16 @@ def test_sampling_with_drafter_has_the_target_distribution(tiny_checkpoints, set
                 joint[(a, b, c)] = (p1[a] * p2[b] * p3[c]).item()
     cells = sorted(joint, key=joint.get, reverse=True)[:12]
     N = 2000
-    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=2,
-               max_num_seqs=256, max_num_batched_tokens=2048, async_scheduling=False)
+    spec = LLM(
+        str(target),
+        draft=str(assistant),
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=2,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        async_scheduling=False,
+    )
     # Drafts: the target's greedy path, so that they are often but not always accepted.
     greedy = hf_greedy(hf, prompt, 3)
     eng = spec.engine
@@ -219,7 +269,9 @@ def test_sampling_with_drafter_has_the_target_distribution(tiny_checkpoints, set
         seq.drafts = (greedy[done:] + [greedy[-1]] * 2)[:2]
 
     eng._commit = commit
-    out = spec.generate([prompt], SamplingParams(n=N, max_tokens=3, seed=2024, ignore_eos=True, **params))[0]
+    out = spec.generate(
+        [prompt], SamplingParams(n=N, max_tokens=3, seed=2024, ignore_eos=True, **params)
+    )[0]
     counts = {c: 0 for c in cells}
     other = 0
     for choice in out.outputs:
@@ -239,4 +291,8 @@ def test_sampling_with_drafter_has_the_target_distribution(tiny_checkpoints, set
 
 def test_mismatched_drafter_is_refused(tiny_checkpoints):
     with pytest.raises(ConfigError, match="does not fit"):
-        LLM(str(tiny_checkpoints.get("dense")), draft=str(tiny_checkpoints.get_assistant("ple")), device="cpu")
+        LLM(
+            str(tiny_checkpoints.get("dense")),
+            draft=str(tiny_checkpoints.get_assistant("ple")),
+            device="cpu",
+        )

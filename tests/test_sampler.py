@@ -32,8 +32,12 @@ def run_accept(logits, drafts, params, num_drafts=None, first_position=None, **k
     logits = torch.as_tensor(logits, dtype=torch.float32)
     B, K1, _ = logits.shape
     drafts = torch.as_tensor(drafts, dtype=torch.int64).view(B, K1 - 1)
-    num_drafts = torch.as_tensor(num_drafts if num_drafts is not None else [K1 - 1] * B, dtype=torch.int64)
-    first_position = torch.as_tensor(first_position if first_position is not None else [10] * B, dtype=torch.int64)
+    num_drafts = torch.as_tensor(
+        num_drafts if num_drafts is not None else [K1 - 1] * B, dtype=torch.int64
+    )
+    first_position = torch.as_tensor(
+        first_position if first_position is not None else [10] * B, dtype=torch.int64
+    )
     return accept(logits, drafts, num_drafts, first_position, batch(params, **kw))
 
 
@@ -114,7 +118,9 @@ def test_greedy_ties_pick_lowest_id():
     assert out.tokens.tolist() == [[1], [0]]
     assert out.num_emitted.tolist() == [1, 1]
     # Also inside a mixed batch (the greedy row must not take the sampled path).
-    out = run_accept([[[0.0, 3.0, 3.0, 1.0]], [[0.0, 3.0, 3.0, 1.0]]], [[], []], [G, SamplingParams()])
+    out = run_accept(
+        [[[0.0, 3.0, 3.0, 1.0]], [[0.0, 3.0, 3.0, 1.0]]], [[], []], [G, SamplingParams()]
+    )
     assert out.tokens[0].tolist() == [1]
 
 
@@ -158,7 +164,9 @@ def test_greedy_uses_penalised_logits_with_drafts_in_history():
     out = run_accept(logits, [[1]], [SamplingParams(temperature=0.0, frequency_penalty=2.0)])
     assert out.tokens[0].tolist() == [1, 2]
     # Repetition counts the prompt: 2 / 2 = 1 < 1.5 already at row 0, so d1 = 1 is rejected.
-    out = run_accept(logits, [[1]], [SamplingParams(temperature=0.0, repetition_penalty=2.0)], prompts=[[1]])
+    out = run_accept(
+        logits, [[1]], [SamplingParams(temperature=0.0, repetition_penalty=2.0)], prompts=[[1]]
+    )
     assert out.tokens[0].tolist() == [2, -1]
 
 
@@ -179,7 +187,9 @@ def kept(x):
 
 
 def test_penalties_by_hand():
-    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    p = SamplingParams(
+        temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
+    )
     x = process([2.0, -1.0, 0.5, 3.0], p, output=[0, 3], prompt=[1], extra=[0])
     # 0: seen, positive -> 1.0, count 2 -> 1.0 - 1.0 - 0.25; 1: prompt only, negative -> -2;
     # 2: untouched; 3: 1.5 - 0.5 - 0.25.
@@ -189,7 +199,11 @@ def test_penalties_by_hand():
 def test_truncation_by_hand():
     probs = [0.5, 0.3, 0.15, 0.05]
     logits = np.log(probs).tolist()
-    assert kept(process([2.0, 1.0, 1.0, 0.0], SamplingParams(top_k=2))) == [0, 1, 2]  # ties at the k-th kept
+    assert kept(process([2.0, 1.0, 1.0, 0.0], SamplingParams(top_k=2))) == [
+        0,
+        1,
+        2,
+    ]  # ties at the k-th kept
     assert kept(process(logits, SamplingParams(top_k=1))) == [0]
     assert kept(process(logits, SamplingParams(top_p=0.45))) == [0]
     assert kept(process(logits, SamplingParams(top_p=0.55))) == [0, 1]
@@ -209,14 +223,20 @@ def test_truncation_by_hand():
     x = process(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(x, torch.tensor(logits) / 0.5)
     # Greedy rows keep everything (only penalties apply).
-    assert kept(process(logits, SamplingParams(temperature=0.0, top_k=1, top_p=0.1, min_p=0.9))) == [0, 1, 2, 3]
+    assert kept(
+        process(logits, SamplingParams(temperature=0.0, top_k=1, top_p=0.1, min_p=0.9))
+    ) == [0, 1, 2, 3]
 
 
 def test_partial_sort_window_leaves_other_rows_alone():
     """With top-k on every truncating row only the largest top_k logits are sorted; rows without top-k / top-p
     (temperature only, greedy) must still keep the whole vocabulary."""
-    params = [SamplingParams(top_k=2), SamplingParams(temperature=0.7), SamplingParams(top_k=3, top_p=0.5, min_p=0.3),
-              SamplingParams(temperature=0.0, top_k=1)]
+    params = [
+        SamplingParams(top_k=2),
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=3, top_p=0.5, min_p=0.3),
+        SamplingParams(temperature=0.0, top_k=1),
+    ]
     logits = torch.tensor(np.random.default_rng(5).normal(0, 1, (4, 10)), dtype=torch.float32)
     sb = batch(params)
     assert sb.sort_width == 3
@@ -272,7 +292,10 @@ def test_seed_reproducible_across_batch_composition_and_order():
     V, K = 50, 2
     logits = torch.tensor(rng.normal(0, 1, (6, K + 1, V)), dtype=torch.float32)
     drafts = torch.tensor(rng.integers(0, V, (6, K)))
-    params = [SamplingParams(temperature=1.0, top_k=[0, 20][i % 2], frequency_penalty=0.1 * i) for i in range(6)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=[0, 20][i % 2], frequency_penalty=0.1 * i)
+        for i in range(6)
+    ]
     seeds = [11, 22, 33, 44, 55, 66]
     outputs = [rng.integers(0, V, i).tolist() for i in range(6)]
     pos = torch.arange(6) * 3 + 100
@@ -287,8 +310,13 @@ def test_seed_reproducible_across_batch_composition_and_order():
     # Different seeds do give different draws (over many positions).
     logits1 = logits[:1, :1].expand(200, 1, V)
     sb = batch([params[0]] * 200, [1] * 100 + [2] * 100)
-    out = accept(logits1, torch.empty(200, 0, dtype=torch.long), torch.zeros(200, dtype=torch.long),
-                 torch.arange(200) % 100, sb)
+    out = accept(
+        logits1,
+        torch.empty(200, 0, dtype=torch.long),
+        torch.zeros(200, dtype=torch.long),
+        torch.arange(200) % 100,
+        sb,
+    )
     assert not torch.equal(out.tokens[:100], out.tokens[100:])
 
 
@@ -296,15 +324,24 @@ def test_speculation_does_not_change_seeded_output():
     """The Gumbel-max coupling: with or without drafts, a seed yields the same tokens (penalties included)."""
     rng = np.random.default_rng(2)
     V, N, K, P0 = 12, 24, 3, 5
-    table = torch.tensor(rng.normal(0, 1.5, (P0 + N + 1, V)), dtype=torch.float32)  # a "model": logits by position
-    p = SamplingParams(temperature=0.9, top_k=8, top_p=0.95, frequency_penalty=0.4, repetition_penalty=1.3)
+    table = torch.tensor(
+        rng.normal(0, 1.5, (P0 + N + 1, V)), dtype=torch.float32
+    )  # a "model": logits by position
+    p = SamplingParams(
+        temperature=0.9, top_k=8, top_p=0.95, frequency_penalty=0.4, repetition_penalty=1.3
+    )
     prompt, seed = [3, 3, 7, 1, 0], 1234
 
     def step(output, drafts):
         first = P0 + len(output) - 1  # position of the last committed token
         k = len(drafts)
-        out = accept(table[first : first + k + 1][None], torch.tensor([drafts]), torch.tensor([k]),
-                     torch.tensor([first]), batch([p], [seed], [output], [prompt]))
+        out = accept(
+            table[first : first + k + 1][None],
+            torch.tensor([drafts]),
+            torch.tensor([k]),
+            torch.tensor([first]),
+            batch([p], [seed], [output], [prompt]),
+        )
         return out.tokens[0, : out.num_emitted[0]].tolist()
 
     plain = []
@@ -329,7 +366,10 @@ def test_speculation_does_not_change_seeded_output():
 def test_logprobs_are_raw():
     rng = np.random.default_rng(3)
     logits = torch.tensor(rng.normal(0, 1, (2, 3, 10)), dtype=torch.float32)
-    params = [SamplingParams(temperature=0.5, top_k=2, logprobs=3, repetition_penalty=1.5), SamplingParams(logprobs=1)]
+    params = [
+        SamplingParams(temperature=0.5, top_k=2, logprobs=3, repetition_penalty=1.5),
+        SamplingParams(logprobs=1),
+    ]
     out = run_accept(logits, [[1, 2], [3, 4]], params, outputs=[[1, 5], []], prompts=[[2], []])
     raw = torch.log_softmax(logits, -1)
     assert out.top_ids.shape == (2, 3, 3) and out.top_logprobs.shape == (2, 3, 3)
@@ -354,13 +394,18 @@ SETTINGS = {
     "top_k": SamplingParams(temperature=1.3, top_k=3),
     "top_p": SamplingParams(top_p=0.8),
     "min_p_top_k": SamplingParams(temperature=1.1, top_k=5, min_p=0.15),
-    "penalties": SamplingParams(temperature=0.9, frequency_penalty=0.8, repetition_penalty=1.5, presence_penalty=0.3),
+    "penalties": SamplingParams(
+        temperature=0.9, frequency_penalty=0.8, repetition_penalty=1.5, presence_penalty=0.3
+    ),
 }
 
 
 def target_probs(p: SamplingParams, drafts) -> list[np.ndarray]:
     """Plain-sampling distribution of row j, whose history ends with d_1..d_j."""
-    return [softmax(ref_logits(TARGET[j].numpy(), p, HISTORY + list(drafts[:j]), PROMPT)) for j in range(K + 1)]
+    return [
+        softmax(ref_logits(TARGET[j].numpy(), p, HISTORY + list(drafts[:j]), PROMPT))
+        for j in range(K + 1)
+    ]
 
 
 def pick_draft(probs, kind) -> int:
@@ -392,7 +437,9 @@ def expected_sequences(probs, drafts) -> dict[tuple, float]:
 
 def chi2_pvalue(observed: Counter, expected: dict, n: int) -> float:
     """Pearson chi-square; cells with expected count < 5 pooled; impossible cells must be empty."""
-    assert sum(observed[c] for c in observed if expected.get(c, 0.0) == 0.0) == 0, "an impossible outcome occurred"
+    assert sum(observed[c] for c in observed if expected.get(c, 0.0) == 0.0) == 0, (
+        "an impossible outcome occurred"
+    )
     big = [c for c, pr in expected.items() if pr * n >= 5]
     small = [c for c, pr in expected.items() if 0 < pr * n < 5]
     obs = [observed[c] for c in big] + ([sum(observed[c] for c in small)] if small else [])
@@ -418,9 +465,16 @@ def lossless_pvalues(tokens, probs, drafts) -> tuple[float, float]:
 
 
 def sampler_tokens(p: SamplingParams, drafts) -> torch.Tensor:
-    sb = SamplingBatch.build([p] * N, [1_000_003 * i + 17 for i in range(N)], [HISTORY] * N, [PROMPT] * N, "cpu")
-    out = accept(TARGET.expand(N, K + 1, V), torch.tensor([drafts] * N), torch.full((N,), K),
-                 torch.full((N,), 40), sb)
+    sb = SamplingBatch.build(
+        [p] * N, [1_000_003 * i + 17 for i in range(N)], [HISTORY] * N, [PROMPT] * N, "cpu"
+    )
+    out = accept(
+        TARGET.expand(N, K + 1, V),
+        torch.tensor([drafts] * N),
+        torch.full((N,), K),
+        torch.full((N,), 40),
+        sb,
+    )
     return out.tokens
 
 
@@ -428,7 +482,9 @@ TRUNCATING = ["top_k", "top_p", "min_p_top_k"]  # settings with filtered-out tok
 
 
 @pytest.mark.parametrize(
-    "setting, kind", [(s, k) for s in SETTINGS for k in ["likely", "unlikely"]] + [(s, "masked") for s in TRUNCATING]
+    "setting, kind",
+    [(s, k) for s in SETTINGS for k in ["likely", "unlikely"]]
+    + [(s, "masked") for s in TRUNCATING],
 )
 def test_sampled_verification_is_lossless(setting, kind):
     p = SETTINGS[setting]
@@ -453,11 +509,17 @@ def leviathan_tokens(p: SamplingParams, drafts, q_rows) -> torch.Tensor:
             accepted = torch.zeros(N, dtype=torch.bool)
         else:
             d, q = drafts[j], q_rows[j]
-            accepted = uniform(seeds, pos, 11, 1)[:, 0].double() < min(1.0, float(probs[j][d] / q[d]))
+            accepted = uniform(seeds, pos, 11, 1)[:, 0].double() < min(
+                1.0, float(probs[j][d] / q[d])
+            )
             dist = (probs[j] - q).clamp(min=0)
         cdf = torch.cumsum(dist / dist.sum(), 0)
-        sample = torch.searchsorted(cdf, inv_cdf.double().expand(N, 1).contiguous()).clamp(max=V - 1)[:, 0]
-        tokens[:, j] = torch.where(alive, torch.where(accepted, drafts[j] if j < K else -1, sample), -1)
+        sample = torch.searchsorted(cdf, inv_cdf.double().expand(N, 1).contiguous()).clamp(
+            max=V - 1
+        )[:, 0]
+        tokens[:, j] = torch.where(
+            alive, torch.where(accepted, drafts[j] if j < K else -1, sample), -1
+        )
         alive &= accepted
     return tokens
 
@@ -472,8 +534,12 @@ def test_test_has_power():
         onehot = [torch.nn.functional.one_hot(torch.tensor(d), V).double() for d in drafts]
         assert min(lossless_pvalues(leviathan_tokens(p, drafts, onehot), probs, drafts)) > 1e-3
         # A drafter fairly sure of its argmax: q(d) = 0.5, the other half spread evenly.
-        soft = [torch.softmax(math.log(V - 1) * torch.nn.functional.one_hot(torch.tensor(d), V).double(), 0)
-                for d in drafts]
+        soft = [
+            torch.softmax(
+                math.log(V - 1) * torch.nn.functional.one_hot(torch.tensor(d), V).double(), 0
+            )
+            for d in drafts
+        ]
         p_first, p_seq = lossless_pvalues(leviathan_tokens(p, drafts, soft), probs, drafts)
         assert p_first < 1e-6 and p_seq < 1e-6, (kind, p_first, p_seq)
 
@@ -485,11 +551,23 @@ def test_test_has_power():
 
 def test_accept_traces_as_one_graph():
     torch._dynamo.reset()
-    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2, logprobs=2),
-              SamplingParams(temperature=0.0, presence_penalty=0.5)]
+    params = [
+        SamplingParams(
+            temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2, logprobs=2
+        ),
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+    ]
     sb = batch(params, outputs=[[1, 2], [3]], prompts=[[4], [5, 6]])
     logits = torch.randn(2, 4, 16)
-    args = (logits, torch.tensor([[1, 2, 3], [4, -1, -1]]), torch.tensor([3, 1]), torch.tensor([7, 9]), sb)
-    compiled = torch.compile(accept, fullgraph=True, backend="eager")  # raises on a graph break (.item(), ...)
+    args = (
+        logits,
+        torch.tensor([[1, 2, 3], [4, -1, -1]]),
+        torch.tensor([3, 1]),
+        torch.tensor([7, 9]),
+        sb,
+    )
+    compiled = torch.compile(
+        accept, fullgraph=True, backend="eager"
+    )  # raises on a graph break (.item(), ...)
     want, got = accept(*args), compiled(*args)
     assert torch.equal(want.tokens, got.tokens) and torch.equal(want.num_emitted, got.num_emitted)

@@ -31,14 +31,18 @@ class ThreadServer:
     """uvicorn serving `app` in a thread of this process, on 127.0.0.1 and a free port."""
 
     def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        )
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 
     def __enter__(self):
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "test server did not start"
+            assert time.monotonic() < deadline and self.thread.is_alive(), (
+                "test server did not start"
+            )
             time.sleep(0.01)
         self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
         return self
@@ -100,8 +104,14 @@ def assert_openai_error(response: httpx.Response, status: int, param=..., code=.
 def test_models(server, client):
     assert [m.id for m in client.models.list().data] == ["fake", "fake-alias"]
     card = httpx.get(server.url + "/v1/models/fake").json()
-    assert card["object"] == "model" and card["max_model_len"] == 256 and card["root"] == "fake/gemma-4-fake"
-    assert_openai_error(httpx.get(server.url + "/v1/models/nope"), 404, param="model", code="model_not_found")
+    assert (
+        card["object"] == "model"
+        and card["max_model_len"] == 256
+        and card["root"] == "fake/gemma-4-fake"
+    )
+    assert_openai_error(
+        httpx.get(server.url + "/v1/models/nope"), 404, param="model", code="model_not_found"
+    )
 
 
 def test_chat_non_streaming(client, engine):
@@ -117,8 +127,13 @@ def test_chat_non_streaming(client, engine):
 
 
 def test_chat_alias_and_missing_model(server, client):
-    assert client.chat.completions.create(model="fake-alias", messages=HI, max_tokens=3).model == "fake-alias"
-    r = httpx.post(server.url + CHAT, json={"messages": HI, "max_tokens": 3})  # vLLM accepts no "model"
+    assert (
+        client.chat.completions.create(model="fake-alias", messages=HI, max_tokens=3).model
+        == "fake-alias"
+    )
+    r = httpx.post(
+        server.url + CHAT, json={"messages": HI, "max_tokens": 3}
+    )  # vLLM accepts no "model"
     assert r.status_code == 200 and r.json()["model"] == "fake"
 
 
@@ -126,7 +141,9 @@ def test_chat_streaming_equals_non_streaming(client):
     full = client.chat.completions.create(model="fake", messages=HI, max_tokens=30, temperature=0)
     chunks = list(client.chat.completions.create(model="fake", messages=HI, max_tokens=30, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))  # fmt: skip
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert (
+        chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content == REPLY[:30]
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -149,16 +166,31 @@ def test_chat_stream_wire_format(server):
     assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                      "finish_reason": None}]  # fmt: skip
     for c in chunks:
-        assert c["object"] == "chat.completion.chunk" and set(c) == {"id", "object", "created", "model", "choices"}
-    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert c["object"] == "chat.completion.chunk" and set(c) == {
+            "id",
+            "object",
+            "created",
+            "model",
+            "choices",
+        }
+    assert (
+        chunks[-1]["choices"][0]["delta"] == {}
+        and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    )
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == REPLY[:6]
 
 
 def test_completions(client, engine):
     r = client.completions.create(model="fake", prompt="Once", max_tokens=9)
-    assert r.object == "text_completion" and r.choices[0].text == REPLY[:9] and r.choices[0].finish_reason == "length"
+    assert (
+        r.object == "text_completion"
+        and r.choices[0].text == REPLY[:9]
+        and r.choices[0].finish_reason == "length"
+    )
     prompt_ids, _ = engine.requests[r.id]
-    assert prompt_ids[0] == engine.tokenizer.bos_token_id  # <bos> prepended, as HF/vLLM do for a text prompt
+    assert (
+        prompt_ids[0] == engine.tokenizer.bos_token_id
+    )  # <bos> prepended, as HF/vLLM do for a text prompt
     assert r.usage.prompt_tokens == len(prompt_ids) == 5 and r.usage.completion_tokens == 9
 
     chunks = list(client.completions.create(model="fake", prompt="Once", max_tokens=9, stream=True))
@@ -170,9 +202,14 @@ def test_completions_token_ids_echo_and_no_bos(server, client, engine):
     ids = engine.tokenizer.encode("Hey")
     r = client.completions.create(model="fake", prompt=ids, max_tokens=4, echo=True)
     assert engine.requests[r.id][0] == ids and r.choices[0].text == "Hey" + REPLY[:4]
-    r = httpx.post(server.url + COMPLETIONS, json={"prompt": "Hey", "max_tokens": 2, "add_special_tokens": False})
+    r = httpx.post(
+        server.url + COMPLETIONS,
+        json={"prompt": "Hey", "max_tokens": 2, "add_special_tokens": False},
+    )
     assert engine.requests[r.json()["id"]][0] == ids
-    chunks = list(client.completions.create(model="fake", prompt="Hey", max_tokens=3, echo=True, stream=True))
+    chunks = list(
+        client.completions.create(model="fake", prompt="Hey", max_tokens=3, echo=True, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == "Hey" + REPLY[:3]
 
 
@@ -197,7 +234,9 @@ def test_n_choices_usage_adds_up(client):
 
 def test_stop_strings_and_stop_token_ids(client, engine):
     r = client.chat.completions.create(model="fake", messages=HI, stop=["fox"], max_tokens=100)
-    assert r.choices[0].message.content == "The quick brown " and r.choices[0].finish_reason == "stop"
+    assert (
+        r.choices[0].message.content == "The quick brown " and r.choices[0].finish_reason == "stop"
+    )
     assert r.choices[0].model_extra["stop_reason"] == "fox"
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="fake", messages=HI, stop="fox", max_tokens=100, stream=True) if c.choices)  # fmt: skip
@@ -208,7 +247,9 @@ def test_stop_strings_and_stop_token_ids(client, engine):
 
 
 def test_chat_logprobs(client):
-    r = client.chat.completions.create(model="fake", messages=HI, max_tokens=4, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model="fake", messages=HI, max_tokens=4, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert [t.token for t in content] == list(REPLY[:4])
     for t in content:
@@ -218,7 +259,10 @@ def test_chat_logprobs(client):
                                                            top_logprobs=2, stream=True)
                 if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]  # fmt: skip
     assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
-    assert client.chat.completions.create(model="fake", messages=HI, max_tokens=2).choices[0].logprobs is None
+    assert (
+        client.chat.completions.create(model="fake", messages=HI, max_tokens=2).choices[0].logprobs
+        is None
+    )
 
 
 def test_completion_logprobs(client):
@@ -227,33 +271,66 @@ def test_completion_logprobs(client):
     assert lp.tokens == list(REPLY[:5]) and lp.token_logprobs == [-0.25] * 5
     assert lp.text_offset == [0, 1, 2, 3, 4]
     assert all(list(top) == [tok] for top, tok in zip(lp.top_logprobs, lp.tokens))
-    chunks = list(client.completions.create(model="fake", prompt="x", max_tokens=5, logprobs=1, stream=True))
-    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    chunks = list(
+        client.completions.create(model="fake", prompt="x", max_tokens=5, logprobs=1, stream=True)
+    )
+    offsets = [
+        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
     assert offsets == [0, 1, 2, 3, 4]
 
 
 def test_sampling_params_reach_the_engine(client, engine):
     r = client.chat.completions.create(
-        model="fake", messages=HI, max_completion_tokens=5, max_tokens=50, temperature=0, top_p=0.5, seed=7,
-        presence_penalty=0.5, frequency_penalty=-0.5,
+        model="fake",
+        messages=HI,
+        max_completion_tokens=5,
+        max_tokens=50,
+        temperature=0,
+        top_p=0.5,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
         extra_body={"top_k": 40, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True},
     )
     _, p = engine.requests[r.id]
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (5, 0.0, 0.5, 40, 0.1, 7)
-    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.ignore_eos) == (0.5, -0.5, 1.2, True)
-    r = client.chat.completions.create(model="fake", messages=HI)  # no max_tokens: the rest of the context
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (
+        5,
+        0.0,
+        0.5,
+        40,
+        0.1,
+        7,
+    )
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.ignore_eos) == (
+        0.5,
+        -0.5,
+        1.2,
+        True,
+    )
+    r = client.chat.completions.create(
+        model="fake", messages=HI
+    )  # no max_tokens: the rest of the context
     prompt_ids, p = engine.requests[r.id]
     assert p.max_tokens == engine.max_model_len - len(prompt_ids) and p.temperature == 1.0
 
 
 def test_engine_sampling_defaults_fill_unset_fields():
     engine = FakeEngine()
-    engine.default_sampling_params = {"temperature": 0.7, "top_k": 64, "top_p": 0.95}  # a generation_config
+    engine.default_sampling_params = {
+        "temperature": 0.7,
+        "top_k": 64,
+        "top_p": 0.95,
+    }  # a generation_config
     with serve_fake(engine) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-        _, p = engine.requests[c.chat.completions.create(model="fake", messages=HI, max_tokens=2).id]
+        _, p = engine.requests[
+            c.chat.completions.create(model="fake", messages=HI, max_tokens=2).id
+        ]
         assert (p.temperature, p.top_k, p.top_p) == (0.7, 64, 0.95)
-        _, p = engine.requests[c.chat.completions.create(model="fake", messages=HI, max_tokens=2, temperature=0).id]
+        _, p = engine.requests[
+            c.chat.completions.create(model="fake", messages=HI, max_tokens=2, temperature=0).id
+        ]
         assert (p.temperature, p.top_k, p.top_p) == (0.0, 64, 0.95)
 
 
@@ -272,7 +349,11 @@ def test_multipart_text_content_and_tool_messages(client):
          "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "1"},
     ]  # fmt: skip
-    assert client.chat.completions.create(model="fake", messages=messages, max_tokens=2).choices[0].message.content
+    assert (
+        client.chat.completions.create(model="fake", messages=messages, max_tokens=2)
+        .choices[0]
+        .message.content
+    )
 
 
 def test_templating_runs_off_the_event_loop(server, client, engine):
@@ -294,10 +375,24 @@ BAD_REQUESTS = [
     ("messages-not-list", CHAT, {"messages": "hi"}, 400, "messages"),
     ("empty-messages", CHAT, {"messages": []}, 400, "messages"),
     ("bad-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
-    ("content-wrong-type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
-    ("image-part", CHAT,
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages.0.content"),
+    (
+        "content-wrong-type",
+        CHAT,
+        {"messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages.0.content",
+    ),
+    (
+        "image-part",
+        CHAT,
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+        400,
+        "messages.0.content",
+    ),
     ("user-without-content", CHAT, {"messages": [{"role": "user"}]}, 400, "messages.0"),
     ("max-tokens-string", CHAT, {"messages": M, "max_tokens": "5"}, 400, "max_tokens"),
     ("max-tokens-float", CHAT, {"messages": M, "max_tokens": 1.5}, 400, "max_tokens"),
@@ -307,42 +402,133 @@ BAD_REQUESTS = [
     ("stop-number", CHAT, {"messages": M, "stop": 5}, 400, "stop"),
     ("seed-float", CHAT, {"messages": M, "seed": 1.5}, 400, "seed"),
     ("chat-logprobs-int", CHAT, {"messages": M, "logprobs": 5}, 400, "logprobs"),
-    ("top-logprobs-without-logprobs", CHAT, {"messages": M, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("top-logprobs-too-many", CHAT, {"messages": M, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (
+        "top-logprobs-without-logprobs",
+        CHAT,
+        {"messages": M, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "top-logprobs-too-many",
+        CHAT,
+        {"messages": M, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
     ("max-tokens-zero", CHAT, {"messages": M, "max_tokens": 0}, 400, "max_tokens"),
     ("max-tokens-negative", CHAT, {"messages": M, "max_tokens": -1}, 400, "max_tokens"),
-    ("max-completion-tokens-zero", CHAT, {"messages": M, "max_completion_tokens": 0}, 400, "max_tokens"),
+    (
+        "max-completion-tokens-zero",
+        CHAT,
+        {"messages": M, "max_completion_tokens": 0},
+        400,
+        "max_tokens",
+    ),
     ("temperature-negative", CHAT, {"messages": M, "temperature": -1}, 400, "temperature"),
     ("top-p-zero", CHAT, {"messages": M, "top_p": 0}, 400, "top_p"),
     ("top-p-above-one", CHAT, {"messages": M, "top_p": 1.5}, 400, "top_p"),
     ("top-k-below-minus-one", CHAT, {"messages": M, "top_k": -2}, 400, "top_k"),
     ("min-p-above-one", CHAT, {"messages": M, "min_p": 2}, 400, "min_p"),
-    ("presence-penalty-range", CHAT, {"messages": M, "presence_penalty": 3}, 400, "presence_penalty"),
-    ("frequency-penalty-range", CHAT, {"messages": M, "frequency_penalty": -3}, 400, "frequency_penalty"),
-    ("repetition-penalty-zero", CHAT, {"messages": M, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (
+        "presence-penalty-range",
+        CHAT,
+        {"messages": M, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
+    (
+        "frequency-penalty-range",
+        CHAT,
+        {"messages": M, "frequency_penalty": -3},
+        400,
+        "frequency_penalty",
+    ),
+    (
+        "repetition-penalty-zero",
+        CHAT,
+        {"messages": M, "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
     ("n-zero", CHAT, {"messages": M, "n": 0}, 400, "n"),
-    ("stream-options-without-stream", CHAT, {"messages": M, "stream_options": {"include_usage": True}}, 400,
-     "stream_options"),
+    (
+        "stream-options-without-stream",
+        CHAT,
+        {"messages": M, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ("logit-bias", CHAT, {"messages": M, "logit_bias": {"42": 5}}, 400, "logit_bias"),
-    ("response-format-json", CHAT, {"messages": M, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (
+        "response-format-json",
+        CHAT,
+        {"messages": M, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
     ("empty-stop-string", CHAT, {"messages": M, "stop": [""]}, 400, "stop"),
     ("over-context", CHAT, {"messages": M, "max_tokens": 250}, 400, "max_tokens"),
-    ("prompt-too-long", CHAT, {"messages": [{"role": "user", "content": "x" * 300}]}, 400, "messages"),
-    ("template-kwargs-reserved", CHAT, {"messages": M, "chat_template_kwargs": {"messages": []}}, 400,
-     "chat_template_kwargs"),
-    ("template-kwargs-wrong-type", CHAT, {"messages": M, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs"),
-    ("template-raises", CHAT, {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]},
-     400, "messages"),
+    (
+        "prompt-too-long",
+        CHAT,
+        {"messages": [{"role": "user", "content": "x" * 300}]},
+        400,
+        "messages",
+    ),
+    (
+        "template-kwargs-reserved",
+        CHAT,
+        {"messages": M, "chat_template_kwargs": {"messages": []}},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "template-kwargs-wrong-type",
+        CHAT,
+        {"messages": M, "chat_template_kwargs": "x"},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "template-raises",
+        CHAT,
+        {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]},
+        400,
+        "messages",
+    ),
     ("unknown-model", CHAT, {"model": "gpt-4o", "messages": M}, 404, "model"),
-    ("nan-literal", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, None),
-    ("infinite-number", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', 400,
-     "temperature"),
+    (
+        "nan-literal",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        400,
+        None,
+    ),
+    (
+        "infinite-number",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}',
+        400,
+        "temperature",
+    ),
     ("deep-nesting", CHAT, b"[" * 200_000, 400, None),
     ("top-k-beyond-int32", CHAT, {"messages": M, "top_k": 2**40}, 400, "top_k"),
     ("n-too-many", CHAT, {"messages": M, "n": 129}, 400, "n"),
-    ("lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
-    ("lone-surrogate-model", CHAT, b'{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}', 404,
-     "model"),
+    (
+        "lone-surrogate",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        "messages",
+    ),
+    (
+        "lone-surrogate-model",
+        CHAT,
+        b'{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}',
+        404,
+        "model",
+    ),
     ("completion-lone-surrogate", COMPLETIONS, b'{"prompt": "\\udfff"}', 400, "prompt"),
     ("completion-missing-prompt", COMPLETIONS, {"model": "fake"}, 400, "prompt"),
     ("completion-prompt-number", COMPLETIONS, {"prompt": 5}, 400, "prompt"),
@@ -355,18 +541,28 @@ BAD_REQUESTS = [
     ("completion-tokens-too-long", COMPLETIONS, {"prompt": [10] * 300}, 400, "prompt"),
     ("completion-logprobs-bool", COMPLETIONS, {"prompt": "a", "logprobs": True}, 400, "logprobs"),
     ("completion-logprobs-range", COMPLETIONS, {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
-    ("completion-echo-logprobs", COMPLETIONS, {"prompt": "a", "echo": True, "logprobs": 1}, 400, "echo"),
+    (
+        "completion-echo-logprobs",
+        COMPLETIONS,
+        {"prompt": "a", "echo": True, "logprobs": 1},
+        400,
+        "echo",
+    ),
     ("completion-suffix", COMPLETIONS, {"prompt": "a", "suffix": "b"}, 400, "suffix"),
     ("completion-best-of", COMPLETIONS, {"prompt": "a", "best_of": 3}, 400, "best_of"),
     ("completion-unknown-model", COMPLETIONS, {"model": "nope", "prompt": "a"}, 404, "model"),
 ]
 
 
-@pytest.mark.parametrize("path,body,status,param", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "path,body,status,param", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS]
+)
 def test_bad_request(server, engine, path, body, status, param):
     before = len(engine.requests)
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(server.url + path, headers={"content-type": "application/json"}, timeout=10, **kwargs)
+    r = httpx.post(
+        server.url + path, headers={"content-type": "application/json"}, timeout=10, **kwargs
+    )
     error = assert_openai_error(r, status, param=param)
     if status == 404:
         assert error["code"] == "model_not_found"
@@ -374,7 +570,12 @@ def test_bad_request(server, engine, path, body, status, param):
 
 
 def test_top_logprobs_zero_without_logprobs_is_fine(server):
-    assert httpx.post(server.url + CHAT, json={"messages": M, "max_tokens": 2, "top_logprobs": 0}).status_code == 200
+    assert (
+        httpx.post(
+            server.url + CHAT, json={"messages": M, "max_tokens": 2, "top_logprobs": 0}
+        ).status_code
+        == 200
+    )
 
 
 def test_context_errors_have_openai_code(server):
@@ -383,7 +584,11 @@ def test_context_errors_have_openai_code(server):
 
 
 def test_body_too_large(server):
-    r = httpx.post(server.url + CHAT, content=b"x" * (33 * 1024 * 1024), headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + CHAT,
+        content=b"x" * (33 * 1024 * 1024),
+        headers={"content-type": "application/json"},
+    )
     assert_openai_error(r, 413)
 
 
@@ -410,7 +615,9 @@ def test_engine_value_error_is_a_400():
 
     refusing = Refusing()
     with serve_fake(refusing) as s:
-        error = assert_openai_error(httpx.post(s.url + CHAT, json={"messages": HI, "stream": True}), 400)
+        error = assert_openai_error(
+            httpx.post(s.url + CHAT, json={"messages": HI, "stream": True}), 400
+        )
         assert error["message"] == "the engine says no"
         assert_openai_error(httpx.post(s.url + COMPLETIONS, json={"prompt": "a"}), 400)
 
@@ -418,7 +625,9 @@ def test_engine_value_error_is_a_400():
 def test_engine_failure_is_reported_not_hung():
     with serve_fake(FakeEngine(fail_after_steps=2)) as s:
         assert_openai_error(httpx.post(s.url + CHAT, json={"messages": HI, "max_tokens": 50}), 500)
-        with httpx.stream("POST", s.url + CHAT, json={"messages": HI, "max_tokens": 50, "stream": True}) as r:
+        with httpx.stream(
+            "POST", s.url + CHAT, json={"messages": HI, "max_tokens": 50, "stream": True}
+        ) as r:
             payloads = sse_data(r.iter_lines())
         assert payloads[-1] == "[DONE]" and "error" in json.loads(payloads[-2])
         assert httpx.get(s.url + "/health").status_code == 200  # the server itself survives
@@ -432,11 +641,19 @@ def test_engine_stopping_short_ends_the_stream_as_abort():
                 return  # one unfinished output, then nothing
 
     with serve_fake(StopsShort()) as s:
-        with httpx.stream("POST", s.url + CHAT, json={"messages": HI, "max_tokens": 50, "stream": True}) as r:
+        with httpx.stream(
+            "POST", s.url + CHAT, json={"messages": HI, "max_tokens": 50, "stream": True}
+        ) as r:
             payloads = sse_data(r.iter_lines())
-        assert payloads[-1] == "[DONE]" and json.loads(payloads[-2])["choices"][0]["finish_reason"] == "abort"
+        assert (
+            payloads[-1] == "[DONE]"
+            and json.loads(payloads[-2])["choices"][0]["finish_reason"] == "abort"
+        )
         body = httpx.post(s.url + CHAT, json={"messages": HI, "max_tokens": 50}).json()
-        assert body["choices"][0]["finish_reason"] == "abort" and body["choices"][0]["message"]["content"] == "Th"
+        assert (
+            body["choices"][0]["finish_reason"] == "abort"
+            and body["choices"][0]["message"]["content"] == "Th"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -445,8 +662,12 @@ def test_engine_stopping_short_ends_the_stream_as_abort():
 
 def test_api_key():
     with serve_fake(FakeEngine(), api_key="sekret") as s:
-        assert_openai_error(httpx.post(s.url + CHAT, json={"messages": HI}), 401, code="invalid_api_key")
-        bad = httpx.post(s.url + CHAT, json={"messages": HI}, headers={"Authorization": "Bearer nope"})
+        assert_openai_error(
+            httpx.post(s.url + CHAT, json={"messages": HI}), 401, code="invalid_api_key"
+        )
+        bad = httpx.post(
+            s.url + CHAT, json={"messages": HI}, headers={"Authorization": "Bearer nope"}
+        )
         assert_openai_error(bad, 401, code="invalid_api_key")
         assert_openai_error(httpx.get(s.url + "/v1/models"), 401)
         with pytest.raises(openai.AuthenticationError):
@@ -524,7 +745,9 @@ def test_metrics_parse_and_move(server, client):
                  "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
                  "spec_decode_mean_accepted_length"):  # fmt: skip
         metric(after, "gemma4serve:" + name)
-    assert metric(after, "gemma4serve:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    assert (
+        metric(after, "gemma4serve:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -539,7 +762,10 @@ def slow():
 
 
 def _pools_back(engine: FakeEngine) -> bool:
-    return not engine.active and engine.kv_pool_free() == {"full": engine.full_pages, "sliding": engine.sliding_pages}
+    return not engine.active and engine.kv_pool_free() == {
+        "full": engine.full_pages,
+        "sliding": engine.sliding_pages,
+    }
 
 
 def test_disconnect_mid_stream_aborts(slow):
@@ -560,7 +786,11 @@ def test_disconnect_mid_stream_aborts(slow):
 def test_disconnect_non_streaming_aborts(slow):
     engine, s = slow
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(s.url + COMPLETIONS, json={"prompt": "a", "max_tokens": 2000, "ignore_eos": True}, timeout=0.5)
+        httpx.post(
+            s.url + COMPLETIONS,
+            json={"prompt": "a", "max_tokens": 2000, "ignore_eos": True},
+            timeout=0.5,
+        )
     (request_id,) = engine.requests
     wait_until(lambda: request_id in engine.aborted, what="abort after a non-streaming client left")
     wait_until(lambda: _pools_back(engine), what="KV pages to return")
@@ -568,30 +798,41 @@ def test_disconnect_non_streaming_aborts(slow):
 
 def test_disconnect_while_queued_aborts():
     # One request holds every page; a second waits for pages and leaves before its first token.
-    engine = FakeEngine(token_delay=0.02, max_model_len=4096, full_pages=255, page_size=16)  # the hog takes 251
+    engine = FakeEngine(
+        token_delay=0.02, max_model_len=4096, full_pages=255, page_size=16
+    )  # the hog takes 251
     with serve_fake(engine) as s:
         hog = {"prompt": "a", "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + COMPLETIONS, json=hog) as r:
             hog_lines = r.iter_lines()  # keep it: a dropped httpx line iterator closes the response
             next(hog_lines)
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(s.url + COMPLETIONS, json={"prompt": "b", "max_tokens": 100}, timeout=0.5)
+                httpx.post(
+                    s.url + COMPLETIONS, json={"prompt": "b", "max_tokens": 100}, timeout=0.5
+                )
             waiting = [rid for rid in engine.requests if rid not in engine.active]
             assert len(waiting) == 1
-            wait_until(lambda: waiting[0] in engine.aborted, what="the queued request to be aborted")
+            wait_until(
+                lambda: waiting[0] in engine.aborted, what="the queued request to be aborted"
+            )
         wait_until(lambda: _pools_back(engine), what="KV pages to return")
 
 
 def test_100_concurrent_streams(server, engine):
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
         stream = await client.chat.completions.create(
-            model="fake", messages=[{"role": "user", "content": f"client {i}"}], max_tokens=30, stream=True
+            model="fake",
+            messages=[{"role": "user", "content": f"client {i}"}],
+            max_tokens=30,
+            stream=True,
         )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def run() -> list[str]:
         http = httpx.AsyncClient(limits=httpx.Limits(max_connections=128), timeout=30)
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", http_client=http, max_retries=0) as c:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="x", http_client=http, max_retries=0
+        ) as c:
             return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(100))), 45)
 
     texts = asyncio.run(run())
@@ -634,7 +875,9 @@ def test_sigterm_aborts_what_outlives_the_drain_timeout():
             first = next(lines)
             started = time.monotonic()
             proc.signal(signal.SIGTERM)
-            payloads = sse_data([first, *lines])  # still a well-formed end: an "abort" chunk, then [DONE]
+            payloads = sse_data(
+                [first, *lines]
+            )  # still a well-formed end: an "abort" chunk, then [DONE]
         assert payloads[-1] == "[DONE]"
         assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "abort"
         assert 0.8 < time.monotonic() - started < 5
@@ -668,10 +911,20 @@ def test_cli_maps_vllm_flags_to_engine_args(monkeypatch):
         "google/gemma-4-31B-it", "google/gemma-4-31B-it-assistant", 32768, 8, 4096)  # fmt: skip
     assert (a.gpu_memory_utilization, a.num_draft_tokens, a.kv_cache_memory, a.dtype, a.device) == (
         0.8, 3, 2 * 1024**3, "float16", "cpu")  # fmt: skip
-    assert (a.attention_backend, a.enforce_eager, a.seed, a.forced_acceptance) == ("torch", True, 5, [0.9, 0.7])
+    assert (a.attention_backend, a.enforce_eager, a.seed, a.forced_acceptance) == (
+        "torch",
+        True,
+        5,
+        [0.9, 0.7],
+    )
     assert (a.served_model_name, a.load_format, a.page_size) == ("gemma", "dummy", 32)
     assert ns.served_model_name == ["gemma", "alias"] and ns.host == "0.0.0.0" and ns.port == 8000
-    assert parse_args(["--model", "m", "--forced-acceptance", "2.5", "--max-model-len", "8k"]).forced_acceptance == 2.5
+    assert (
+        parse_args(
+            ["--model", "m", "--forced-acceptance", "2.5", "--max-model-len", "8k"]
+        ).forced_acceptance
+        == 2.5
+    )
     assert engine_args(parse_args(["--model", "m", "--max-model-len", "8k"])).max_model_len == 8000
     assert engine_args(parse_args(["--model", "m"])).num_draft_tokens == 4
 

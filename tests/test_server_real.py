@@ -54,7 +54,10 @@ def client(server):
 
 def free_pages(server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {pool: metric(text, "gemma4serve:kv_cache_free_pages", pool=pool) for pool in ("full", "sliding")}
+    return {
+        pool: metric(text, "gemma4serve:kv_cache_free_pages", pool=pool)
+        for pool in ("full", "sliding")
+    }
 
 
 def wait_for_free_pages(server, expected: dict, timeout: float = 60) -> None:
@@ -75,7 +78,11 @@ def test_ready_line_health_and_models(server, client):
 def test_greedy_chat_stream_equals_non_stream(client):
     kwargs = dict(model=MODEL, messages=HI, max_tokens=40, temperature=0)
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == full.choices[0].message.content
@@ -83,7 +90,9 @@ def test_greedy_chat_stream_equals_non_stream(client):
         full.choices[0].finish_reason]  # fmt: skip
     assert chunks[-1].usage.model_dump() == full.usage.model_dump()
     u = full.usage
-    assert u.total_tokens == u.prompt_tokens + u.completion_tokens and 1 <= u.completion_tokens <= 40
+    assert (
+        u.total_tokens == u.prompt_tokens + u.completion_tokens and 1 <= u.completion_tokens <= 40
+    )
 
 
 def test_greedy_completion_stream_equals_non_stream(client):
@@ -110,9 +119,13 @@ def test_logprobs_shapes(client):
                                        extra_body={"ignore_eos": True})  # fmt: skip
     content = r.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
-    r = client.completions.create(model=MODEL, prompt="a", max_tokens=5, logprobs=2, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt="a", max_tokens=5, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert (
+        len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    )
 
 
 @pytest.mark.parametrize(
@@ -126,14 +139,20 @@ def test_logprobs_shapes(client):
         (CHAT, {"messages": HI, "temperature": -1}, 400),
         ("/v1/completions", {"prompt": [5, 512]}, 400),  # the demo vocab has 512 ids
         ("/v1/completions", {"prompt": ["a", "b"]}, 400),
-        (CHAT, {"messages": HI, "top_k": 2**40}, 400),  # would overflow the sampler's int32 and fail the batch
+        (
+            CHAT,
+            {"messages": HI, "top_k": 2**40},
+            400,
+        ),  # would overflow the sampler's int32 and fail the batch
         (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),  # not encodable
         (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', 400),
     ],
 )
 def test_bad_requests(server, path, body, status):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(server.url + path, headers={"content-type": "application/json"}, timeout=30, **kwargs)
+    r = httpx.post(
+        server.url + path, headers={"content-type": "application/json"}, timeout=30, **kwargs
+    )
     assert r.status_code == status, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -152,14 +171,18 @@ def test_disconnect_mid_stream_returns_kv_pages(server):
 
 def test_spec_decode_metrics_move(server, client):
     before = httpx.get(server.url + "/metrics").text
-    client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20, extra_body={"ignore_eos": True})
+    client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=20, extra_body={"ignore_eos": True}
+    )
     after = httpx.get(server.url + "/metrics").text
 
     def delta(name: str) -> float:
         return metric(after, "gemma4serve:" + name) - metric(before, "gemma4serve:" + name)
 
     assert delta("spec_decode_num_drafts_total") > 0  # the drafter is on
-    assert metric(after, "gemma4serve:spec_decode_draft_length") == 3  # no step costs on CPU: k stays fixed
+    assert (
+        metric(after, "gemma4serve:spec_decode_draft_length") == 3
+    )  # no step costs on CPU: k stays fixed
     assert delta("spec_decode_num_draft_tokens_total") > 0
     assert delta("generation_tokens_total") >= 20
     assert delta("e2e_request_latency_seconds_count") == 1
@@ -170,7 +193,10 @@ def test_100_concurrent_streams(server):
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"story {i}"}], max_tokens=16, stream=True
+            model=MODEL,
+            messages=[{"role": "user", "content": f"story {i}"}],
+            max_tokens=16,
+            stream=True,
         )
         text, finish = "", None
         async for c in stream:
@@ -181,7 +207,9 @@ def test_100_concurrent_streams(server):
 
     async def run():
         http = httpx.AsyncClient(limits=httpx.Limits(max_connections=128), timeout=120)
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", http_client=http, max_retries=0) as c:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="x", http_client=http, max_retries=0
+        ) as c:
             return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(100))), 240)
 
     results = asyncio.run(run())
@@ -198,7 +226,13 @@ def test_demo_flag_and_sigterm_exits_0(demo_root):
     )  # fmt: skip
     with proc:
         assert proc.ready_lines()[0].endswith("(model gemma4serve-demo)")
-        body = {"model": "gemma4serve-demo", "messages": HI, "max_tokens": 60, "ignore_eos": True, "stream": True}
+        body = {
+            "model": "gemma4serve-demo",
+            "messages": HI,
+            "max_tokens": 60,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", proc.url + CHAT, json=body, timeout=60) as r:
             lines = r.iter_lines()
             first = next(lines)

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from gemma4serve.config import FULL, SLIDING, AssistantConfig, TextConfig, load_config
-from gemma4serve.tiny import VARIANTS, ensure_demo_model, write_tiny_assistant, write_tiny_checkpoint
+from gemma4serve.tiny import (
+    VARIANTS,
+    ensure_demo_model,
+    write_tiny_assistant,
+    write_tiny_checkpoint,
+)
 from tests.test_loader import file_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -90,7 +95,9 @@ def test_variant_shapes_and_configs(tiny_checkpoints):
         assistant = load_config(tiny_checkpoints.get_assistant(variant))
         assert isinstance(target, TextConfig)
         assert target.vocab_size == 512
-        assert math.isqrt(target.hidden_size) ** 2 != target.hidden_size  # bf16(sqrt(H)) rounding matters
+        assert (
+            math.isqrt(target.hidden_size) ** 2 != target.hidden_size
+        )  # bf16(sqrt(H)) rounding matters
         assert {SLIDING, FULL} <= set(target.layer_types)
         assert target.final_logit_softcapping == 30.0
         assert target.eos_token_ids == (1, 106, 50)
@@ -101,7 +108,9 @@ def test_variant_shapes_and_configs(tiny_checkpoints):
     dense, moe, ple = (load_config(tiny_checkpoints.get(v)) for v in VARIANTS)
     assert dense.k_eq_v and dense.kind_spec(FULL) == (32, 1) and dense.kind_spec(SLIDING) == (16, 2)
     assert moe.moe and moe.num_experts == 8 and moe.top_k_experts == 2 and moe.k_eq_v
-    assert ple.ple_dim > 0 and ple.num_kv_shared_layers > 0 and ple.double_wide_mlp and not ple.k_eq_v
+    assert (
+        ple.ple_dim > 0 and ple.num_kv_shared_layers > 0 and ple.double_wide_mlp and not ple.k_eq_v
+    )
     assert {l.mlp_width for l in ple.layers if l.kv_shared} == {2 * ple.intermediate_size}
 
 
@@ -120,7 +129,13 @@ def test_deterministic_from_seed(tmp_path, tiny_checkpoints):
     a = write_tiny_checkpoint(tmp_path / "a", "ple", seed=0)
     b = tiny_checkpoints.get("ple")
     c = write_tiny_checkpoint(tmp_path / "c", "ple", seed=1)
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
     # Release and text-only formats of a variant hold the same values.
@@ -137,7 +152,9 @@ def test_checkpoint_files(tiny_checkpoints):
     gen = json.loads((ckpt / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [1, 106, 50] and gen["do_sample"] is True and gen["top_k"] == 64
     cfg = json.loads((ckpt / "config.json").read_text())
-    assert cfg["model_type"] == "gemma4" and cfg["architectures"] == ["Gemma4ForConditionalGeneration"]
+    assert cfg["model_type"] == "gemma4" and cfg["architectures"] == [
+        "Gemma4ForConditionalGeneration"
+    ]
     text = json.loads((tiny_checkpoints.get("dense", False) / "config.json").read_text())
     assert text["model_type"] == "gemma4_text" and text["architectures"] == ["Gemma4ForCausalLM"]
     assert not any("lm_head" in n for n in file_tensors(ckpt))  # tied

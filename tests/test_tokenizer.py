@@ -91,15 +91,29 @@ CONVERSATIONS = {
         {"role": "assistant", "content": "<|channel>thought\nadd them<channel|>4"},
         {"role": "user", "content": "And 3+3?"},
     ],
-    "parts": [{"role": "user", "content": [{"type": "text", "text": "Describe "}, {"type": "text", "text": "this."}]}],
+    "parts": [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Describe "}, {"type": "text", "text": "this."}],
+        }
+    ],
     "tools": [
         {"role": "user", "content": "Weather in Paris?"},
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
         },
-        {"role": "tool", "content": "", "tool_responses": [{"name": "get_weather", "response": {"temp": 21}}]},
+        {
+            "role": "tool",
+            "content": "",
+            "tool_responses": [{"name": "get_weather", "response": {"temp": 21}}],
+        },
     ],
 }
 
@@ -129,7 +143,9 @@ def test_reference_template_matches_transformers(reference_dir, conversation, th
     expected = hf.apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=gen_prompt, **kwargs
     )
-    got = ours.apply_chat_template(messages, tools=tools, add_generation_prompt=gen_prompt, **kwargs)
+    got = ours.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=gen_prompt, **kwargs
+    )
     assert got == expected
     assert got.startswith("<bos>")
     assert ours.encode(got) == hf(got, add_special_tokens=False)["input_ids"]
@@ -149,17 +165,23 @@ def test_demo_template(tok):
         "<bos><|turn>system\n<|think|>\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n"
         "<|turn>model\nHello!<turn|>\n<|turn>user\nBye<turn|>\n<|turn>model\n"
     )
-    assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith("<|turn>user\nBye<turn|>\n")
+    assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith(
+        "<|turn>user\nBye<turn|>\n"
+    )
     with_tools = tok.apply_chat_template(
-        CONVERSATIONS["tools"][:2]
-        + [{"role": "tool", "name": "get_weather", "content": "21 C"}],
+        CONVERSATIONS["tools"][:2] + [{"role": "tool", "name": "get_weather", "content": "21 C"}],
         tools=[WEATHER_TOOL],
     )
     assert with_tools.startswith("<bos><|turn>system\n<|tool>declaration:get_weather{")
     assert '<|tool_call>call:get_weather{"city": "Paris"}<tool_call|>' in with_tools
-    assert '<|turn>tool\n<|tool_response>response:get_weather{value:<|"|>21 C<|"|>}<tool_response|><turn|>\n' in with_tools
+    assert (
+        '<|turn>tool\n<|tool_response>response:get_weather{value:<|"|>21 C<|"|>}<tool_response|><turn|>\n'
+        in with_tools
+    )
     with pytest.raises(jinja2.TemplateError, match="system message"):
-        tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
+        tok.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]
+        )
 
 
 def test_template_environment(tok):
@@ -168,7 +190,9 @@ def test_template_environment(tok):
         "{% generation %}G{% endgeneration %}{% for m in messages %}{% if loop.index > 0 %}{% break %}{% endif %}{% endfor %}"
     )
     out = tok.apply_chat_template([{"role": "user", "content": "<é>"}], chat_template=template)
-    assert out == '<bos><eos><pad>|[{"role": "user", "content": "<é>"}]|4G'  # tojson does not escape
+    assert (
+        out == '<bos><eos><pad>|[{"role": "user", "content": "<é>"}]|4G'
+    )  # tojson does not escape
     with pytest.raises(jinja2.TemplateError, match="boom"):
         tok.apply_chat_template([], chat_template="{{ raise_exception('boom') }}")
     with pytest.raises(jinja2.exceptions.SecurityError):  # sandboxed

@@ -32,7 +32,7 @@ from gemma4serve.model.layers import (  # noqa: E402
     rope_cos_sin,
     rope_inv_freq,
 )
-from gemma4serve_kernels import (  # noqa: E402
+from gemma4serve_kernels import (  # noqa: E402  # noqa: E402
     gelu_tanh_mul,
     gemv,
     gemv_mlp,
@@ -44,12 +44,13 @@ from gemma4serve_kernels import (  # noqa: E402
     paged_attention,
     qkv_epilogue,
     quantize_rows,
+    rmsnorm_residual_add,
+    rmsnorm_rope,
     rope_tables,
     value_table,
     write_slots,
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
-from gemma4serve_kernels import rmsnorm_residual_add, rmsnorm_rope  # noqa: E402
 from gemma4serve_kernels.gemv import _zeroed_scratch, mlp_down_config  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,7 +58,9 @@ KIND = "attn"
 
 
 # ---------------------------------------------------------------------------------------------- paged layout
-def build_paged_batch(seqs, *, nh, nkv, hd, page_size, window, dtype, device=DEV, seed=0, extra_pages=3):
+def build_paged_batch(
+    seqs, *, nh, nkv, hd, page_size, window, dtype, device=DEV, seed=0, extra_pages=3
+):
     """A packed batch over a randomly paged KV pool.
 
     seqs: list of (cache_len, kv_ends): the sequence has K/V for positions [0, cache_len) in the pool, and one
@@ -122,11 +125,21 @@ def reference_attention(q, k_cache, v_cache, meta, dtype=None):
 
 
 # ---------------------------------------------------------------------------------------------- attention
-@pytest.mark.parametrize("window", [0, 8, 100])  # full, a window shorter than the contexts, one longer
+@pytest.mark.parametrize(
+    "window", [0, 8, 100]
+)  # full, a window shorter than the contexts, one longer
 @pytest.mark.parametrize("nh,nkv,hd,page_size", [(4, 2, 16, 16), (8, 1, 32, 4), (6, 2, 16, 8)])
 def test_attention_mixed_phases_fp32(window, nh, nkv, hd, page_size):
-    q, kc, vc, meta = build_paged_batch(mixed_phases(window), nh=nh, nkv=nkv, hd=hd, page_size=page_size,
-                                        window=window, dtype=torch.float32, seed=window + hd)
+    q, kc, vc, meta = build_paged_batch(
+        mixed_phases(window),
+        nh=nh,
+        nkv=nkv,
+        hd=hd,
+        page_size=page_size,
+        window=window,
+        dtype=torch.float32,
+        seed=window + hd,
+    )
     ref = reference_attention(q, kc, vc, meta)
     out = TritonAttention().forward(q, kc, vc, meta, KIND)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
@@ -139,16 +152,37 @@ def test_attention_splits_and_query_blocks(num_splits, block_t, table_entries, m
     the query rows of a group split over several programs. With 4 table entries held, a program reads its
     pages in chunks of one tile. The splits' partial buffers start as NaN: what an empty split leaves unwritten
     must not reach the output."""
-    monkeypatch.setattr(importlib.import_module("gemma4serve_kernels.paged_attention"), "TABLE_CHUNK", table_entries)
+    monkeypatch.setattr(
+        importlib.import_module("gemma4serve_kernels.paged_attention"), "TABLE_CHUNK", table_entries
+    )
     window = 12
-    q, kc, vc, meta = build_paged_batch(mixed_phases(window), nh=4, nkv=2, hd=16, page_size=4, window=window,
-                                        dtype=torch.float32, seed=7)
+    q, kc, vc, meta = build_paged_batch(
+        mixed_phases(window),
+        nh=4,
+        nkv=2,
+        hd=16,
+        page_size=4,
+        window=window,
+        dtype=torch.float32,
+        seed=7,
+    )
     ref = reference_attention(q, kc, vc, meta)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    out = paged_attention(q, kc, vc, meta.token_seq, meta.kv_end, meta.page_table[KIND], meta.cu_seqlens_q,
-                          meta.max_q_len, window, num_splits=num_splits, min_split_keys=1,
-                          config=dict(block_t=block_t, block_m=16, block_n=16))
+    out = paged_attention(
+        q,
+        kc,
+        vc,
+        meta.token_seq,
+        meta.kv_end,
+        meta.page_table[KIND],
+        meta.cu_seqlens_q,
+        meta.max_q_len,
+        window,
+        num_splits=num_splits,
+        min_split_keys=1,
+        config=dict(block_t=block_t, block_m=16, block_n=16),
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -156,22 +190,48 @@ def test_attention_drafter_batch():
     """The drafter's reads: one row per sequence at kv_end = P, window W_a + 1, stale rows beyond P in the pool."""
     W_a = 6
     seqs = [(30, [25]), (12, [12]), (7, [5]), (50, [47])]
-    q, kc, vc, meta = build_paged_batch(seqs, nh=8, nkv=2, hd=32, page_size=4, window=W_a + 1,
-                                        dtype=torch.float32, seed=3)
+    q, kc, vc, meta = build_paged_batch(
+        seqs, nh=8, nkv=2, hd=32, page_size=4, window=W_a + 1, dtype=torch.float32, seed=3
+    )
     ref = reference_attention(q, kc, vc, meta)
-    out = paged_attention(q, kc, vc, meta.token_seq, meta.kv_end, meta.page_table[KIND], meta.cu_seqlens_q,
-                          1, W_a + 1, num_splits=2, min_split_keys=1, config=dict(block_n=16))
+    out = paged_attention(
+        q,
+        kc,
+        vc,
+        meta.token_seq,
+        meta.kv_end,
+        meta.page_table[KIND],
+        meta.cu_seqlens_q,
+        1,
+        W_a + 1,
+        num_splits=2,
+        min_split_keys=1,
+        config=dict(block_n=16),
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_attention_half_precision(dtype):
     window = 8
-    q, kc, vc, meta = build_paged_batch(mixed_phases(window), nh=4, nkv=2, hd=32, page_size=16, window=window,
-                                        dtype=dtype, seed=11)
+    q, kc, vc, meta = build_paged_batch(
+        mixed_phases(window), nh=4, nkv=2, hd=32, page_size=16, window=window, dtype=dtype, seed=11
+    )
     ref32 = reference_attention(q, kc, vc, meta, torch.float32)
-    out = paged_attention(q, kc, vc, meta.token_seq, meta.kv_end, meta.page_table[KIND], meta.cu_seqlens_q,
-                          meta.max_q_len, window, num_splits=2, min_split_keys=1, config=dict(block_n=16))
+    out = paged_attention(
+        q,
+        kc,
+        vc,
+        meta.token_seq,
+        meta.kv_end,
+        meta.page_table[KIND],
+        meta.cu_seqlens_q,
+        meta.max_q_len,
+        window,
+        num_splits=2,
+        min_split_keys=1,
+        config=dict(block_n=16),
+    )
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref32, atol=2e-2, rtol=2e-2)
 
@@ -179,11 +239,14 @@ def test_attention_half_precision(dtype):
 def test_attention_empty_view_is_zero():
     """A row that sees no key (kv_end 0; never scheduled in practice) gives zeros rather than NaN, and does
     not disturb the other rows."""
-    q, kc, vc, meta = build_paged_batch([(4, [0]), (4, [3])], nh=2, nkv=1, hd=16, page_size=4, window=0,
-                                        dtype=torch.float32)
+    q, kc, vc, meta = build_paged_batch(
+        [(4, [0]), (4, [3])], nh=2, nkv=1, hd=16, page_size=4, window=0, dtype=torch.float32
+    )
     out = TritonAttention().forward(q, kc, vc, meta, KIND)
     assert torch.all(out[0] == 0)
-    torch.testing.assert_close(out[1], reference_attention(q, kc, vc, meta)[1], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        out[1], reference_attention(q, kc, vc, meta)[1], atol=2e-5, rtol=2e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -220,20 +283,29 @@ def test_rope_tables(dtype):
         tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=2**-8)
         torch.testing.assert_close(cos.cpu(), ref_cos, **tol)
         torch.testing.assert_close(sin.cpu(), ref_sin, **tol)
-        assert torch.equal(cos[:, pairs:hd // 2].cpu(), torch.ones(len(pos), hd // 2 - pairs, dtype=dtype))
+        assert torch.equal(
+            cos[:, pairs : hd // 2].cpu(), torch.ones(len(pos), hd // 2 - pairs, dtype=dtype)
+        )
 
 
 def test_write_slots():
     """kv_end = pos + 1 and each token's slot through its row of both page tables, as the torch ops (padding rows
     on the null-page row write slot 0..page_size-1 of page 0)."""
     page_size = 4
-    tables = {"full": torch.tensor([[3, 5, 8], [2, 0, 0], [0, 0, 0]], dtype=torch.int32),
-              "sliding": torch.tensor([[1, 4, 6], [7, 0, 0], [0, 0, 0]], dtype=torch.int32)}
+    tables = {
+        "full": torch.tensor([[3, 5, 8], [2, 0, 0], [0, 0, 0]], dtype=torch.int32),
+        "sliding": torch.tensor([[1, 4, 6], [7, 0, 0], [0, 0, 0]], dtype=torch.int32),
+    }
     token_seq = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
     pos = torch.tensor([5, 9, 2, 0], dtype=torch.int64)
-    kv_end, slots = write_slots(token_seq.to(DEV), pos.to(DEV), {k: t.to(DEV) for k, t in tables.items()}, page_size)
+    kv_end, slots = write_slots(
+        token_seq.to(DEV), pos.to(DEV), {k: t.to(DEV) for k, t in tables.items()}, page_size
+    )
     assert kv_end.tolist() == [6, 10, 3, 1] and kv_end.dtype == torch.int32
-    assert slots["full"].tolist() == [5 * 4 + 1, 8 * 4 + 1, 2 * 4 + 2, 0] and slots["full"].dtype == torch.int64
+    assert (
+        slots["full"].tolist() == [5 * 4 + 1, 8 * 4 + 1, 2 * 4 + 2, 0]
+        and slots["full"].dtype == torch.int64
+    )
     assert slots["sliding"].tolist() == [4 * 4 + 1, 6 * 4 + 1, 7 * 4 + 2, 0]
 
 
@@ -259,7 +331,7 @@ def _assert_rounding_close(out, ref):
     if ref.dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         return
-    ulp = 2.0 ** -7 if ref.dtype == torch.bfloat16 else 2.0 ** -10
+    ulp = 2.0**-7 if ref.dtype == torch.bfloat16 else 2.0**-10
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-5, rtol=ulp)
     significant = ref.float().abs() > 1e-3
     assert (out != ref)[significant].float().mean().item() < 0.02
@@ -280,13 +352,15 @@ def test_norms_of_strided_head_views(dtype):
     g = torch.Generator().manual_seed(9)
     T, hd = 4, 32
     fused = (torch.randn(T, 7 * hd, generator=g) * 3).to(dtype).to(DEV)
-    k_view = fused[:, 4 * hd:6 * hd].view(T, 2, hd)
-    v_view = fused[:, 5 * hd:7 * hd].view(T, 2, hd)
+    k_view = fused[:, 4 * hd : 6 * hd].view(T, 2, hd)
+    v_view = fused[:, 5 * hd : 7 * hd].view(T, 2, hd)
     w = (torch.rand(hd, generator=g) * 2).to(dtype).to(DEV)
     _assert_rounding_close(k_rms_norm(v_view, None, 1e-6), on_cpu(rms_norm, v_view, None, 1e-6))
     inv = rope_inv_freq(RopeSpec(theta=1e4, head_dim=hd, rotated_pairs=hd // 2))
     cos, sin = (c.to(DEV) for c in rope_cos_sin(inv, torch.arange(T) * 5, dtype))
-    _assert_rounding_close(rmsnorm_rope(k_view, w, cos, sin, 1e-6), on_cpu(_norm_rope_ref, k_view, w, cos, sin))
+    _assert_rounding_close(
+        rmsnorm_rope(k_view, w, cos, sin, 1e-6), on_cpu(_norm_rope_ref, k_view, w, cos, sin)
+    )
 
 
 def _residual_ref(x, h, w, scalar):
@@ -302,7 +376,9 @@ def test_rmsnorm_residual_add(dtype, with_scalar):
     h = (torch.randn(6, 48, generator=g) * 9).to(dtype).to(DEV)
     w = (torch.rand(48, generator=g) * 2).to(dtype).to(DEV)
     scalar = torch.tensor([0.37], dtype=dtype, device=DEV) if with_scalar else None
-    _assert_rounding_close(rmsnorm_residual_add(x, h, w, 1e-6, scalar), on_cpu(_residual_ref, x, h, w, scalar))
+    _assert_rounding_close(
+        rmsnorm_residual_add(x, h, w, 1e-6, scalar), on_cpu(_residual_ref, x, h, w, scalar)
+    )
 
 
 def _norm_rope_ref(x, w, cos, sin):
@@ -310,7 +386,9 @@ def _norm_rope_ref(x, w, cos, sin):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hd,rotated_pairs,theta", [(32, 16, 1e4), (32, 4, 1e6)])  # default / proportional
+@pytest.mark.parametrize(
+    "hd,rotated_pairs,theta", [(32, 16, 1e4), (32, 4, 1e6)]
+)  # default / proportional
 def test_rmsnorm_rope(dtype, hd, rotated_pairs, theta):
     g = torch.Generator().manual_seed(3)
     T, heads = 5, 3
@@ -319,7 +397,9 @@ def test_rmsnorm_rope(dtype, hd, rotated_pairs, theta):
     inv = rope_inv_freq(RopeSpec(theta=theta, head_dim=hd, rotated_pairs=rotated_pairs))
     cos, sin = rope_cos_sin(inv, torch.tensor([0, 3, 17, 250, 4097]), dtype)
     cos, sin = cos.to(DEV), sin.to(DEV)
-    _assert_rounding_close(rmsnorm_rope(x, w, cos, sin, 1e-6), on_cpu(_norm_rope_ref, x, w, cos, sin))
+    _assert_rounding_close(
+        rmsnorm_rope(x, w, cos, sin, 1e-6), on_cpu(_norm_rope_ref, x, w, cos, sin)
+    )
 
 
 def _qkv_epilogue_ref(qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k_eq_v):
@@ -328,7 +408,9 @@ def _qkv_epilogue_ref(qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k
     v = k if k_eq_v else qkv[:, (nh + nkv) * hd :].view(T, nkv, hd)
     keep = slots >= 0
     kc, vc = k_cache.clone(), v_cache.clone()
-    write_kv(kc, vc, _norm_rope_ref(k, kw, cos, sin)[keep], rms_norm(v, None, 1e-6)[keep], slots[keep])
+    write_kv(
+        kc, vc, _norm_rope_ref(k, kw, cos, sin)[keep], rms_norm(v, None, 1e-6)[keep], slots[keep]
+    )
     return _norm_rope_ref(q, qw, cos, sin), kc, vc
 
 
@@ -338,13 +420,22 @@ def test_qkv_epilogue(dtype, k_eq_v):
     """q/k norms + RoPE, v_norm and the K/V write in one launch equal the separate reference ops."""
     g = torch.Generator().manual_seed(5)
     T, nh, nkv, hd, pages, page_size = 5, 4, 2, 32, 4, 4
-    qkv = (torch.randn(T, (nh + nkv * (1 if k_eq_v else 2)) * hd, generator=g) * 2).to(dtype).to(DEV)
+    qkv = (
+        (torch.randn(T, (nh + nkv * (1 if k_eq_v else 2)) * hd, generator=g) * 2).to(dtype).to(DEV)
+    )
     qw, kw = ((torch.rand(hd, generator=g) * 2).to(dtype).to(DEV) for _ in range(2))
-    cos, sin = (t.to(DEV) for t in rope_cos_sin(rope_inv_freq(RopeSpec(1e6, hd, 4)), torch.tensor([0, 3, 9, 40, 77]), dtype))
+    cos, sin = (
+        t.to(DEV)
+        for t in rope_cos_sin(
+            rope_inv_freq(RopeSpec(1e6, hd, 4)), torch.tensor([0, 3, 9, 40, 77]), dtype
+        )
+    )
     k_cache = torch.randn(pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
     v_cache = torch.randn(pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
     slots = torch.tensor([5, 6, -1, 12, 0], dtype=torch.int64, device=DEV)
-    ref_q, ref_k, ref_v = on_cpu(_qkv_epilogue_ref, qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k_eq_v)
+    ref_q, ref_k, ref_v = on_cpu(
+        _qkv_epilogue_ref, qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k_eq_v
+    )
     q = qkv_epilogue(qkv, qw, kw, cos, sin, 1e-6, k_cache, v_cache, slots, nh, nkv, k_eq_v)
     _assert_rounding_close(q, ref_q)
     _assert_rounding_close(k_cache, ref_k)
@@ -380,7 +471,9 @@ def test_gemv_matches_linear(dtype, M, K):
         assert y.dtype == dtype and y.shape == (M, N)
         err = ((y.double() - ref).norm() / ref.norm()).item()
         assert err < (1e-6 if dtype == torch.float32 else 1e-2), (cfg, err)
-        assert torch.equal(y, gemv(x, w, config=cfg))  # deterministic; the split counters were re-armed
+        assert torch.equal(
+            y, gemv(x, w, config=cfg)
+        )  # deterministic; the split counters were re-armed
 
 
 @pytest.mark.parametrize("M", [1, 5])
@@ -392,7 +485,11 @@ def test_gemv_glu_epilogue(M):
     x = torch.randn(M, K, generator=g).to(DEV)
     w = (torch.randn(2 * inter, K, generator=g) / 8).to(DEV)
     ref = gelu_tanh_mul(x @ w.T)
-    for cfg in (None, (32, 64, 4, 2, 1), (16, 128, 4, 3, 4)):  # a K split is ignored: the epilogue needs whole sums
+    for cfg in (
+        None,
+        (32, 64, 4, 2, 1),
+        (16, 128, 4, 3, 4),
+    ):  # a K split is ignored: the epilogue needs whole sums
         y = gemv(x, w, config=cfg, glu=True)
         assert y.shape == (M, inter)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
@@ -409,11 +506,15 @@ def test_gemv_mlp_equals_two_gemvs(M):
     gate_up = (torch.randn(2 * inter, H, generator=g) / 8).to(DEV)
     down = (torch.randn(H, inter, generator=g) / 16).to(DEV)
     act = x.double() @ gate_up.double().T
-    ref = (torch.nn.functional.gelu(act[:, :inter], approximate="tanh") * act[:, inter:]) @ down.double().T
+    ref = (
+        torch.nn.functional.gelu(act[:, :inter], approximate="tanh") * act[:, inter:]
+    ) @ down.double().T
     for cfg in (None, (16, 64, 4, 2, 4), (32, 128, 4, 2, 3), (16, 64, 4, 2, 1)):
         y = gemv_mlp(x, gate_up, down, config=cfg)
         assert not _zeroed_scratch(x.device)[1].any()
-        two = gemv(gemv(x, gate_up, glu=True), down, config=cfg or mlp_down_config(H, inter, x.device))
+        two = gemv(
+            gemv(x, gate_up, glu=True), down, config=cfg or mlp_down_config(H, inter, x.device)
+        )
         assert torch.equal(y, two), cfg
         assert torch.equal(y, gemv_mlp(x, gate_up, down, config=cfg))
         assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
@@ -442,8 +543,13 @@ def test_greedy_head_equals_argmax_of_full_head(N, K, M):
     coarse[a + 1] = 3 * x[0].cpu() / x[0].norm().cpu()
     coarse[a] = coarse[a + 1] + 0.01 * x[0].cpu().sign()
     coarse[a, 0] = 1e4
-    cases = {"random": base, "tied": tied, "saturated": base * 40, "constant": base[:1].repeat(N, 1),
-             "coarse": coarse}
+    cases = {
+        "random": base,
+        "tied": tied,
+        "saturated": base * 40,
+        "constant": base[:1].repeat(N, 1),
+        "coarse": coarse,
+    }
     for name, w in cases.items():
         w = w.to(DEV)
         q, scale = quantize_rows(w)
@@ -483,8 +589,13 @@ def test_int8_limbs_hold_x(dtype):
 
 # ---------------------------------------------------------------------------------------------- MoE
 def _moe_cfg(E=8, k=3, H=32, inter=16):
-    return SimpleNamespace(num_experts=E, top_k_experts=k, hidden_size=H, moe_intermediate_size=inter,
-                           rms_norm_eps=1e-6)
+    return SimpleNamespace(
+        num_experts=E,
+        top_k_experts=k,
+        hidden_size=H,
+        moe_intermediate_size=inter,
+        rms_norm_eps=1e-6,
+    )
 
 
 def test_moe_route_matches_router():
@@ -514,10 +625,10 @@ def test_moe_align_blocks():
     real = used[used < n]
     assert sorted(real.tolist()) == list(range(n))  # every pair exactly once
     for b in range(int((ow < E).sum())):
-        rows = sp[b * bm:(b + 1) * bm]
+        rows = sp[b * bm : (b + 1) * bm]
         rows = rows[rows < n]
         assert torch.all(flat[rows] == ow[b])
-    assert torch.all(ow[int((ow < E).sum()):] >= E)
+    assert torch.all(ow[int((ow < E).sum()) :] >= E)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -532,11 +643,18 @@ def test_moe_experts_match_reference(dtype, T):
     experts = experts.to(dtype)
     x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype)
     logits = torch.randn(T, cfg.num_experts, generator=g)
-    weights, ids = moe_route(logits.to(DEV), (torch.rand(cfg.num_experts, generator=g) + 0.5).to(DEV),
-                             cfg.top_k_experts)
+    weights, ids = moe_route(
+        logits.to(DEV), (torch.rand(cfg.num_experts, generator=g) + 0.5).to(DEV), cfg.top_k_experts
+    )
     ref = on_cpu(experts, x, weights, ids.long())
-    out = moe_experts(x.to(DEV), experts.gate_up_proj.detach().to(DEV), experts.down_proj.detach().to(DEV),
-                      weights, ids, config=dict(block_n=16, block_k=16))
+    out = moe_experts(
+        x.to(DEV),
+        experts.gate_up_proj.detach().to(DEV),
+        experts.down_proj.detach().to(DEV),
+        weights,
+        ids,
+        config=dict(block_n=16, block_k=16),
+    )
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     else:  # same rounding points; fp32 accumulation order differs inside the GEMMs

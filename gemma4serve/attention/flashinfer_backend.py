@@ -39,19 +39,32 @@ class FlashInferAttention(TritonAttention):
             if hd not in HEAD_DIMS:
                 continue
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD")
+                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD"
+            )
             try:  # builds (JIT, once per machine) or loads the kernel now, not in the middle of serving
                 _warm_up(w, device, nh, nkv, hd, page_size)
             except Exception as e:  # noqa: BLE001 - any build or launch failure means: Triton serves it
-                log.warning("FlashInfer prefill for %s layers (head_dim %d) unavailable, Triton serves them: %s",
-                            kind, hd, (str(e).splitlines() or [type(e).__name__])[0][:200])
+                log.warning(
+                    "FlashInfer prefill for %s layers (head_dim %d) unavailable, Triton serves them: %s",
+                    kind,
+                    hd,
+                    (str(e).splitlines() or [type(e).__name__])[0][:200],
+                )
                 continue
             self.wrappers[kind] = w
-        log.info("attention: FlashInfer prefill for %s layers, Triton for the rest",
-                 ", ".join(sorted(self.wrappers)) or "no")
+        log.info(
+            "attention: FlashInfer prefill for %s layers, Triton for the rest",
+            ", ".join(sorted(self.wrappers)) or "no",
+        )
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                kind: str) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kind: str,
+    ) -> torch.Tensor:
         w = self.wrappers.get(kind)
         if w is None or meta.host is None or meta.max_q_len == 1 or q.dtype != torch.bfloat16:
             return super().forward(q, k_cache, v_cache, meta, kind)
@@ -61,7 +74,9 @@ class FlashInferAttention(TritonAttention):
         return w.run(q, (k_cache, v_cache))
 
 
-def paged_kv(host: HostBatch, kind: str, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_kv(
+    host: HostBatch, kind: str, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's paged-KV description of a step: (pages per group as offsets, the groups' pages in order,
     the used slots of each group's last page)."""
     pages = (host.kv_len + page_size - 1) // page_size
@@ -72,23 +87,49 @@ def paged_kv(host: HostBatch, kind: str, page_size: int) -> tuple[torch.Tensor, 
     return indptr, indices, host.kv_len - (pages - 1) * page_size
 
 
-def plan(w, meta: AttentionMetadata, kind: str, nh: int, nkv: int, hd: int, page_size: int, dtype) -> None:
+def plan(
+    w, meta: AttentionMetadata, kind: str, nh: int, nkv: int, hd: int, page_size: int, dtype
+) -> None:
     """Plan a prefill wrapper for this step's layers of `kind` (host work, once per step)."""
     indptr, indices, last = paged_kv(meta.host, kind, page_size)
     window = meta.window[kind]
     # window = visible keys ending at the query's own position; FlashInfer counts the keys left of it
-    w.plan(meta.host.cu_seqlens_q, indptr, indices, last, nh, nkv, hd, page_size, causal=True,
-           window_left=window - 1 if window else -1, sm_scale=1.0, q_data_type=dtype, kv_data_type=dtype)
+    w.plan(
+        meta.host.cu_seqlens_q,
+        indptr,
+        indices,
+        last,
+        nh,
+        nkv,
+        hd,
+        page_size,
+        causal=True,
+        window_left=window - 1 if window else -1,
+        sm_scale=1.0,
+        q_data_type=dtype,
+        kv_data_type=dtype,
+    )
 
 
 def _warm_up(w, device, nh: int, nkv: int, hd: int, page_size: int) -> None:
     """Plan and run one small causal prefill of this shape (the JIT build happens here, once per machine)."""
     T = 2 * page_size
     k = torch.zeros(3, page_size, nkv, hd, dtype=torch.bfloat16, device=device)
-    host = HostBatch(cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), kv_len=torch.tensor([T], dtype=torch.int32),
-                     page_table={"any": torch.tensor([[1, 2]], dtype=torch.int32)})
-    meta = AttentionMetadata(token_seq=None, kv_end=None, page_table=None, write_slot=None, window={"any": 0},
-                             cu_seqlens_q=None, max_q_len=T, host=host)
+    host = HostBatch(
+        cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
+        kv_len=torch.tensor([T], dtype=torch.int32),
+        page_table={"any": torch.tensor([[1, 2]], dtype=torch.int32)},
+    )
+    meta = AttentionMetadata(
+        token_seq=None,
+        kv_end=None,
+        page_table=None,
+        write_slot=None,
+        window={"any": 0},
+        cu_seqlens_q=None,
+        max_q_len=T,
+        host=host,
+    )
     plan(w, meta, "any", nh, nkv, hd, page_size, torch.bfloat16)
     w.run(torch.zeros(T, nh, hd, dtype=torch.bfloat16, device=device), (k, k))
     torch.cuda.synchronize(device)

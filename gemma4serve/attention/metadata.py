@@ -40,9 +40,13 @@ class AttentionMetadata:
     token_seq: torch.Tensor  # [T] int32: the page-table row of query token t
     kv_end: torch.Tensor  # [T] int32: exclusive end position of the keys token t sees
     page_table: dict  # kind -> [B, max_pages] int32 (logical page -> physical page)
-    write_slot: dict  # kind -> [T] int64 physical slot of token t's K/V (unused by readers-only passes)
+    write_slot: (
+        dict  # kind -> [T] int64 physical slot of token t's K/V (unused by readers-only passes)
+    )
     window: dict  # kind -> visible keys ending at kv_end (0 = unlimited)
-    cu_seqlens_q: torch.Tensor  # [G+1] int32: query rows cu[g]:cu[g+1] are one sequence's consecutive tokens
+    cu_seqlens_q: (
+        torch.Tensor
+    )  # [G+1] int32: query rows cu[g]:cu[g+1] are one sequence's consecutive tokens
     max_q_len: int  # host-side bound on the rows of one group (grid sizing)
     host: HostBatch | None = None  # eager target steps only (graphed and drafter steps have none)
 
@@ -76,17 +80,34 @@ def page_tables(pages: list) -> dict:
     return out
 
 
-def causal_metadata(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, window: dict,
-                    cu_seqlens_q: torch.Tensor, max_q_len: int, page_size: int,
-                    host: HostBatch | None = None) -> AttentionMetadata:
+def causal_metadata(
+    token_seq: torch.Tensor,
+    pos: torch.Tensor,
+    tables: dict,
+    window: dict,
+    cu_seqlens_q: torch.Tensor,
+    max_q_len: int,
+    page_size: int,
+    host: HostBatch | None = None,
+) -> AttentionMetadata:
     """Metadata of a target pass, derived on the device: each token sees keys up to its own position and
     writes its K/V to the slot its page table maps its position to."""
-    if (k := fused.on(pos)) is not None and len(tables) == 2 and token_seq.is_contiguous() and pos.is_contiguous():
-        kv_end, write_slot = k.write_slots(token_seq, pos, tables, page_size)  # one launch instead of about 14
+    if (
+        (k := fused.on(pos)) is not None
+        and len(tables) == 2
+        and token_seq.is_contiguous()
+        and pos.is_contiguous()
+    ):
+        kv_end, write_slot = k.write_slots(
+            token_seq, pos, tables, page_size
+        )  # one launch instead of about 14
     else:
         rows = token_seq.long()
         kv_end = (pos + 1).to(torch.int32)
-        write_slot = {kind: t[rows, pos // page_size].long() * page_size + pos % page_size for kind, t in tables.items()}
+        write_slot = {
+            kind: t[rows, pos // page_size].long() * page_size + pos % page_size
+            for kind, t in tables.items()
+        }
     return AttentionMetadata(
         token_seq=token_seq,
         kv_end=kv_end,

@@ -29,7 +29,13 @@ class TritonAttention:
         kind: str,
     ) -> torch.Tensor:
         return paged_attention(
-            q, k_cache, v_cache,
-            meta.token_seq, meta.kv_end, meta.page_table[kind], meta.cu_seqlens_q,
-            meta.max_q_len, meta.window[kind],
+            q,
+            k_cache,
+            v_cache,
+            meta.token_seq,
+            meta.kv_end,
+            meta.page_table[kind],
+            meta.cu_seqlens_q,
+            meta.max_q_len,
+            meta.window[kind],
         )

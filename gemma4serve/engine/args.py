@@ -14,19 +14,27 @@ class EngineArgs:
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto = cuda if available
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights of the real shapes)
-    max_model_len: int | None = None  # default: the config's max_position_embeddings, capped by the KV pool
+    max_model_len: int | None = (
+        None  # default: the config's max_position_embeddings, capped by the KV pool
+    )
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     page_size: int = 16
     num_draft_tokens: int = 4  # k; 0 = no speculation (also when no draft model is given)
-    adaptive_draft_length: bool = True  # drop to 0 drafts at batch sizes where drafting costs more than it gains
-    gpu_memory_utilization: float = 0.90  # fraction of total GPU memory the engine may use (weights + KV)
+    adaptive_draft_length: bool = (
+        True  # drop to 0 drafts at batch sizes where drafting costs more than it gains
+    )
+    gpu_memory_utilization: float = (
+        0.90  # fraction of total GPU memory the engine may use (weights + KV)
+    )
     kv_cache_memory: int | None = None  # bytes for KV pages; overrides gpu_memory_utilization
     kv_cache_tokens: int | None = None  # test knob: the full pool's capacity in tokens
     # auto: triton on CUDA (prefill through flashinfer when that extra is installed), torch elsewhere
     attention_backend: str = "auto"  # | torch | triton | flashinfer
     enforce_eager: bool = False  # no CUDA graphs
-    async_scheduling: bool = True  # queue the next decode step before reading the current one's tokens
+    async_scheduling: bool = (
+        True  # queue the next decode step before reading the current one's tokens
+    )
     seed: int = 0  # seeds dummy weights and the per-request seeds drawn when a request gives none
     # Benchmark only: force the mean number of tokens per verify step (bonus included) while every draft and
     # verify computation still runs. Random weights accept ~nothing; this measures MTP's speed, not quality.

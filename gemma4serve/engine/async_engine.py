@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.engine import LLMEngine
@@ -31,7 +31,9 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = args.served_model_name or args.model
-        self.default_sampling_params = self.engine.default_sampling_params  # what a request leaves unset
+        self.default_sampling_params = (
+            self.engine.default_sampling_params
+        )  # what a request leaves unset
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", ...) | ("abort", rid)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -44,7 +46,9 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="gemma4serve-engine", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="gemma4serve-engine", daemon=True
+            )
             self._thread.start()
 
     @property
@@ -71,7 +75,9 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if not finished:  # the consumer went away (client disconnect) or an error: free its pages
+            if (
+                not finished
+            ):  # the consumer went away (client disconnect) or an error: free its pages
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -93,7 +99,12 @@ class AsyncEngine:
         """Stop admitting, let in-flight requests finish for up to drain_timeout seconds, abort the rest."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout
-        while self._streams and time.monotonic() < deadline and self._thread and self._thread.is_alive():
+        while (
+            self._streams
+            and time.monotonic() < deadline
+            and self._thread
+            and self._thread.is_alive()
+        ):
             time.sleep(0.05)
         for rid in list(self._streams):
             self.abort(rid)
@@ -144,7 +155,9 @@ class AsyncEngine:
                 continue
             try:
                 outs = self.engine.step()
-            except Exception as e:  # a bug must not hang every client: fail what is in flight and go on
+            except (
+                Exception
+            ) as e:  # a bug must not hang every client: fail what is in flight and go on
                 log.exception("engine step failed; aborting in-flight requests")
                 for rid in list(self.engine.requests):
                     self.engine.abort(rid)

@@ -48,7 +48,10 @@ class CudaGraphs:
         self.ids = torch.zeros(T, **i64)
         self.pos = torch.zeros(T, **i64)
         self.token_seq = torch.full((T,), B, **i32)
-        self.tables = {FULL: torch.zeros(B + 1, width, **i32), SLIDING: torch.zeros(B + 1, width, **i32)}
+        self.tables = {
+            FULL: torch.zeros(B + 1, width, **i32),
+            SLIDING: torch.zeros(B + 1, width, **i32),
+        }
         self.width = width
         # What run_target last wrote into token_seq and the tables: an unchanged input is not copied again (at
         # batch 1 each copy is a launch between two steps, and a page table changes once per page of tokens).
@@ -64,7 +67,9 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.target_graphs: dict = {}  # (B, Q, greedy) -> (graph, hidden, logits or greedy tokens)
         self.draft_graphs: dict = {}  # B -> (graph, drafts)
-        self.draft_loop = DraftLoop(state) if (state.draft is not None and num_draft_tokens) else None
+        self.draft_loop = (
+            DraftLoop(state) if (state.draft is not None and num_draft_tokens) else None
+        )
 
     # ---- capture --------------------------------------------------------------------------------------
 
@@ -72,9 +77,15 @@ class CudaGraphs:
         s, T = self.s, B * Q
 
         def run():
-            meta = causal_metadata(self.token_seq[:T], self.pos[:T], self.tables,
-                                   {SLIDING: s.target.cfg.sliding_window, FULL: 0}, self.cu_seqlens[Q][: B + 1],
-                                   Q, s.page_size)
+            meta = causal_metadata(
+                self.token_seq[:T],
+                self.pos[:T],
+                self.tables,
+                {SLIDING: s.target.cfg.sliding_window, FULL: 0},
+                self.cu_seqlens[Q][: B + 1],
+                Q,
+                s.page_size,
+            )
             hidden = s.target(self.ids[:T], self.pos[:T], ForwardContext(meta, s.kv, s.attn))
             return hidden, (s.target.greedy(hidden) if greedy else s.target.logits(hidden))
 
@@ -85,8 +96,14 @@ class CudaGraphs:
 
     def _draft_fn(self, B: int):
         def run():
-            return self.draft_loop.run(self.d_token[:B], self.d_hidden[:B], self.d_pos[:B], self.d_rows[:B],
-                                       self.tables, self.k)
+            return self.draft_loop.run(
+                self.d_token[:B],
+                self.d_hidden[:B],
+                self.d_pos[:B],
+                self.d_rows[:B],
+                self.tables,
+                self.k,
+            )
 
         return run
 
@@ -111,8 +128,12 @@ class CudaGraphs:
                 graph, drafts = self._capture(self._draft_fn(B))
                 self.draft_graphs[B] = (graph, drafts)
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs (batch buckets %s) in %.1fs",
-                 len(self.target_graphs) + len(self.draft_graphs), self.buckets, time.monotonic() - t0)
+        log.info(
+            "captured %d CUDA graphs (batch buckets %s) in %.1fs",
+            len(self.target_graphs) + len(self.draft_graphs),
+            self.buckets,
+            time.monotonic() - t0,
+        )
 
     @torch.inference_mode()
     def measure(self) -> dict[int, StepCost]:
@@ -122,8 +143,11 @@ class CudaGraphs:
         if self.draft_loop is None:
             return {}
         return {
-            B: StepCost(self._time(self.target_graphs[(B, 1, False)][0]),
-                        self._time(self.target_graphs[(B, self.k + 1, False)][0]), self._time(self.draft_graphs[B][0]))
+            B: StepCost(
+                self._time(self.target_graphs[(B, 1, False)][0]),
+                self._time(self.target_graphs[(B, self.k + 1, False)][0]),
+                self._time(self.draft_graphs[B][0]),
+            )
             for B in self.buckets
         }
 
@@ -147,7 +171,9 @@ class CudaGraphs:
         """Whether n sequences of Q query rows each, holding at most max_pages pages, have a graph."""
         return Q in self.q_lens and self.bucket(n) is not None and max_pages < self.width
 
-    def run_target(self, ids: torch.Tensor, pos: torch.Tensor, Q: int, tables: dict, greedy: bool = False):
+    def run_target(
+        self, ids: torch.Tensor, pos: torch.Tensor, Q: int, tables: dict, greedy: bool = False
+    ):
         """Replay the decode/verify graph: ids and positions [n*Q] (host or device), host page tables [n, w]
         per kind -> (hidden [n*Q, H], logits [n*Q, V] or None, greedy tokens [n*Q] or None). `greedy`: only
         the argmax of each row is needed, so the bucket's greedy variant runs where it has one."""
@@ -159,7 +185,12 @@ class CudaGraphs:
         copy_into(self.pos[:T], pos)
         self.pos[T : B * Q].zero_()
         if self._token_seq_key != (T, Q, B):
-            torch.div(torch.arange(T, device=dev, dtype=torch.int32), Q, rounding_mode="floor", out=self.token_seq[:T])
+            torch.div(
+                torch.arange(T, device=dev, dtype=torch.int32),
+                Q,
+                rounding_mode="floor",
+                out=self.token_seq[:T],
+            )
             self.token_seq[T : B * Q].fill_(self.dummy_row)
             self._token_seq_key = (T, Q, B)
         for kind, host in tables.items():

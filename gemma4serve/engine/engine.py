@@ -17,7 +17,13 @@ from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import load_models
-from gemma4serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
+from gemma4serve.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 from gemma4serve.engine.runner import ModelRunner, StepHandle
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
@@ -69,14 +75,20 @@ class LLMEngine:
         cfg = self.state.target.cfg
         self.cfg = cfg
         tok_dir = Path(args.tokenizer) if args.tokenizer else self.state.target_dir
-        self.tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").exists() else None
+        self.tokenizer = (
+            Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").exists() else None
+        )
         self.eos_ids = set(cfg.eos_token_ids)
         self.default_sampling_params = generation_defaults(self.state.target_dir)
         plan = self.state.kv_plan
         self.max_model_len = plan.max_model_len
         ps = args.page_size
-        self.kv = KVManager(PagePool(plan.full_pages, ps, "full"), PagePool(plan.sliding_pages, ps, "sliding"),
-                            ps, plan.sliding_keep)
+        self.kv = KVManager(
+            PagePool(plan.full_pages, ps, "full"),
+            PagePool(plan.sliding_pages, ps, "sliding"),
+            ps,
+            plan.sliding_keep,
+        )
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         forced = None
         k = args.num_draft_tokens if self.state.draft is not None else 0
@@ -84,17 +96,27 @@ class LLMEngine:
             forced = ForcedAcceptance(args.forced_acceptance, k, self.state.device)
             log.warning(
                 "BENCHMARK MODE: --forced-acceptance forces %.2f tokens per verify step; generated text is NOT "
-                "the model's output", forced.mean_tokens_per_step,
+                "the model's output",
+                forced.mean_tokens_per_step,
             )
         self.num_draft_tokens = k
         graphs, costs = None, None
-        if self.state.device.type == "cuda" and not args.enforce_eager and self.state.attn.name != "torch":
+        if (
+            self.state.device.type == "cuda"
+            and not args.enforce_eager
+            and self.state.attn.name != "torch"
+        ):
             graphs = CudaGraphs(self.state, args.max_num_seqs, self.max_model_len, k)
             graphs.capture()
             costs = graphs.measure() if args.adaptive_draft_length else None
             if costs:
-                log.info("step costs per batch bucket (decode / verify / draft loop ms): %s", "; ".join(
-                    f"{b}: {c.decode * 1e3:.2f} / {c.verify * 1e3:.2f} / {c.draft * 1e3:.2f}" for b, c in costs.items()))
+                log.info(
+                    "step costs per batch bucket (decode / verify / draft loop ms): %s",
+                    "; ".join(
+                        f"{b}: {c.decode * 1e3:.2f} / {c.verify * 1e3:.2f} / {c.draft * 1e3:.2f}"
+                        for b, c in costs.items()
+                    ),
+                )
         self.draft_length = DraftLength(k, costs)
         self.runner = ModelRunner(self.state, k, forced, graphs)
         if self.state.device.type == "cuda":
@@ -103,8 +125,12 @@ class LLMEngine:
         self._rng = random.Random(args.seed)
         self._arrivals = 0
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
-        self._inflight: StepHandle | None = None  # a launched decode step not read yet (async scheduling)
-        self.num_continued_steps = 0  # steps queued before the results of the step before them were read
+        self._inflight: StepHandle | None = (
+            None  # a launched decode step not read yet (async scheduling)
+        )
+        self.num_continued_steps = (
+            0  # steps queued before the results of the step before them were read
+        )
 
     def _warm_up(self) -> None:
         """One eager step per chunk length before serving, so that Triton compiles the kernel variants that eager
@@ -117,8 +143,13 @@ class LLMEngine:
         # Kernels pick tiles by power-of-two buckets of the rows (attention by the longest query run, the GEMV up
         # to 16 rows, MoE by token-expert pairs), and Triton specialises integers that are 1 or divisible by 16:
         # each power of two, one past it, and the longest chunks reach every bucket.
-        lengths = {1, longest - 1, longest} | {n for j in range(1, limit.bit_length()) for n in (2**j, 2**j + 1)}
-        sampled, greedy = SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0.0)
+        lengths = {1, longest - 1, longest} | {
+            n for j in range(1, limit.bit_length()) for n in (2**j, 2**j + 1)
+        }
+        sampled, greedy = (
+            SamplingParams(max_tokens=1),
+            SamplingParams(max_tokens=1, temperature=0.0),
+        )
         for n, params in [(n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(1, greedy)]:
             seq = Sequence("warm-up", 0, [0] * n, n, params, 0, 0, n + 1)
             self.kv.grow(seq.pages, 0, n)
@@ -147,7 +178,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+            raise ValueError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})"
+            )
         n_prompt = len(prompt)
         if n_prompt >= self.max_model_len:
             raise ValueError(
@@ -160,23 +193,47 @@ class LLMEngine:
             )
         max_len = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
         if self.kv.pages_for(max_len + self.num_draft_tokens + 1) > self.kv.full.capacity:
-            raise ValueError(f"the request needs up to {max_len} tokens of KV cache; the pool holds "
-                             f"{self.kv.full.capacity * self.kv.page_size}")
+            raise ValueError(
+                f"the request needs up to {max_len} tokens of KV cache; the pool holds "
+                f"{self.kv.full.capacity * self.kv.page_size}"
+            )
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs, detoks = [], []
         for i in range(params.n):
             self._arrivals += 1
-            seqs.append(Sequence(
-                request_id=request_id, index=i, token_ids=list(prompt), num_prompt=n_prompt, params=params,
-                seed=(base_seed + i * _SEED_STRIDE) % (1 << 64), arrival=self._arrivals, max_len=max_len,
-            ))
-            detoks.append(
-                IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                                       include_stop_str_in_output=params.include_stop_str_in_output)
-                if self.tokenizer is not None else None
+            seqs.append(
+                Sequence(
+                    request_id=request_id,
+                    index=i,
+                    token_ids=list(prompt),
+                    num_prompt=n_prompt,
+                    params=params,
+                    seed=(base_seed + i * _SEED_STRIDE) % (1 << 64),
+                    arrival=self._arrivals,
+                    max_len=max_len,
+                )
             )
-        req = Request(request_id, prompt, params, seqs, detoks, RequestMetrics(arrival_time=time.monotonic()),
-                      new_ids=[[] for _ in seqs], new_text=["" for _ in seqs], new_logprobs=[[] for _ in seqs])
+            detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+                if self.tokenizer is not None
+                else None
+            )
+        req = Request(
+            request_id,
+            prompt,
+            params,
+            seqs,
+            detoks,
+            RequestMetrics(arrival_time=time.monotonic()),
+            new_ids=[[] for _ in seqs],
+            new_text=["" for _ in seqs],
+            new_logprobs=[[] for _ in seqs],
+        )
         self.requests[request_id] = req
         self.stats.prompt_tokens += n_prompt
         for s in seqs:
@@ -190,7 +247,9 @@ class LLMEngine:
             if s.status is not Status.FINISHED:
                 s.finish_reason = "abort"
                 self.scheduler.finish(s)
-                self.stats.requests_finished["abort"] = self.stats.requests_finished.get("abort", 0) + 1
+                self.stats.requests_finished["abort"] = (
+                    self.stats.requests_finished.get("abort", 0) + 1
+                )
         return self._output(req)
 
     def has_unfinished(self) -> bool:
@@ -205,7 +264,9 @@ class LLMEngine:
         if prev is not None:
             self._inflight = self._continue(prev)
             outs = self._finish_step(prev)
-            if self._inflight is not None and all(s.status is Status.FINISHED for s in self._inflight.seqs):
+            if self._inflight is not None and all(
+                s.status is Status.FINISHED for s in self._inflight.seqs
+            ):
                 self._inflight = None  # everything it computes was cut off by `prev`
             return outs
         chunks = self.scheduler.schedule()
@@ -217,7 +278,9 @@ class LLMEngine:
             m = self.requests[ch.seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        draft_len = self.stats.draft_length = self.draft_length.choose(sum(ch.samples for ch in chunks))
+        draft_len = self.stats.draft_length = self.draft_length.choose(
+            sum(ch.samples for ch in chunks)
+        )
         if not draft_len:
             for ch in chunks:
                 ch.drafts = []
@@ -238,11 +301,16 @@ class LLMEngine:
         budget = sch.max_num_batched_tokens - len(seqs) * q_next
         if sch.running != seqs or budget < 0 or sch.would_admit(budget):
             return None
-        if any(s.status is not Status.RUNNING for s in seqs) or self.draft_length.choose(len(seqs)) != prev.draft_len:
+        if (
+            any(s.status is not Status.RUNNING for s in seqs)
+            or self.draft_length.choose(len(seqs)) != prev.draft_len
+        ):
             return None
         # `prev` may emit q_prev tokens, then the next step writes q_next rows (past a sequence's end too: the
         # rows of a sequence that ends in `prev` are dropped).
-        if not self.kv.grow_all([(s.pages, s.num_computed, s.num_computed + q_prev + q_next) for s in seqs]):
+        if not self.kv.grow_all(
+            [(s.pages, s.num_computed, s.num_computed + q_prev + q_next) for s in seqs]
+        ):
             return None
         self.num_continued_steps += 1
         return self.runner.launch_next(prev, [s.pages for s in seqs])
@@ -250,7 +318,9 @@ class LLMEngine:
     def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
         for (seq, result), drafted in zip(handle.results().items(), handle.drafted):
-            if seq.status is Status.FINISHED:  # aborted, or cut off by the step before (async scheduling)
+            if (
+                seq.status is Status.FINISHED
+            ):  # aborted, or cut off by the step before (async scheduling)
                 continue
             req = self.requests[seq.request_id]
             self._commit(req, seq, drafted, result)
@@ -289,7 +359,9 @@ class LLMEngine:
                 self._finish(req, seq, "stop", tok)
                 break
             if tok in p.stop_token_ids:
-                if detok is not None and p.include_stop_str_in_output:  # vLLM shows the stop token's text then
+                if (
+                    detok is not None and p.include_stop_str_in_output
+                ):  # vLLM shows the stop token's text then
                     req.new_text[i] += detok.push([tok])[0]
                 self._finish(req, seq, "stop", tok)
                 break
@@ -318,16 +390,18 @@ class LLMEngine:
         outs = []
         for i, seq in enumerate(req.seqs):
             detok = req.detoks[i]
-            outs.append(CompletionOutput(
-                index=i,
-                text=detok.text if detok is not None else "",
-                token_ids=list(seq.output_ids),
-                new_text=req.new_text[i],
-                new_token_ids=req.new_ids[i],
-                new_logprobs=req.new_logprobs[i] if req.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.text if detok is not None else "",
+                    token_ids=list(seq.output_ids),
+                    new_text=req.new_text[i],
+                    new_token_ids=req.new_ids[i],
+                    new_logprobs=req.new_logprobs[i] if req.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
             req.new_ids[i], req.new_text[i], req.new_logprobs[i] = [], "", []
         finished = req.finished
         if finished:
@@ -343,8 +417,13 @@ class LLMEngine:
         st.full_pages_total, st.full_pages_free = self.kv.full.capacity, self.kv.full.num_free
         st.swa_pages_total, st.swa_pages_free = self.kv.sliding.capacity, self.kv.sliding.num_free
         st.num_preemptions = self.scheduler.num_preemptions
-        return EngineStats(**{**st.__dict__, "requests_finished": dict(st.requests_finished),
-                              "spec_accepted_per_position": list(st.spec_accepted_per_position)})
+        return EngineStats(
+            **{
+                **st.__dict__,
+                "requests_finished": dict(st.requests_finished),
+                "spec_accepted_per_position": list(st.spec_accepted_per_position),
+            }
+        )
 
     def kv_pool_free(self) -> dict:
         return {"full": self.kv.full.num_free, "sliding": self.kv.sliding.num_free}

@@ -67,16 +67,22 @@ def _load(module, path: Path | None, args: EngineArgs, device, dtype, what: str)
     if args.load_format == "dummy":
         init_dummy_weights(module, seed=args.seed)
     elif args.load_format in ("auto", "safetensors"):
-        load_weights(module, path, to_param_name=module.checkpoint_param_name, device=device, dtype=dtype)
+        load_weights(
+            module, path, to_param_name=module.checkpoint_param_name, device=device, dtype=dtype
+        )
     else:
         raise ConfigError(f"load_format {args.load_format!r} is not supported (auto, dummy)")
     n = sum(p.numel() for p in module.parameters())
     log.info("%s: %.1fM parameters loaded in %.1fs", what, n / 1e6, time.monotonic() - t0)
 
 
-def make_attention_backend(name: str, device: torch.device, cfg=None, page_size: int = 16, dtype=None):
+def make_attention_backend(
+    name: str, device: torch.device, cfg=None, page_size: int = 16, dtype=None
+):
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
-    if name == "auto":  # the Triton kernels are the fast path on CUDA (with FlashInfer's prefill when it is
+    if (
+        name == "auto"
+    ):  # the Triton kernels are the fast path on CUDA (with FlashInfer's prefill when it is
         # installed: measured faster, docs/performance.md); torch is the reference everywhere
         name = "triton" if device.type == "cuda" else "torch"
         if name == "triton" and dtype == torch.bfloat16 and has_flashinfer:
@@ -91,8 +97,10 @@ def make_attention_backend(name: str, device: torch.device, cfg=None, page_size:
         return TritonAttention()
     if name == "flashinfer":
         if device.type != "cuda" or not has_flashinfer:
-            raise ConfigError("attention backend 'flashinfer' needs CUDA and the flashinfer extra "
-                              "(pip install 'gemma4serve[flashinfer]')")
+            raise ConfigError(
+                "attention backend 'flashinfer' needs CUDA and the flashinfer extra "
+                "(pip install 'gemma4serve[flashinfer]')"
+            )
         from gemma4serve.attention.flashinfer_backend import FlashInferAttention
 
         layouts = {}
@@ -100,7 +108,9 @@ def make_attention_backend(name: str, device: torch.device, cfg=None, page_size:
             hd, nkv = cfg.kind_spec(kind)
             layouts[kind] = (cfg.num_heads, nkv, hd)
         return FlashInferAttention(device, layouts, page_size)
-    raise ConfigError(f"attention backend {name!r} is not supported (auto, torch, triton, flashinfer)")
+    raise ConfigError(
+        f"attention backend {name!r} is not supported (auto, torch, triton, flashinfer)"
+    )
 
 
 def _kv_budget(args: EngineArgs, device: torch.device) -> int | None:
@@ -118,18 +128,34 @@ def _kv_budget(args: EngineArgs, device: torch.device) -> int | None:
 def load_models(args: EngineArgs) -> ModelState:
     device, dtype = resolve_device_dtype(args)
     dummy = args.load_format == "dummy"
-    target_dir = Path(args.model) if dummy and Path(args.model).exists() else resolve_checkpoint(args.model, args.revision)
+    target_dir = (
+        Path(args.model)
+        if dummy and Path(args.model).exists()
+        else resolve_checkpoint(args.model, args.revision)
+    )
     cfg = load_config(target_dir)
     if not isinstance(cfg, TextConfig):
-        raise ConfigError(f"{args.model} is an assistant checkpoint; pass it as --draft, with its target as --model")
-    log.info("loading %s (%s, %s) on %s", args.model, "dummy weights" if dummy else "safetensors", dtype, device)
+        raise ConfigError(
+            f"{args.model} is an assistant checkpoint; pass it as --draft, with its target as --model"
+        )
+    log.info(
+        "loading %s (%s, %s) on %s",
+        args.model,
+        "dummy weights" if dummy else "safetensors",
+        dtype,
+        device,
+    )
     target = _empty_module(Gemma4Model, cfg, device, dtype)
     _load(target, target_dir, args, device, dtype, "target")
     target.bind(device)
 
     draft, draft_dir = None, None
     if args.draft:
-        draft_dir = Path(args.draft) if dummy and Path(args.draft).exists() else resolve_checkpoint(args.draft, args.revision)
+        draft_dir = (
+            Path(args.draft)
+            if dummy and Path(args.draft).exists()
+            else resolve_checkpoint(args.draft, args.revision)
+        )
         dcfg = load_config(draft_dir)
         if not isinstance(dcfg, AssistantConfig):
             raise ConfigError(f"draft model {args.draft} is not a gemma4_assistant checkpoint")
@@ -151,14 +177,27 @@ def load_models(args: EngineArgs) -> ModelState:
         kv_tokens=args.kv_cache_tokens,
         max_model_len=args.max_model_len,
     )
-    kv = KVCache(cfg, {FULL: plan.full_pages, SLIDING: plan.sliding_pages}, args.page_size, dtype, device)
+    kv = KVCache(
+        cfg, {FULL: plan.full_pages, SLIDING: plan.sliding_pages}, args.page_size, dtype, device
+    )
     log.info(
         "KV cache: %.2f GiB, full pool %d pages (%d tokens), sliding pool %d pages, max_model_len %d",
-        plan.bytes / 2**30, plan.full_pages - 1, (plan.full_pages - 1) * args.page_size, plan.sliding_pages - 1,
+        plan.bytes / 2**30,
+        plan.full_pages - 1,
+        (plan.full_pages - 1) * args.page_size,
+        plan.sliding_pages - 1,
         plan.max_model_len,
     )
     attn = make_attention_backend(args.attention_backend, device, cfg, args.page_size, dtype)
     return ModelState(
-        target=target, draft=draft, kv=kv, kv_plan=plan, attn=attn,
-        device=device, dtype=dtype, page_size=args.page_size, target_dir=target_dir, draft_dir=draft_dir,
+        target=target,
+        draft=draft,
+        kv=kv,
+        kv_plan=plan,
+        attn=attn,
+        device=device,
+        dtype=dtype,
+        page_size=args.page_size,
+        target_dir=target_dir,
+        draft_dir=draft_dir,
     )

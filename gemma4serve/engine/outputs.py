@@ -68,8 +68,12 @@ class EngineStats:
     spec_num_steps: int = 0  # of those, the verify steps that carried drafts
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
-    spec_accepted_per_position: list = field(default_factory=list)  # accepted count at draft position i
-    draft_length: int = 0  # drafts the latest step proposed (0: no drafter, or drafting off at this load)
+    spec_accepted_per_position: list = field(
+        default_factory=list
+    )  # accepted count at draft position i
+    draft_length: int = (
+        0  # drafts the latest step proposed (0: no drafter, or drafting off at this load)
+    )
 
     @property
     def spec_mean_accepted_length(self) -> float:

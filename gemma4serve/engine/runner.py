@@ -30,13 +30,17 @@ class SamplingInputs:
     """The rows a step samples from, one group per sequence that produces tokens (all on the device)."""
 
     seqs: list[Sequence]
-    rows: torch.Tensor  # [B, K+1] packed row of (last token, d_1..d_k); short groups repeat their last row
+    rows: (
+        torch.Tensor
+    )  # [B, K+1] packed row of (last token, d_1..d_k); short groups repeat their last row
     first_pos: torch.Tensor  # [B] position of each group's first row
     drafts: torch.Tensor  # [B, K] -1 padded
     num_drafts: torch.Tensor  # [B]
     table_rows: torch.Tensor  # [B] int32: each sequence's page-table row
     sb: SamplingBatch
-    all_rows: bool = False  # rows.view(-1) is every row of the forward, in order (so no gather is needed)
+    all_rows: bool = (
+        False  # rows.view(-1) is every row of the forward, in order (so no gather is needed)
+    )
 
 
 @dataclass
@@ -76,12 +80,20 @@ class StepHandle:
             n = row[K1]
             lp = None
             if floats is not None and seq.params.logprobs is not None:
-                top_ids, top_lps, want = row[K1 + 1 + k:], floats[i][K1:], seq.params.logprobs
+                top_ids, top_lps, want = row[K1 + 1 + k :], floats[i][K1:], seq.params.logprobs
                 lp = [
-                    (floats[i][j], list(zip(top_ids[j * width: j * width + want], top_lps[j * width: j * width + want])))
+                    (
+                        floats[i][j],
+                        list(
+                            zip(
+                                top_ids[j * width : j * width + want],
+                                top_lps[j * width : j * width + want],
+                            )
+                        ),
+                    )
                     for j in range(n)
                 ]
-            out[seq] = StepResult(tokens=row[:n], next_drafts=row[K1 + 1: K1 + 1 + k], logprobs=lp)
+            out[seq] = StepResult(tokens=row[:n], next_drafts=row[K1 + 1 : K1 + 1 + k], logprobs=lp)
         return out
 
 
@@ -105,8 +117,13 @@ def pack_chunks(chunks: list[ScheduledChunk]):
 
 
 class ModelRunner:
-    def __init__(self, state: ModelState, num_draft_tokens: int, forced: ForcedAcceptance | None = None,
-                 graphs: CudaGraphs | None = None):
+    def __init__(
+        self,
+        state: ModelState,
+        num_draft_tokens: int,
+        forced: ForcedAcceptance | None = None,
+        graphs: CudaGraphs | None = None,
+    ):
         self.s = state
         self.k = num_draft_tokens  # 0 without a drafter (the engine decides)
         self.draft_loop = DraftLoop(state) if self.k else None
@@ -125,9 +142,14 @@ class ModelRunner:
         kv_len = torch.tensor([ch.start + ch.num_query for ch in chunks], dtype=torch.int32)
         host = HostBatch(cu_t, kv_len, host_tables)
         meta = causal_metadata(
-            to_device(torch.tensor(token_seq, dtype=torch.int32), dev), pos_t,
-            {kind: to_device(t, dev) for kind, t in host_tables.items()}, self.window, to_device(cu_t, dev),
-            max(ch.num_query for ch in chunks), self.s.page_size, host,
+            to_device(torch.tensor(token_seq, dtype=torch.int32), dev),
+            pos_t,
+            {kind: to_device(t, dev) for kind, t in host_tables.items()},
+            self.window,
+            to_device(cu_t, dev),
+            max(ch.num_query for ch in chunks),
+            self.s.page_size,
+            host,
         )
         return to_device(torch.tensor(ids, dtype=torch.int64), dev), pos_t, meta
 
@@ -161,8 +183,11 @@ class ModelRunner:
             num_drafts=i64(num_drafts),
             table_rows=to_device(torch.tensor([b for b, _ in sampling], dtype=torch.int32), dev),
             sb=SamplingBatch.build(
-                [q.params for q in seqs], [q.seed for q in seqs], [q.output_ids for q in seqs],
-                [q.token_ids[: q.num_prompt] for q in seqs], dev,
+                [q.params for q in seqs],
+                [q.seed for q in seqs],
+                [q.output_ids for q in seqs],
+                [q.token_ids[: q.num_prompt] for q in seqs],
+                dev,
             ),
             all_rows=flat == list(range(ends[-1])),
         )
@@ -174,13 +199,20 @@ class ModelRunner:
         inp = self._sampling_inputs(chunks)
         Q = chunks[0].num_query
         decode = all(ch.length == 1 and ch.samples and ch.num_query == Q for ch in chunks)
-        graphed = (self.graphs is not None and decode
-                   and self.graphs.fits(len(chunks), Q, max(len(ch.seq.pages.full) for ch in chunks)))
+        graphed = (
+            self.graphs is not None
+            and decode
+            and self.graphs.fits(len(chunks), Q, max(len(ch.seq.pages.full) for ch in chunks))
+        )
         if graphed:
             ids, positions, _, _ = pack_chunks(chunks)
-            hidden, logits, chosen = self.graphs.run_target(torch.tensor(ids), torch.tensor(positions), Q,
-                                                            page_tables([ch.seq.pages for ch in chunks]),
-                                                            greedy=inp is not None and inp.sb.argmax_only)
+            hidden, logits, chosen = self.graphs.run_target(
+                torch.tensor(ids),
+                torch.tensor(positions),
+                Q,
+                page_tables([ch.seq.pages for ch in chunks]),
+                greedy=inp is not None and inp.sb.argmax_only,
+            )
             tables = self.graphs.tables
         else:
             ids_t, pos_t, meta = self.prepare(chunks)
@@ -189,8 +221,17 @@ class ModelRunner:
         if inp is None:
             return StepHandle(None)
         drafted = [len(ch.drafts) for ch in chunks if ch.samples]
-        return self._verify_and_draft(inp, hidden, logits, chosen, tables, graphed, drafted, draft_len,
-                                      decode and not inp.sb.any_penalty)
+        return self._verify_and_draft(
+            inp,
+            hidden,
+            logits,
+            chosen,
+            tables,
+            graphed,
+            drafted,
+            draft_len,
+            decode and not inp.sb.any_penalty,
+        )
 
     @torch.inference_mode()
     def launch_next(self, prev: StepHandle, pages: list[SeqPages]) -> StepHandle:
@@ -210,15 +251,20 @@ class ModelRunner:
             # the graph's inputs before the next replay).
             ids, pos = prev.tokens, P[:, None]
         host_tables = page_tables(pages)
-        graphed = self.graphs is not None and self.graphs.fits(B, Q, max(len(p.full) for p in pages))
+        graphed = self.graphs is not None and self.graphs.fits(
+            B, Q, max(len(p.full) for p in pages)
+        )
         if graphed:
-            hidden, logits, chosen = self.graphs.run_target(ids.view(-1), pos.view(-1), Q, host_tables,
-                                                            greedy=prev.inputs.sb.argmax_only)
+            hidden, logits, chosen = self.graphs.run_target(
+                ids.view(-1), pos.view(-1), Q, host_tables, greedy=prev.inputs.sb.argmax_only
+            )
             tables = self.graphs.tables
         else:
             s = self.s
             tables = {kind: to_device(t, dev) for kind, t in host_tables.items()}
-            token_seq = torch.div(torch.arange(B * Q, device=dev, dtype=torch.int32), Q, rounding_mode="floor")
+            token_seq = torch.div(
+                torch.arange(B * Q, device=dev, dtype=torch.int32), Q, rounding_mode="floor"
+            )
             cu = torch.arange(0, B * Q + 1, Q, device=dev, dtype=torch.int32)
             meta = causal_metadata(token_seq, pos.view(-1), tables, self.window, cu, Q, s.page_size)
             hidden = s.target(ids.view(-1), pos.view(-1), ForwardContext(meta, s.kv, s.attn))
@@ -226,10 +272,19 @@ class ModelRunner:
         # The drafts as copied into `ids`: `prev.next_drafts` is a graph output, and graphs share one memory
         # pool, so the target replay below may overwrite it.
         drafts = ids[:, 1:]
-        inp = SamplingInputs(seqs=prev.inputs.seqs, rows=rows, first_pos=P, drafts=drafts, num_drafts=num_drafts,
-                             table_rows=table_rows, sb=prev.inputs.sb, all_rows=True)
-        return self._verify_and_draft(inp, hidden, logits, chosen, tables, graphed, [Q - 1] * B, prev.draft_len,
-                                      True)
+        inp = SamplingInputs(
+            seqs=prev.inputs.seqs,
+            rows=rows,
+            first_pos=P,
+            drafts=drafts,
+            num_drafts=num_drafts,
+            table_rows=table_rows,
+            sb=prev.inputs.sb,
+            all_rows=True,
+        )
+        return self._verify_and_draft(
+            inp, hidden, logits, chosen, tables, graphed, [Q - 1] * B, prev.draft_len, True
+        )
 
     def _continuation_indices(self, B: int, Q: int) -> tuple:
         """(rows [B, Q], num_drafts [B], table_rows [B], offsets [Q]): the same for every continued step of B
@@ -244,8 +299,18 @@ class ModelRunner:
             )
         return self._continuation_index[(B, Q)]
 
-    def _verify_and_draft(self, inp: SamplingInputs, hidden, all_logits, all_chosen, tables, graphed: bool,
-                          drafted: list[int], draft_len: int, continuable: bool) -> StepHandle:
+    def _verify_and_draft(
+        self,
+        inp: SamplingInputs,
+        hidden,
+        all_logits,
+        all_chosen,
+        tables,
+        graphed: bool,
+        drafted: list[int],
+        draft_len: int,
+        continuable: bool,
+    ) -> StepHandle:
         """Device-only from here: accept, draft the next tokens, queue the copy of the results to the host.
         all_logits / all_chosen: a graph's logits or greedy tokens of every row (None: computed here)."""
         s = self.s
@@ -265,11 +330,19 @@ class ModelRunner:
             chosen = s.target.greedy(sampled(hidden))
         else:
             logits = s.target.logits(sampled(hidden))
-        res = accept(logits.view(B, K1, -1) if logits is not None else None, drafts, num_drafts, first_pos, inp.sb,
-                     chosen.view(B, K1) if chosen is not None else None)
+        res = accept(
+            logits.view(B, K1, -1) if logits is not None else None,
+            drafts,
+            num_drafts,
+            first_pos,
+            inp.sb,
+            chosen.view(B, K1) if chosen is not None else None,
+        )
         tokens, num_emitted = res.tokens, res.num_emitted
         if self.forced is not None and K1 > 1:
-            tokens, num_emitted = self.forced.apply(tokens, num_emitted, drafts, num_drafts, first_pos)
+            tokens, num_emitted = self.forced.apply(
+                tokens, num_emitted, drafts, num_drafts, first_pos
+            )
 
         next_drafts = None
         if draft_len:
@@ -280,7 +353,9 @@ class ModelRunner:
             if graphed:
                 next_drafts = self.graphs.run_draft(seed_token, seed_hidden, P, inp.table_rows)
             else:
-                next_drafts = self.draft_loop.run(seed_token, seed_hidden, P, inp.table_rows, tables, draft_len)
+                next_drafts = self.draft_loop.run(
+                    seed_token, seed_hidden, P, inp.table_rows, tables, draft_len
+                )
 
         parts = [tokens, num_emitted[:, None]] + ([next_drafts] if next_drafts is not None else [])
         floats, top_width = None, 0
@@ -293,5 +368,16 @@ class ModelRunner:
         if s.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(inp, tokens, num_emitted, next_drafts, drafted, draft_len, continuable, ints, floats, done,
-                          top_width)
+        return StepHandle(
+            inp,
+            tokens,
+            num_emitted,
+            next_drafts,
+            drafted,
+            draft_len,
+            continuable,
+            ints,
+            floats,
+            done,
+            top_width,
+        )

@@ -53,7 +53,9 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor  # [B] f32
     repetition_penalty: torch.Tensor  # [B] f32
     output_tokens: torch.Tensor  # [B, Mo] int64, -1 padded; [B, 0] when no row has a penalty
-    prompt_tokens: torch.Tensor  # [B, Mp] int64, -1 padded; [B, 0] when no row has a repetition penalty
+    prompt_tokens: (
+        torch.Tensor
+    )  # [B, Mp] int64, -1 padded; [B, 0] when no row has a repetition penalty
     # Host-side flags: they pick code paths, so they must not depend on device data.
     any_penalty: bool
     all_greedy: bool
@@ -84,7 +86,9 @@ class SamplingBatch:
         top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-        any_freq_presence = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        any_freq_presence = any(
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
+        )
         any_repetition = any(p.repetition_penalty != 1.0 for p in params)
         any_penalty = any_freq_presence or any_repetition
         # Token histories can be long: ship them only when a penalty will read them.
@@ -129,9 +133,9 @@ def _to_int64(seed: int) -> int:
 
 def _pad(rows: list[list[int]], device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device).view(
-        len(rows), width
-    )
+    return torch.tensor(
+        [r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device
+    ).view(len(rows), width)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -154,7 +158,9 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_keys(
+    seed: torch.Tensor, position: torch.Tensor, stream: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two 32-bit keys per row from (seed, position, stream), chained through the finaliser."""
     k = _fmix32((seed & _M32) ^ 0x9E3779B9)
     k = _fmix32(k ^ ((seed >> 32) & _M32))  # arithmetic shift + mask = the seed's high word
@@ -164,7 +170,9 @@ def _row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int) -> tuple[
     return k1, k2
 
 
-def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int, cols: int | torch.Tensor) -> torch.Tensor:
+def uniform(
+    seed: torch.Tensor, position: torch.Tensor, stream: int, cols: int | torch.Tensor
+) -> torch.Tensor:
     """Uniform fp32 in (0, 1), a pure function of (seed, position, stream, column).
 
     seed, position: [N] int64. cols: an int C (columns 0..C-1) or an int64 tensor of column ids, [C] or [N, C].
@@ -212,7 +220,9 @@ def process_logits(
     top_p = torch.where(greedy, 1.0, sb.top_p[row_seq])
     min_p = torch.where(greedy, 0.0, sb.min_p[row_seq])
     cutoff = _truncation_cutoff(logits, top_k, top_p, min_p, sb.sort_width)
-    return logits.masked_fill_(logits < cutoff, float("-inf"))  # in place: `logits` is our own copy here
+    return logits.masked_fill_(
+        logits < cutoff, float("-inf")
+    )  # in place: `logits` is our own copy here
 
 
 def _apply_penalties(
@@ -230,7 +240,9 @@ def _apply_penalties(
         return torch.where(tokens < 0, V, tokens)
 
     seq_counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)
-    seq_counts.scatter_add_(1, slot(sb.output_tokens), torch.ones_like(sb.output_tokens, dtype=logits.dtype))
+    seq_counts.scatter_add_(
+        1, slot(sb.output_tokens), torch.ones_like(sb.output_tokens, dtype=logits.dtype)
+    )
     in_prompt = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
     in_prompt.scatter_(1, slot(sb.prompt_tokens), True)
 
@@ -266,7 +278,11 @@ def _truncation_cutoff(
         max_logit = logits.amax(dim=-1, keepdim=True)
         return max_logit + torch.log(min_p)[:, None]
     width = V if width < 0 else min(width, V)
-    top = logits.topk(width, dim=-1).values if width < V else logits.sort(dim=-1, descending=True).values
+    top = (
+        logits.topk(width, dim=-1).values
+        if width < V
+        else logits.sort(dim=-1, descending=True).values
+    )
     max_logit = top[:, :1]
     k = torch.where(top_k > 0, top_k.long(), width).clamp(1, width)
     kth = torch.where(top_k[:, None] > 0, top.gather(1, (k - 1)[:, None]), float("-inf"))
@@ -284,7 +300,9 @@ def _truncation_cutoff(
     # top_p == 1 means off: float error in the cumsum must not trim the tail.
     keep = in_k & ((mass_above < top_p[:, None]) | (top_p >= 1.0)[:, None])
     truncates = ((top_k > 0) | (top_p < 1.0))[:, None]
-    cutoff = torch.where(truncates, torch.where(keep, top, float("inf")).amin(dim=-1, keepdim=True), float("-inf"))
+    cutoff = torch.where(
+        truncates, torch.where(keep, top, float("inf")).amin(dim=-1, keepdim=True), float("-inf")
+    )
     return torch.maximum(cutoff, max_logit + torch.log(min_p)[:, None])
 
 
@@ -293,7 +311,9 @@ def _truncation_cutoff(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def choose(processed: torch.Tensor, sb: SamplingBatch, row_seq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+def choose(
+    processed: torch.Tensor, sb: SamplingBatch, row_seq: torch.Tensor, position: torch.Tensor
+) -> torch.Tensor:
     """One token per row: argmax for greedy rows, an exact sample from softmax(processed) for the others.
 
     processed [R, V] f32 from process_logits; position [R] int64 = position of the token being produced
@@ -308,7 +328,9 @@ def choose(processed: torch.Tensor, sb: SamplingBatch, row_seq: torch.Tensor, po
     return race(processed, k1, k2, sampled)
 
 
-def _race(processed: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+def _race(
+    processed: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, sampled: torch.Tensor
+) -> torch.Tensor:
     """Sampled rows: the exponential race argmax(p / E), E = -log(u) ~ Exp(1), in log space as
     argmax(logit - log E) (the softmax normaliser does not move the argmax). Other rows: plain argmax."""
     u = _uniform_from_keys(k1, k2, torch.arange(processed.shape[-1], device=processed.device))
@@ -367,7 +389,9 @@ def accept(
         row_seq = torch.arange(B, device=device).repeat_interleave(K1)
         position = (first_position[:, None] + j + 1).reshape(-1)
         # Row j's history also holds d_1..d_j, which are not in sb.output_tokens yet.
-        extra = torch.where(torch.arange(K, device=device) < j[:, None], drafts[:, None, :], -1)  # [B, K1, K]
+        extra = torch.where(
+            torch.arange(K, device=device) < j[:, None], drafts[:, None, :], -1
+        )  # [B, K1, K]
         processed = process_logits(flat.float(), sb, row_seq, extra.reshape(B * K1, K))
         chosen = choose(processed, sb, row_seq, position).view(B, K1)
 

@@ -93,8 +93,11 @@ class Scheduler:
         # Keep a page of headroom per running sequence so admissions do not force immediate preemptions;
         # with nothing else running, nothing could ever free pages: admit what fits.
         headroom = 0 if alone else len(self.running)
-        return (self.kv.full_pages_needed(chunk.seq.pages, end) + headroom <= self.kv.full.num_free
-                and self.kv.can_grow(chunk.seq.pages, chunk.start, end))
+        return self.kv.full_pages_needed(
+            chunk.seq.pages, end
+        ) + headroom <= self.kv.full.num_free and self.kv.can_grow(
+            chunk.seq.pages, chunk.start, end
+        )
 
     def _chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
         remaining = seq.num_tokens - seq.num_computed

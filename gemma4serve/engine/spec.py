@@ -68,8 +68,13 @@ class DraftLength:
     CUDA graphs k stays fixed.
     """
 
-    def __init__(self, k: int, costs: dict[int, StepCost] | None = None, decay: float = 0.02,
-                 probe_every: int = 64):
+    def __init__(
+        self,
+        k: int,
+        costs: dict[int, StepCost] | None = None,
+        decay: float = 0.02,
+        probe_every: int = 64,
+    ):
         self.k = k
         self.costs = costs or {}
         self.decay = decay

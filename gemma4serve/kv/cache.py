@@ -8,7 +8,9 @@ from gemma4serve.config import FULL, SLIDING, TextConfig
 
 
 class KVCache:
-    def __init__(self, cfg: TextConfig, num_pages: dict, page_size: int, dtype: torch.dtype, device):
+    def __init__(
+        self, cfg: TextConfig, num_pages: dict, page_size: int, dtype: torch.dtype, device
+    ):
         self.page_size = page_size
         self.k: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
@@ -32,4 +34,8 @@ class KVCache:
     @staticmethod
     def bytes_per_page(cfg: TextConfig, kind: str, page_size: int, dtype: torch.dtype) -> int:
         producers = [l for l in cfg.producer_layers if l.kind == kind]
-        return sum(2 * page_size * l.num_kv_heads * l.head_dim for l in producers) * torch.finfo(dtype).bits // 8
+        return (
+            sum(2 * page_size * l.num_kv_heads * l.head_dim for l in producers)
+            * torch.finfo(dtype).bits
+            // 8
+        )

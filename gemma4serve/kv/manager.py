@@ -24,7 +24,9 @@ class KVManager:
         self.full = full
         self.sliding = sliding
         self.page_size = page_size
-        self.sliding_keep = sliding_keep  # rows before the next query position that a reader may still read
+        self.sliding_keep = (
+            sliding_keep  # rows before the next query position that a reader may still read
+        )
 
     def pages_for(self, end: int) -> int:
         return -(-end // self.page_size)
@@ -39,7 +41,8 @@ class KVManager:
     def _missing_sliding(self, pages: SeqPages, start: int, end: int) -> list[int]:
         """Logical pages of [start - keep, end) that hold no sliding page yet."""
         return [
-            i for i in range(self._first_sliding_page(start), self.pages_for(end))
+            i
+            for i in range(self._first_sliding_page(start), self.pages_for(end))
             if i >= len(pages.sliding) or pages.sliding[i] == 0
         ]
 

@@ -12,7 +12,9 @@ class PagePool:
 
     def __init__(self, num_pages: int, page_size: int, name: str):
         if num_pages < 2:
-            raise ValueError(f"{name} pool needs at least 2 pages (page 0 is reserved), got {num_pages}")
+            raise ValueError(
+                f"{name} pool needs at least 2 pages (page 0 is reserved), got {num_pages}"
+            )
         self.name = name
         self.num_pages = num_pages
         self.page_size = page_size

@@ -66,7 +66,9 @@ def plan_kv(
     if max_model_len is None:
         max_model_len = limit
     elif max_model_len > cfg.max_position_embeddings:
-        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {cfg.max_position_embeddings} positions")
+        raise ConfigError(
+            f"max_model_len {max_model_len} exceeds the model's {cfg.max_position_embeddings} positions"
+        )
     elif max_model_len > capacity and kv_tokens is None:
         raise ConfigError(
             f"max_model_len {max_model_len} does not fit the KV cache ({capacity} tokens); "

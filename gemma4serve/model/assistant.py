@@ -54,7 +54,9 @@ class Gemma4Assistant(nn.Module):
         self.pre_projection = nn.Linear(2 * Hb, Ha, bias=False)
         self.post_projection = nn.Linear(Ha, Hb, bias=False)
         self.masked_embedding = CentroidHead(cfg) if cfg.use_ordered_embeddings else None
-        self.greedy_head: fused.GreedyHead | None = None  # after bind(), on CUDA, for a full (not centroid) head
+        self.greedy_head: fused.GreedyHead | None = (
+            None  # after bind(), on CUDA, for a full (not centroid) head
+        )
         self.rotary: Rotary | None = None
         self.optional_weights: set[str] = set()
 
@@ -67,21 +69,27 @@ class Gemma4Assistant(nn.Module):
                 layer.fuse()
         lm_head = self.model.embed_tokens.weight
         if self.masked_embedding is None and fused.GreedyHead.enabled(lm_head):
-            self.greedy_head = fused.GreedyHead(lm_head, lambda logits: logits)  # drafts: argmax of raw logits
+            self.greedy_head = fused.GreedyHead(
+                lm_head, lambda logits: logits
+            )  # drafts: argmax of raw logits
 
     @property
     def window(self) -> int:
         """Visible sliding rows: the last W_a + 1 committed ones (HF's inclusive bidirectional window)."""
         return self.cfg.text.sliding_window + 1
 
-    def greedy_step(self, tok_embed: torch.Tensor, hprev: torch.Tensor, rope: dict, ctx: ForwardContext):
+    def greedy_step(
+        self, tok_embed: torch.Tensor, hprev: torch.Tensor, rope: dict, ctx: ForwardContext
+    ):
         """One draft step for B sequences -> (draft tokens [B] int64: the first argmax of the logits, next hidden
         [B, Hb]). `rope`: the per-kind (cos, sin) of the sequences' position P, `self.rotary.cos_sin(P, dtype)`,
         the same for every step. Few rows on CUDA take the greedy head, which reads most of the LM head as int8
         and gets the same tokens."""
         u = fused.linear(torch.cat([tok_embed, hprev], dim=-1), self.pre_projection.weight)
         h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
-        return fused.argmax_tokens(self.greedy_head, h, self._logits), fused.linear(h, self.post_projection.weight)
+        return fused.argmax_tokens(self.greedy_head, h, self._logits), fused.linear(
+            h, self.post_projection.weight
+        )
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         lm_head = self.model.embed_tokens.weight

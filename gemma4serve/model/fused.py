@@ -75,8 +75,11 @@ class GreedyHead:
 
     @staticmethod
     def enabled(weight: torch.Tensor) -> bool:
-        return (on(weight) is not None and weight.dtype == torch.bfloat16
-                and os.environ.get("GEMMA4SERVE_DISABLE_GREEDY_HEAD") != "1")
+        return (
+            on(weight) is not None
+            and weight.dtype == torch.bfloat16
+            and os.environ.get("GEMMA4SERVE_DISABLE_GREEDY_HEAD") != "1"
+        )
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return kernels().greedy_head(hidden, self.weight, self.q, self.scale, self.table)

@@ -17,7 +17,17 @@ from gemma4serve.config import LayerSpec, TextConfig
 from gemma4serve.kv.cache import KVCache
 from gemma4serve.model import fused
 from gemma4serve.model.fused import linear
-from gemma4serve.model.layers import MLP, Experts, RMSNorm, Router, gelu_tanh, norm_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from gemma4serve.model.layers import (
+    MLP,
+    Experts,
+    RMSNorm,
+    Router,
+    gelu_tanh,
+    norm_rope,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 @dataclass
@@ -41,26 +51,50 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, hidden_size, bias=False)
-        self.qkv: torch.Tensor | None = None  # q, k (and v) projections as one GEMM, after fuse() (CUDA only)
+        self.qkv: torch.Tensor | None = (
+            None  # q, k (and v) projections as one GEMM, after fuse() (CUDA only)
+        )
 
     def fuse(self) -> None:
         if not self.spec.kv_shared:
-            self.qkv = fused.concat_weights(*(p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None))
+            self.qkv = fused.concat_weights(
+                *(p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None)
+            )
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         T, hd, kind = h.shape[0], self.spec.head_dim, self.spec.kind
         k_cache, v_cache = ctx.kv.layer(self.kv_layer)
         if self.qkv is not None and (kern := fused.on(h)) is not None:
             # One GEMM, then q/k norms + RoPE, v_norm and the KV write in one launch.
             q = kern.qkv_epilogue(
-                linear(h, self.qkv), self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps, k_cache, v_cache,
-                ctx.meta.write_slot[kind], self.q_proj.weight.shape[0] // hd, self.spec.num_kv_heads, self.spec.k_eq_v,
+                linear(h, self.qkv),
+                self.q_norm.weight,
+                self.k_norm.weight,
+                cos,
+                sin,
+                self.eps,
+                k_cache,
+                v_cache,
+                ctx.meta.write_slot[kind],
+                self.q_proj.weight.shape[0] // hd,
+                self.spec.num_kv_heads,
+                self.spec.k_eq_v,
             )
         else:
-            q = norm_rope(linear(h, self.q_proj.weight).view(T, -1, hd), self.q_norm.weight, self.eps, cos, sin)
+            q = norm_rope(
+                linear(h, self.q_proj.weight).view(T, -1, hd),
+                self.q_norm.weight,
+                self.eps,
+                cos,
+                sin,
+            )
             if not self.spec.kv_shared:
                 raw_k = linear(h, self.k_proj.weight).view(T, -1, hd)
-                raw_v = raw_k if self.v_proj is None else linear(h, self.v_proj.weight).view(T, -1, hd)
+                raw_v = (
+                    raw_k if self.v_proj is None else linear(h, self.v_proj.weight).view(T, -1, hd)
+                )
                 k = norm_rope(raw_k, self.k_norm.weight, self.eps, cos, sin)
                 # v_norm: no learned scale, no rotation (k_eq_v: V is the normed raw k_proj output)
                 v = rms_norm(raw_v, None, self.eps)
@@ -99,7 +133,9 @@ class DecoderLayer(nn.Module):
         self.mlp.fuse()
 
     @staticmethod
-    def _add_norm(x, h, norm: RMSNorm, scale: torch.Tensor | None = None, next_norm: RMSNorm | None = None):
+    def _add_norm(
+        x, h, norm: RMSNorm, scale: torch.Tensor | None = None, next_norm: RMSNorm | None = None
+    ):
         """(x + RMSNorm(h)) * scale, and the next sublayer's normed input of that: one launch on CUDA."""
         if (k := fused.on(x)) is not None:
             if next_norm is None:
@@ -110,27 +146,48 @@ class DecoderLayer(nn.Module):
             x = x * scale
         return x, (next_norm(x) if next_norm is not None else None)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext, ple: torch.Tensor | None, normed: torch.Tensor | None,
-                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x,
+        cos,
+        sin,
+        ctx: ForwardContext,
+        ple: torch.Tensor | None,
+        normed: torch.Tensor | None,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x -> (x after the layer, next_norm of it). `normed` is this layer's input norm of x when the previous
         layer already computed it."""
         h = self.self_attn(normed if normed is not None else self.input_layernorm(x), cos, sin, ctx)
-        x, h_ff = self._add_norm(x, h, self.post_attention_layernorm, next_norm=self.pre_feedforward_layernorm)
+        x, h_ff = self._add_norm(
+            x, h, self.post_attention_layernorm, next_norm=self.pre_feedforward_layernorm
+        )
         residual = x
         h = self.mlp(h_ff)
         if self.moe:
             weights, experts = self.router(residual)
             moe_out = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
-        if not self.ple:  # layer_scalar scales the whole residual stream, after PLE when there is one
-            return self._add_norm(residual, h, self.post_feedforward_layernorm, self.layer_scalar, next_norm)
+        if (
+            not self.ple
+        ):  # layer_scalar scales the whole residual stream, after PLE when there is one
+            return self._add_norm(
+                residual, h, self.post_feedforward_layernorm, self.layer_scalar, next_norm
+            )
         x, _ = self._add_norm(residual, h, self.post_feedforward_layernorm)
         g = gelu_tanh(self.per_layer_input_gate(x)) * ple
-        return self._add_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm, self.layer_scalar,
-                              next_norm)
+        return self._add_norm(
+            x,
+            self.per_layer_projection(g),
+            self.post_per_layer_input_norm,
+            self.layer_scalar,
+            next_norm,
+        )
 
 
-def run_layers(layers, x, rope: dict, ctx: ForwardContext, final_norm: RMSNorm, ple=None) -> torch.Tensor:
+def run_layers(
+    layers, x, rope: dict, ctx: ForwardContext, final_norm: RMSNorm, ple=None
+) -> torch.Tensor:
     """The decoder stack; each layer also produces the next one's normed input (the last: the final norm)."""
     normed = None
     for i, layer in enumerate(layers):
@@ -196,10 +253,14 @@ class Gemma4Model(nn.Module):
         proj = self.per_layer_projection_norm(proj)
         return (proj + tok) * 2.0**-0.5
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         x = self.embed(ids)
         ple = self.per_layer_inputs(ids, x) if self.cfg.ple_dim else None
-        return run_layers(self.layers, x, self.rotary.cos_sin(positions, x.dtype), ctx, self.norm, ple)
+        return run_layers(
+            self.layers, x, self.rotary.cos_sin(positions, x.dtype), ctx, self.norm, ple
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the cap)."""
@@ -220,7 +281,7 @@ class Gemma4Model(nn.Module):
             return None
         for prefix in ("model.language_model.", "model."):
             if name.startswith(prefix):
-                name = name[len(prefix):]
+                name = name[len(prefix) :]
                 break
         m = _SHARED_KV_PARAM.match(name)
         if m and self.cfg.layers[int(m.group(1))].kv_shared:

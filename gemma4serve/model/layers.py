@@ -84,7 +84,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         if (k := fused.on(x)) is not None:  # grouped expert GEMMs, no host sync
             return k.moe_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
         T, K = experts.shape
@@ -96,7 +98,9 @@ class Experts(nn.Module):
         xs = x[token_of]
         out = torch.empty(T * K, x.shape[-1], dtype=torch.float32, device=x.device)
         start = 0
-        for e, n in enumerate(counts.tolist()):  # reference path; the GPU path uses a grouped kernel
+        for e, n in enumerate(
+            counts.tolist()
+        ):  # reference path; the GPU path uses a grouped kernel
             if n == 0:
                 continue
             rows = slice(start, start + n)
@@ -112,7 +116,9 @@ class Experts(nn.Module):
 def rope_inv_freq(spec: RopeSpec) -> torch.Tensor:
     """fp32 inverse frequencies; proportional RoPE zeroes the pairs past `rotated_pairs` (they pass through)."""
     hd = spec.head_dim
-    inv = 1.0 / (spec.theta ** (torch.arange(0, 2 * spec.rotated_pairs, 2, dtype=torch.int64).float() / hd))
+    inv = 1.0 / (
+        spec.theta ** (torch.arange(0, 2 * spec.rotated_pairs, 2, dtype=torch.int64).float() / hd)
+    )
     return torch.cat([inv, torch.zeros(hd // 2 - spec.rotated_pairs)])
 
 
@@ -125,7 +131,9 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+):
     """apply_rope(rms_norm(x; weight)) for the per-head q/k norms, one launch on CUDA."""
     if (k := fused.on(x)) is not None:
         return k.rmsnorm_rope(x, weight, cos, sin, eps)

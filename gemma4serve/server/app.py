@@ -52,18 +52,28 @@ logger = logging.getLogger("gemma4serve.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a 1M-token prompt as JSON is well under this
 # Template variables the request must not override: they are set from the request's own fields.
-RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "chat_template"}
+RESERVED_TEMPLATE_KWARGS = {
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "chat_template",
+}
 
 
 def _dumps(obj) -> bytes:
     try:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate from the request (echoed in a message): \u-escape it
+    except (
+        UnicodeEncodeError
+    ):  # a lone surrogate from the request (echoed in a message): \u-escape it
         return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def _json(status: int, body: dict, headers: dict | None = None) -> Response:
-    return Response(_dumps(body), status_code=status, media_type="application/json", headers=headers)
+    return Response(
+        _dumps(body), status_code=status, media_type="application/json", headers=headers
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -84,7 +94,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False  # the engine thread runs
     draining: bool = False  # shutting down: refuse new work, let running requests finish
-    inflight: set[str] = field(default_factory=set)  # request ids being generated (touched on the loop only)
+    inflight: set[str] = field(
+        default_factory=set
+    )  # request ids being generated (touched on the loop only)
     _engine_stopped: bool = False
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -94,7 +106,9 @@ class ServerState:
             return "The server is shutting down."
         if not self.ready:
             return "The engine is not ready yet."
-        if not getattr(self.engine, "ready", True):  # the engine thread died: fail fast, never hang a client
+        if not getattr(
+            self.engine, "ready", True
+        ):  # the engine thread died: fail fast, never hang a client
             return "The engine is not running."
         return None
 
@@ -116,7 +130,9 @@ class ServerState:
         await asyncio.sleep(self.drain_timeout)
         if self.inflight:
             logger.warning(
-                "drain timeout (%.0fs): aborting %d running request(s)", self.drain_timeout, len(self.inflight)
+                "drain timeout (%.0fs): aborting %d running request(s)",
+                self.drain_timeout,
+                len(self.inflight),
             )
             self.abort_inflight()
 
@@ -127,7 +143,9 @@ class ServerState:
                 return
             self._engine_stopped = True
         self.ready = False
-        self.engine.shutdown(drain_timeout=self.drain_timeout if drain_timeout is None else drain_timeout)
+        self.engine.shutdown(
+            drain_timeout=self.drain_timeout if drain_timeout is None else drain_timeout
+        )
 
     def resolve_model(self, requested: str | None) -> str:
         if requested is None:  # vLLM accepts a request without "model"
@@ -180,8 +198,12 @@ class ApiGate:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                message = "Incorrect API key provided." if auth else "You didn't provide an API key."
-                return _json(401, error_body(message, code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
+                message = (
+                    "Incorrect API key provided." if auth else "You didn't provide an API key."
+                )
+                return _json(
+                    401, error_body(message, code="invalid_api_key"), {"WWW-Authenticate": "Bearer"}
+                )
         unavailable = self.state.unavailable()
         if unavailable:
             return _json(503, error_body(unavailable, type="service_unavailable"))
@@ -265,24 +287,39 @@ class GenerationResponse:
         except Exception as e:
             unavailable = None if self._started else self.state.unavailable()
             if unavailable:  # raced with shutdown: the engine stopped admitting
-                await self._send_json(send, 503, error_body(unavailable, type="service_unavailable"))
+                await self._send_json(
+                    send, 503, error_body(unavailable, type="service_unavailable")
+                )
                 return
             logger.exception("request %s failed", self.request_id)
-            body = error_body(f"internal error: {type(e).__name__}: {e}", type="internal_server_error")
+            body = error_body(
+                f"internal error: {type(e).__name__}: {e}", type="internal_server_error"
+            )
             if not self._started:
                 await self._send_json(send, 500, body)
             else:  # mid-stream: the status is gone; tell the client in-band, as vLLM does, then end the stream
-                await send({"type": "http.response.body", "body": b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n"})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n",
+                    }
+                )
         finally:
             self.state.inflight.discard(self.request_id)
             if outputs is not None:
                 try:
-                    await outputs.aclose()  # GeneratorExit in the engine's generator: it aborts and frees pages
+                    await (
+                        outputs.aclose()
+                    )  # GeneratorExit in the engine's generator: it aborts and frees pages
                 except Exception:
-                    logger.exception("request %s: closing the engine's generator failed", self.request_id)
+                    logger.exception(
+                        "request %s: closing the engine's generator failed", self.request_id
+                    )
             if not self._engine_finished:
                 try:
-                    engine.abort(self.request_id)  # idempotent; covers a generator that did not abort itself
+                    engine.abort(
+                        self.request_id
+                    )  # idempotent; covers a generator that did not abort itself
                 except Exception:
                     logger.exception("request %s: abort failed", self.request_id)
 
@@ -291,7 +328,9 @@ class GenerationResponse:
         aborted rather than as an error: the client still gets a well-formed end."""
         output = await anext(outputs, None)
         if output is None:
-            logger.warning("request %s: the engine stopped without a finished output", self.request_id)
+            logger.warning(
+                "request %s: the engine stopped without a finished output", self.request_id
+            )
             self._stopped_short = True
             return _ended_as_abort(previous)
         return output
@@ -333,11 +372,18 @@ class GenerationResponse:
 def _ended_as_abort(last: RequestOutput) -> RequestOutput:
     """A finished copy of `last` (no new tokens) whose unfinished choices end with "abort"."""
     choices = [
-        CompletionOutput(index=c.index, text=c.text, token_ids=c.token_ids,
-                         finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason)  # fmt: skip
+        CompletionOutput(
+            index=c.index,
+            text=c.text,
+            token_ids=c.token_ids,
+            finish_reason=c.finish_reason or "abort",
+            stop_reason=c.stop_reason,
+        )  # fmt: skip
         for c in last.outputs
     ]
-    return RequestOutput(last.request_id, last.prompt_token_ids, choices, finished=True, metrics=None)
+    return RequestOutput(
+        last.request_id, last.prompt_token_ids, choices, finished=True, metrics=None
+    )
 
 
 def _sse(events: list[dict]) -> bytes:
@@ -353,27 +399,45 @@ def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None
     if vocab_size is not None:
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size}).", param=param)
+            raise ApiError(
+                400, f"token id {bad} is outside the vocabulary [0, {vocab_size}).", param=param
+            )
 
 
 def _encode(tokenizer, text: str, param: str) -> list[int]:
     try:
         return tokenizer.encode(text, add_special_tokens=False)
-    except (TypeError, UnicodeError) as e:  # JSON allows lone surrogates ("\\ud800"); the tokenizer does not
-        raise ApiError(400, f"The {param} could not be tokenized (invalid Unicode?): {e}", param=param) from e
+    except (
+        TypeError,
+        UnicodeError,
+    ) as e:  # JSON allows lone surrogates ("\\ud800"); the tokenizer does not
+        raise ApiError(
+            400, f"The {param} could not be tokenized (invalid Unicode?): {e}", param=param
+        ) from e
 
 
 def _render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = RESERVED_TEMPLATE_KWARGS & kwargs.keys()
     if reserved:
-        raise ApiError(400, f"chat_template_kwargs may not set {sorted(reserved)}.", param="chat_template_kwargs")
+        raise ApiError(
+            400,
+            f"chat_template_kwargs may not set {sorted(reserved)}.",
+            param="chat_template_kwargs",
+        )
     try:
         text = tokenizer.apply_chat_template(
-            req.template_messages(), add_generation_prompt=req.add_generation_prompt, tools=req.tools, **kwargs
+            req.template_messages(),
+            add_generation_prompt=req.add_generation_prompt,
+            tools=req.tools,
+            **kwargs,
         )
-    except Exception as e:  # jinja2's raise_exception ("roles must alternate", ...) and friends: the input's fault
-        raise ApiError(400, f"The chat template rejected these messages: {e}", param="messages") from e
+    except (
+        Exception
+    ) as e:  # jinja2's raise_exception ("roles must alternate", ...) and friends: the input's fault
+        raise ApiError(
+            400, f"The chat template rejected these messages: {e}", param="messages"
+        ) from e
     ids = _encode(tokenizer, text, "messages")  # the template already wrote <bos>
     if not ids:
         raise ApiError(400, "The rendered prompt is empty.", param="messages")
@@ -421,7 +485,9 @@ async def chat_completions(request: Request):
     prompt_ids = await run_in_threadpool(_render_chat, engine.tokenizer, req)
     max_tokens = check_context_length(len(prompt_ids), req.requested_max_tokens, engine.max_model_len,
                                       prompt_param="messages")  # fmt: skip
-    params = req.sampling_params(max_tokens=max_tokens, logprobs=req.num_logprobs, defaults=state.sampling_defaults)
+    params = req.sampling_params(
+        max_tokens=max_tokens, logprobs=req.num_logprobs, defaults=state.sampling_defaults
+    )
     header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model)
     fmt = ChatFormat(header, req, state.token_strings, len(prompt_ids))
     return GenerationResponse(state, fmt, header.id, prompt_ids, params, req.stream)
@@ -432,9 +498,15 @@ async def completions(request: Request):
     engine = state.engine
     req: CompletionRequest = parse_request(CompletionRequest, await _read_body(request))
     model = state.resolve_model(req.model)
-    prompt_ids, echo_text = await run_in_threadpool(_encode_completion_prompt, engine.tokenizer, req)
-    max_tokens = check_context_length(len(prompt_ids), req.max_tokens, engine.max_model_len, prompt_param="prompt")
-    params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs, defaults=state.sampling_defaults)
+    prompt_ids, echo_text = await run_in_threadpool(
+        _encode_completion_prompt, engine.tokenizer, req
+    )
+    max_tokens = check_context_length(
+        len(prompt_ids), req.max_tokens, engine.max_model_len, prompt_param="prompt"
+    )
+    params = req.sampling_params(
+        max_tokens=max_tokens, logprobs=req.logprobs, defaults=state.sampling_defaults
+    )
     header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model)
     fmt = CompletionFormat(header, req, state.token_strings, len(prompt_ids), echo_text)
     return GenerationResponse(state, fmt, header.id, prompt_ids, params, req.stream)
@@ -442,7 +514,9 @@ async def completions(request: Request):
 
 async def list_models(request: Request):
     state = _state(request)
-    return _json(200, {"object": "list", "data": [state.model_card(name) for name in state.model_names]})
+    return _json(
+        200, {"object": "list", "data": [state.model_card(name) for name in state.model_names]}
+    )
 
 
 async def get_model(request: Request):
@@ -459,7 +533,9 @@ async def health(request: Request):
 
 
 async def metrics(request: Request):
-    body = await run_in_threadpool(_state(request).metrics.render)  # engine.stats() may take the engine's lock
+    body = await run_in_threadpool(
+        _state(request).metrics.render
+    )  # engine.stats() may take the engine's lock
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -492,7 +568,9 @@ async def _http_error(request: Request, exc: HTTPException):
 
 async def _internal_error(request: Request, exc: Exception):
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _json(500, error_body(f"internal error: {type(exc).__name__}", type="internal_server_error"))
+    return _json(
+        500, error_body(f"internal error: {type(exc).__name__}", type="internal_server_error")
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -550,7 +628,11 @@ def build_app(
     app = Starlette(
         routes=routes,
         middleware=[Middleware(ApiGate, state=state)],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
         lifespan=lifespan,
     )
     app.state.gemma4serve = state

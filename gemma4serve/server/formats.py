@@ -16,7 +16,6 @@ from gemma4serve.server.protocol import (
 )
 
 
-
 class ResponseFormat:
     """Turns RequestOutputs into stream chunks or one final body. Tracks per-choice state (finish reported,
     text offsets) across the outputs of one request."""
@@ -52,7 +51,9 @@ class ResponseFormat:
             return [self._chunk([], self.usage(), final=True)]
         return []
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None, *, final: bool = False) -> dict:
+    def _chunk(
+        self, choices: list[dict], usage: dict | None = None, *, final: bool = False
+    ) -> dict:
         if self.request.continuous_usage and not final:
             usage = self.usage()
         return self.envelope(choices, usage, with_usage=self.request.include_usage)
@@ -77,13 +78,18 @@ class ResponseFormat:
 class ChatFormat(ResponseFormat):
     def opening(self, n: int) -> list[dict]:
         # OpenAI's first chunk of each choice carries the role and an empty content.
-        return [self._chunk([chat_delta_choice(i, {"role": "assistant", "content": ""})]) for i in range(n)]
+        return [
+            self._chunk([chat_delta_choice(i, {"role": "assistant", "content": ""})])
+            for i in range(n)
+        ]
 
     def envelope(self, choices, usage, *, with_usage) -> dict:
         return self.header.chat_chunk(choices, usage, with_usage=with_usage)
 
     def delta_choice(self, c: CompletionOutput) -> dict:
-        logprobs = chat_logprobs(c.new_logprobs, self.strings) if c.new_logprobs is not None else None
+        logprobs = (
+            chat_logprobs(c.new_logprobs, self.strings) if c.new_logprobs is not None else None
+        )
         return chat_delta_choice(c.index, {"content": c.new_text}, logprobs)
 
     def finish_choice(self, c: CompletionOutput) -> dict:

@@ -20,7 +20,11 @@ from prometheus_client.registry import Collector
 from gemma4serve.engine.outputs import EngineStats, RequestOutput
 
 PREFIX = "gemma4serve:"
-FINISH_REASONS = ("stop", "length", "abort")  # always exported, so that rate() sees a series from the start
+FINISH_REASONS = (
+    "stop",
+    "length",
+    "abort",
+)  # always exported, so that rate() sees a series from the start
 
 # vLLM's buckets, extended downwards: with MTP a token can take well under 10 ms.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -55,11 +59,18 @@ class EngineStatsCollector(Collector):
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
 
-        pools = {"full": (s.full_pages_total, s.full_pages_free), "sliding": (s.swa_pages_total, s.swa_pages_free)}
+        pools = {
+            "full": (s.full_pages_total, s.full_pages_free),
+            "sliding": (s.swa_pages_total, s.swa_pages_free),
+        }
         per_pool = ["model_name", "pool"]
-        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV page pool usage (1 = full).", labels=per_pool)
+        usage = GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc", "KV page pool usage (1 = full).", labels=per_pool
+        )
         free = GaugeMetricFamily(PREFIX + "kv_cache_free_pages", "Free KV pages.", labels=per_pool)
-        total = GaugeMetricFamily(PREFIX + "kv_cache_total_pages", "KV pages in the pool.", labels=per_pool)
+        total = GaugeMetricFamily(
+            PREFIX + "kv_cache_total_pages", "KV pages in the pool.", labels=per_pool
+        )
         for pool, (n_total, n_free) in pools.items():
             usage.add_metric([self._model, pool], (n_total - n_free) / n_total if n_total else 0.0)
             free.add_metric([self._model, pool], n_free)
@@ -73,16 +84,24 @@ class EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
 
         success = CounterMetricFamily(
-            PREFIX + "request_success", "Finished requests by finish reason.", labels=["model_name", "finished_reason"]
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            labels=["model_name", "finished_reason"],
         )
         finished = {reason: 0 for reason in FINISH_REASONS} | dict(s.requests_finished)
         for reason, count in sorted(finished.items()):
             success.add_metric([self._model, str(reason)], count)
         yield success
 
-        yield counter("spec_decode_num_drafts", "Verify steps that carried drafts.", s.spec_num_steps)
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_drafted_tokens)
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens)
+        yield counter(
+            "spec_decode_num_drafts", "Verify steps that carried drafts.", s.spec_num_steps
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_drafted_tokens
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens
+        )
         per_pos = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position.",
@@ -109,18 +128,28 @@ class ServerMetrics:
     def __init__(self, read_stats: Callable[[], EngineStats], model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(read_stats, model_name))
-        ProcessCollector(registry=self.registry)  # memory, CPU, open fds: what an operator checks first
+        ProcessCollector(
+            registry=self.registry
+        )  # memory, CPU, open fds: what an operator checks first
         self._model = model_name
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+            return Histogram(
+                PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
+            )
 
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
         self.tpot = histogram(
-            "time_per_output_token_seconds", "Mean time per output token after the first.", TPOT_BUCKETS
+            "time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            TPOT_BUCKETS,
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
+        self.queue = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS
+        )
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Record the latencies of a finished request (its last RequestOutput)."""
@@ -128,7 +157,9 @@ class ServerMetrics:
         if t is None:
             return
         if t.first_scheduled_time is not None:
-            self.queue.labels(self._model).observe(max(0.0, t.first_scheduled_time - t.arrival_time))
+            self.queue.labels(self._model).observe(
+                max(0.0, t.first_scheduled_time - t.arrival_time)
+            )
         if t.first_token_time is not None:
             self.ttft.labels(self._model).observe(max(0.0, t.first_token_time - t.arrival_time))
         if t.finished_time is not None:
@@ -136,7 +167,9 @@ class ServerMetrics:
             # n > 1: the longest choice sets the pace the client saw.
             longest = max((len(c.token_ids) for c in output.outputs), default=0)
             if t.first_token_time is not None and longest > 1:
-                self.tpot.labels(self._model).observe(max(0.0, t.finished_time - t.first_token_time) / (longest - 1))
+                self.tpot.labels(self._model).observe(
+                    max(0.0, t.finished_time - t.first_token_time) / (longest - 1)
+                )
 
     def render(self) -> bytes:
         """The exposition text. Calls engine.stats(): run it off the event loop."""

@@ -67,9 +67,18 @@ def _validation_error(exc: ValidationError) -> ApiError:
     err = exc.errors(include_url=False)[0]
     param = _param_of(err["loc"])
     if err["type"] == "missing":
-        return ApiError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+        return ApiError(
+            400,
+            f"Missing required parameter: '{param}'.",
+            param=param,
+            code="missing_required_parameter",
+        )
     message = err["msg"].removeprefix("Value error, ")
-    code = "invalid_value" if err["type"] in ("value_error", "literal_error", "greater_than_equal") else "invalid_type"
+    code = (
+        "invalid_value"
+        if err["type"] in ("value_error", "literal_error", "greater_than_equal")
+        else "invalid_type"
+    )
     return ApiError(400, f"Invalid value for '{param}': {message}", param=param, code=code)
 
 
@@ -77,7 +86,9 @@ def _validation_error(exc: ValidationError) -> ApiError:
 # Requests
 
 MAX_N = 128  # OpenAI's limit; each choice is a sequence with its own KV pages
-MAX_TOP_K = 2**31 - 1  # the sampler packs top_k into int32: a larger one would fail the whole batch's step
+MAX_TOP_K = (
+    2**31 - 1
+)  # the sampler packs top_k into int32: a larger one would fail the whole batch's step
 
 
 # Numbers are finite (NaN or inf temperatures turn into NaN probabilities inside a batch shared with others).
@@ -93,7 +104,9 @@ class ContentPart(BaseModel):
     @model_validator(mode="after")
     def _text_only(self):
         if self.type != "text":
-            raise ValueError(f"content parts of type '{self.type}' are not supported; this server is text-only")
+            raise ValueError(
+                f"content parts of type '{self.type}' are not supported; this server is text-only"
+            )
         if self.text is None:
             raise ValueError("a content part of type 'text' needs a 'text' string")
         return self
@@ -156,7 +169,9 @@ class _GenerationRequest(_Request):
     def check_supported(self) -> None:
         """Refuse what this server cannot honour rather than silently ignoring it."""
         if self.stream_options is not None and not self.stream:
-            raise ApiError(400, "stream_options is only allowed when stream is true.", param="stream_options")
+            raise ApiError(
+                400, "stream_options is only allowed when stream is true.", param="stream_options"
+            )
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported by this server.", param="logit_bias")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -166,7 +181,11 @@ class _GenerationRequest(_Request):
                 param="response_format",
             )
         if self.top_k is not None and not (-1 <= self.top_k <= MAX_TOP_K):
-            raise ApiError(400, f"top_k must be -1 or 0 (off), or in [1, {MAX_TOP_K}], got {self.top_k}", param="top_k")
+            raise ApiError(
+                400,
+                f"top_k must be -1 or 0 (off), or in [1, {MAX_TOP_K}], got {self.top_k}",
+                param="top_k",
+            )
         if self.n > MAX_N:
             raise ApiError(400, f"n must be at most {MAX_N}, got {self.n}", param="n")
         if any(s == "" for s in self.stop_strings):
@@ -184,7 +203,9 @@ class _GenerationRequest(_Request):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
+    def sampling_params(
+        self, *, max_tokens: int, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
         """`defaults` (the checkpoint's generation_config, when the engine offers one) fill what the request
         leaves unset; then SamplingParams' own defaults. Raises ApiError(400) on values no sampler honours."""
         given = {
@@ -214,7 +235,9 @@ class _GenerationRequest(_Request):
         except ValueError as e:
             # SamplingParams' messages start with the field's name ("top_p must be in (0, 1], got 0.0").
             field = str(e).split(" ", 1)[0]
-            raise ApiError(400, str(e), param=field if field in SamplingParams.__dataclass_fields__ else None) from e
+            raise ApiError(
+                400, str(e), param=field if field in SamplingParams.__dataclass_fields__ else None
+            ) from e
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -231,16 +254,29 @@ class ChatCompletionRequest(_GenerationRequest):
     def check_supported(self) -> None:
         super().check_supported()
         if not self.messages:
-            raise ApiError(400, "messages must contain at least one message.", param="messages", code="invalid_value")
+            raise ApiError(
+                400,
+                "messages must contain at least one message.",
+                param="messages",
+                code="invalid_value",
+            )
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.top_logprobs is not None and not (0 <= self.top_logprobs <= 20):
-            raise ApiError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+            raise ApiError(
+                400,
+                f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+                param="top_logprobs",
+            )
 
     @property
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is OpenAI's newer name; it wins when both are given.
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     @property
     def num_logprobs(self) -> int | None:
@@ -262,11 +298,17 @@ class CompletionRequest(_GenerationRequest):
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
-            raise ApiError(400, "suffix (insertion) is not supported by this server.", param="suffix")
+            raise ApiError(
+                400, "suffix (insertion) is not supported by this server.", param="suffix"
+            )
         if self.best_of is not None and self.best_of != self.n:
-            raise ApiError(400, "best_of other than n is not supported by this server.", param="best_of")
+            raise ApiError(
+                400, "best_of other than n is not supported by this server.", param="best_of"
+            )
         if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported.", param="echo")
+            raise ApiError(
+                400, "echo with logprobs (prompt logprobs) is not supported.", param="echo"
+            )
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: a string or token ids. A batch of prompts is refused."""
@@ -274,7 +316,9 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) > 1:
                 raise ApiError(
-                    400, "batched prompts are not supported; send one prompt per request.", param="prompt"
+                    400,
+                    "batched prompts are not supported; send one prompt per request.",
+                    param="prompt",
                 )
             prompt = prompt[0]
         if len(prompt) == 0:
@@ -289,9 +333,13 @@ def _no_constants(name: str):
 def parse_request(model: type[_Request], body: bytes) -> Any:
     """Bytes of a request body -> a validated request model, or ApiError(400) that says what is wrong."""
     try:
-        data = json.loads(body, parse_constant=_no_constants)  # Python's json would take NaN and Infinity
+        data = json.loads(
+            body, parse_constant=_no_constants
+        )  # Python's json would take NaN and Infinity
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ApiError(400, "We could not parse the JSON body of your request. The body must be valid JSON.") from None
+        raise ApiError(
+            400, "We could not parse the JSON body of your request. The body must be valid JSON."
+        ) from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     try:
@@ -302,7 +350,9 @@ def parse_request(model: type[_Request], body: bytes) -> Any:
     return request
 
 
-def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int, *, prompt_param: str) -> int:
+def check_context_length(
+    prompt_len: int, max_tokens: int | None, max_model_len: int, *, prompt_param: str
+) -> int:
     """The number of tokens to generate (all the room left when the request set none), or ApiError(400) when
     the prompt or prompt + max_tokens does not fit the context (OpenAI's/vLLM's wording and code)."""
     if prompt_len >= max_model_len:
@@ -355,14 +405,20 @@ class ResponseHeader:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}  # fmt: skip
 
-    def chat_chunk(self, choices: list[dict], usage: dict | None = None, *, with_usage: bool = False) -> dict:
+    def chat_chunk(
+        self, choices: list[dict], usage: dict | None = None, *, with_usage: bool = False
+    ) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                  "choices": choices}  # fmt: skip
-        if with_usage:  # OpenAI: with include_usage, every chunk carries "usage" (null until the last)
+        if (
+            with_usage
+        ):  # OpenAI: with include_usage, every chunk carries "usage" (null until the last)
             chunk["usage"] = usage
         return chunk
 
-    def completion_chunk(self, choices: list[dict], usage: dict | None = None, *, with_usage: bool = False) -> dict:
+    def completion_chunk(
+        self, choices: list[dict], usage: dict | None = None, *, with_usage: bool = False
+    ) -> dict:
         chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                  "choices": choices}  # fmt: skip
         if with_usage:
@@ -380,14 +436,18 @@ def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason, sto
     }
 
 
-def chat_delta_choice(index: int, delta: dict, logprobs: dict | None = None, finish_reason=None, stop_reason=None):
+def chat_delta_choice(
+    index: int, delta: dict, logprobs: dict | None = None, finish_reason=None, stop_reason=None
+):
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     return choice
 
 
-def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason, stop_reason=None) -> dict:
+def completion_choice(
+    index: int, text: str, logprobs: dict | None, finish_reason, stop_reason=None
+) -> dict:
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
@@ -443,7 +503,9 @@ def chat_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings) -> dict:
     return {"content": content}
 
 
-def completion_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings, text_offset: int) -> dict:
+def completion_logprobs(
+    logprobs: list[TokenLogprob], strings: TokenStrings, text_offset: int
+) -> dict:
     """`choices[].logprobs` of a legacy completion. `top_logprobs` also holds the sampled token (OpenAI: "up
     to logprobs+1 elements"); `text_offset` counts characters from the start of this choice's text."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -456,4 +518,9 @@ def completion_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings, tex
         tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }

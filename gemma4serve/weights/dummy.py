@@ -30,7 +30,9 @@ def init_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
             continue
         seen.add(id(t))
         if t.is_meta:
-            raise ValueError(f"{name} is on the meta device: materialize the module before init_dummy_weights")
+            raise ValueError(
+                f"{name} is on the meta device: materialize the module before init_dummy_weights"
+            )
         g = torch.Generator(device=t.device)
         g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         if not t.is_floating_point():

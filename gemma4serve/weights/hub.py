@@ -18,16 +18,22 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or "\\" in model
 
 
-def resolve_checkpoint(model: str, revision: str | None = None, *, cache_dir: str | Path | None = None) -> Path:
+def resolve_checkpoint(
+    model: str, revision: str | None = None, *, cache_dir: str | Path | None = None
+) -> Path:
     """A local directory is used as is; otherwise `model` is a Hugging Face repo id, fetched into (or, with
     HF_HUB_OFFLINE=1, found in) the HF cache with `snapshot_download`."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise CheckpointNotFoundError(f"{path} is a directory but has no config.json: not a checkpoint")
+            raise CheckpointNotFoundError(
+                f"{path} is a directory but has no config.json: not a checkpoint"
+            )
         return path
     if path.exists():
-        raise CheckpointNotFoundError(f"{path} is a file; --model wants a checkpoint directory or a Hub repo id")
+        raise CheckpointNotFoundError(
+            f"{path} is a file; --model wants a checkpoint directory or a Hub repo id"
+        )
     if _looks_like_path(model):
         raise CheckpointNotFoundError(f"no such checkpoint directory: {path}")
 
@@ -61,12 +67,18 @@ def resolve_checkpoint(model: str, revision: str | None = None, *, cache_dir: st
             f"{where}: no such local directory, and no such repository on the Hub (or it is private: log in)"
         ) from e
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
-        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else " and the Hub cannot be reached"
+        offline = (
+            " (HF_HUB_OFFLINE is set)"
+            if constants.HF_HUB_OFFLINE
+            else " and the Hub cannot be reached"
+        )
         raise CheckpointNotFoundError(
             f"{where}: no such local directory, not in the Hugging Face cache{offline}"
         ) from e
     except HFValidationError as e:
-        raise CheckpointNotFoundError(f"{model!r} is neither a local directory nor a valid Hub repo id: {e}") from e
+        raise CheckpointNotFoundError(
+            f"{model!r} is neither a local directory nor a valid Hub repo id: {e}"
+        ) from e
     except HfHubHTTPError as e:
         raise CheckpointNotFoundError(f"{where}: download failed: {e}") from e
     local = Path(local)

@@ -79,7 +79,9 @@ def load_weights(
     module does not have, shape mismatches, a parameter loaded twice, and parameters left unloaded (except
     those in `module.optional_weights`)."""
     device = torch.device(device)
-    targets = module.state_dict(keep_vars=True)  # persistent params + buffers, by name (tied ones twice)
+    targets = module.state_dict(
+        keep_vars=True
+    )  # persistent params + buffers, by name (tied ones twice)
     optional = set(getattr(module, "optional_weights", ()))
 
     # Pass 1: headers only.
@@ -99,7 +101,9 @@ def load_weights(
                 shape = tuple(sl.get_shape())
                 expected = tuple(targets[pname].shape)
                 if shape != expected:
-                    mismatched.append(f"{name}: checkpoint {list(shape)}, module {pname} expects {list(expected)}")
+                    mismatched.append(
+                        f"{name}: checkpoint {list(shape)}, module {pname} expects {list(expected)}"
+                    )
                     continue
                 if pname in loaded_by:
                     twice.append(f"{pname} <- {loaded_by[pname]} and {name}")
@@ -110,9 +114,7 @@ def load_weights(
 
     # Tied parameters appear under several names; loading any of them loads the tensor.
     loaded_tensors = {id(targets[p]) for p in loaded_by}
-    missing = [
-        n for n, t in targets.items() if id(t) not in loaded_tensors and n not in optional
-    ]
+    missing = [n for n, t in targets.items() if id(t) not in loaded_tensors and n not in optional]
     on_meta = [p for p in loaded_by if targets[p].is_meta]
     problems = []
     if on_meta:
@@ -122,14 +124,19 @@ def load_weights(
         )
     if unknown:
         problems.append(
-            f"{len(unknown)} checkpoint tensor(s) map to names the module does not have:" + _short_list(unknown)
+            f"{len(unknown)} checkpoint tensor(s) map to names the module does not have:"
+            + _short_list(unknown)
         )
     if mismatched:
         problems.append(f"{len(mismatched)} shape mismatch(es):" + _short_list(mismatched))
     if twice:
-        problems.append(f"{len(twice)} parameter(s) loaded from two checkpoint tensors:" + _short_list(twice))
+        problems.append(
+            f"{len(twice)} parameter(s) loaded from two checkpoint tensors:" + _short_list(twice)
+        )
     if missing:
-        problems.append(f"{len(missing)} module weight(s) missing from the checkpoint:" + _short_list(missing))
+        problems.append(
+            f"{len(missing)} module weight(s) missing from the checkpoint:" + _short_list(missing)
+        )
     if problems:
         raise WeightLoadError(f"cannot load {ckpt_dir}:\n" + "\n".join(problems))
 

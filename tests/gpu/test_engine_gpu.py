@@ -24,11 +24,21 @@ def ckpt(request, tiny_checkpoints):
 
 
 def gpu_llm(target, draft=None, **kw) -> LLM:
-    return LLM(str(target), draft=str(draft) if draft else None, device="cuda", dtype="bfloat16",
-               max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory=256 * 2**20, **kw)
+    return LLM(
+        str(target),
+        draft=str(draft) if draft else None,
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        kv_cache_memory=256 * 2**20,
+        **kw,
+    )
 
 
-def assert_same_or_near_tie(got: list[int], want: list[int], prompt: list[int], judge, noisy) -> None:
+def assert_same_or_near_tie(
+    got: list[int], want: list[int], prompt: list[int], judge, noisy
+) -> None:
     """Equal, or parting where the two tokens are a tie within bf16's own noise: their fp32-oracle logit gap
     is smaller than twice the largest difference between HF's bf16 logits (`noisy`) and the oracle there."""
     for i, (a, b) in enumerate(zip(got, want)):
@@ -37,7 +47,9 @@ def assert_same_or_near_tie(got: list[int], want: list[int], prompt: list[int], 
             exact = hf_logits(judge, ctx)[-1]
             noise = (hf_logits(noisy, ctx)[-1] - exact).abs().max().item()
             gap = (exact[a] - exact[b]).abs().item()
-            assert gap < 2 * noise, f"position {i}: {a} vs {b}, fp32 gap {gap:.3f} >= 2 x bf16 noise {noise:.3f}"
+            assert gap < 2 * noise, (
+                f"position {i}: {a} vs {b}, fp32 gap {gap:.3f} >= 2 x bf16 noise {noise:.3f}"
+            )
             return
     assert len(got) == len(want)
 
@@ -50,13 +62,20 @@ def test_bf16_logits_match_hf(ckpt):
     prompt = prompt_of(3 * llm.engine.cfg.sliding_window + 5, seed=1)
     ref = hf_logits(load_hf_target(target, dtype=torch.float32, device="cuda"), prompt)
     hf_err = min(
-        rel_err(hf_logits(load_hf_target(target, dtype=torch.bfloat16, device="cuda", attn=attn), prompt), ref)
+        rel_err(
+            hf_logits(
+                load_hf_target(target, dtype=torch.bfloat16, device="cuda", attn=attn), prompt
+            ),
+            ref,
+        )
         for attn in ("eager", "sdpa")
     )
     whole = engine_logits(llm, prompt, chunk=len(prompt))
     chunked = engine_logits(llm, prompt, chunk=llm.engine.cfg.sliding_window - 3)
-    print(f"{v}: rel err vs fp32 oracle: ours {rel_err(whole, ref):.4f} / chunked {rel_err(chunked, ref):.4f}, "
-          f"HF bf16 {hf_err:.4f}")
+    print(
+        f"{v}: rel err vs fp32 oracle: ours {rel_err(whole, ref):.4f} / chunked {rel_err(chunked, ref):.4f}, "
+        f"HF bf16 {hf_err:.4f}"
+    )
     assert rel_err(whole, ref) <= max(2 * hf_err, 1e-2)
     assert rel_err(chunked, ref) <= max(2 * hf_err, 1e-2)
 
@@ -70,7 +89,9 @@ def test_bf16_greedy_matches_hf(ckpt):
 
     for n in (5, 40):
         prompt = prompt_of(n, seed=n)
-        got = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0].token_ids
+        got = llm.generate(
+            [prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        )[0].token_ids
         assert_same_or_near_tie(got, hf_greedy(hf, prompt, 32), prompt, judge, hf)
 
 
@@ -136,7 +157,11 @@ def test_async_scheduling_equals_sync(ckpt):
     v, target, assistant = ckpt
     prompts = [prompt_of(n, seed=n) for n in (3, 17, 29, 41)]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 24, 31)]
-    params.append(SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True, logprobs=2))
+    params.append(
+        SamplingParams(
+            max_tokens=40, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True, logprobs=2
+        )
+    )
     for draft, forced in ((None, None), (assistant, None), (assistant, 4.0)):
         # A fixed k: the adaptive draft length decides from step costs each engine measures at start, so two
         # engines could pick different k for a batch size and round a token differently (verify rows vs
@@ -160,9 +185,13 @@ def test_adaptive_draft_length_switches_graphs(ckpt):
     prompts = [prompt_of(n, seed=n) for n in (5, 12, 19, 26)]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 8, 8, 8)]
     adaptive = gpu_llm(target, assistant, num_draft_tokens=3)
-    fixed = gpu_llm(target, assistant, num_draft_tokens=3, adaptive_draft_length=False, async_scheduling=False)
+    fixed = gpu_llm(
+        target, assistant, num_draft_tokens=3, adaptive_draft_length=False, async_scheduling=False
+    )
     assert adaptive.engine.draft_length.costs  # measured on the graphs at start
-    adaptive.engine.draft_length = DraftLength(3, {1: StepCost(1.0, 1.0, 0.1), 8: StepCost(1.0, 9.0, 1.0)})
+    adaptive.engine.draft_length = DraftLength(
+        3, {1: StepCost(1.0, 1.0, 0.1), 8: StepCost(1.0, 9.0, 1.0)}
+    )
     judge = load_hf_target(target, dtype=torch.float32, device="cuda")
     noisy = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
     a = [o.token_ids for o in adaptive.generate(prompts, params)]
@@ -174,8 +203,9 @@ def test_adaptive_draft_length_switches_graphs(ckpt):
 
 
 def _jit_functions():
-    import gemma4serve_kernels
     from triton.runtime.jit import JITFunction
+
+    import gemma4serve_kernels
 
     mods = [m for m in vars(gemma4serve_kernels).values() if type(m).__name__ == "module"]
     return [f for m in mods for f in vars(m).values() if isinstance(f, JITFunction)]
@@ -188,7 +218,9 @@ def test_no_kernel_compiles_while_serving(ckpt):
     earlier tests compiled do not hide a missing warm-up."""
     v, target, assistant = ckpt
     fns = _jit_functions()
-    saved = {f: dict(f.device_caches) for f in fns}  # kept alive: earlier graphs may still point at them
+    saved = {
+        f: dict(f.device_caches) for f in fns
+    }  # kept alive: earlier graphs may still point at them
     try:
         for f in fns:
             f.device_caches.clear()
@@ -199,11 +231,30 @@ def test_no_kernel_compiles_while_serving(ckpt):
 
         start = compiled()
         sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        for lens in ([1], [2], [3], [7], [9], [13], [16], [17], [31], [40], [100], [300], [511], [700],
-                     [5, 9, 300], [1, 2, 3, 4], [12] * 5):
+        for lens in (
+            [1],
+            [2],
+            [3],
+            [7],
+            [9],
+            [13],
+            [16],
+            [17],
+            [31],
+            [40],
+            [100],
+            [300],
+            [511],
+            [700],
+            [5, 9, 300],
+            [1, 2, 3, 4],
+            [12] * 5,
+        ):
             llm.generate([prompt_of(n, seed=n) for n in lens], sp)
             now = compiled()
-            assert now == start, f"prompts of {lens} tokens compiled {[k for k in now if now[k] != start[k]]}"
+            assert now == start, (
+                f"prompts of {lens} tokens compiled {[k for k in now if now[k] != start[k]]}"
+            )
         assert sum(start.values()) > 0
     finally:
         for f, caches in saved.items():

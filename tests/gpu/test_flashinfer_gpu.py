@@ -45,11 +45,23 @@ def mixed_step(kind: str, free_old_pages: bool):
     T = sum(n for _, n in groups)
     q = torch.randn(T, nh, hd, generator=g, device="cuda").to(torch.bfloat16)
     pos = torch.cat([torch.arange(s, s + n) for s, n in groups])
-    token_seq = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, (_, n) in enumerate(groups)])
-    cu = torch.tensor([0, *torch.tensor([n for _, n in groups]).cumsum(0).tolist()], dtype=torch.int32)
+    token_seq = torch.cat(
+        [torch.full((n,), i, dtype=torch.int32) for i, (_, n) in enumerate(groups)]
+    )
+    cu = torch.tensor(
+        [0, *torch.tensor([n for _, n in groups]).cumsum(0).tolist()], dtype=torch.int32
+    )
     host = HostBatch(cu, torch.tensor([s + n for s, n in groups], dtype=torch.int32), {kind: table})
-    meta = causal_metadata(token_seq.cuda(), pos.cuda(), {kind: table.cuda()}, WINDOW, cu.cuda(),
-                           max(n for _, n in groups), PAGE, host)
+    meta = causal_metadata(
+        token_seq.cuda(),
+        pos.cuda(),
+        {kind: table.cuda()},
+        WINDOW,
+        cu.cuda(),
+        max(n for _, n in groups),
+        PAGE,
+        host,
+    )
     return q, k, v, meta
 
 
@@ -70,7 +82,9 @@ def test_steps_without_host_layout_stay_on_triton(backend, kind):
     """Graph-captured and drafter steps carry no host layout; decode-only steps have one query per group."""
     q, k, v, meta = mixed_step(kind, free_old_pages=False)
     meta.host = None
-    assert torch.equal(backend.forward(q, k, v, meta, kind), TritonAttention().forward(q, k, v, meta, kind))
+    assert torch.equal(
+        backend.forward(q, k, v, meta, kind), TritonAttention().forward(q, k, v, meta, kind)
+    )
 
 
 def test_sliding_head_dim_runs_on_flashinfer(backend):

@@ -16,10 +16,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before importing any kernel: without CUDA the CPU tests run interpreted
+if (
+    not torch.cuda.is_available()
+):  # before importing any kernel: without CUDA the CPU tests run interpreted
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the paged-layout builder of the CPU tests
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the paged-layout builder of the CPU tests
 from test_triton_kernels import (  # noqa: E402
     KIND,
     _assert_rounding_close,
@@ -38,8 +42,8 @@ from gemma4serve.model.layers import Experts, rms_norm, rope_cos_sin, rope_inv_f
 from gemma4serve_kernels import (  # noqa: E402
     gelu_tanh_mul,
     gemv,
-    greedy_head,
     gemv_mlp,
+    greedy_head,
     kv_write,
     moe_experts,
     moe_route,
@@ -82,9 +86,17 @@ def _seqs(phase, B, seed=0):
 
 def _batch(shape, seqs, window=None, seed=0):
     s = SHAPES[shape]
-    q, kc, vc, meta = build_paged_batch(seqs, nh=s["nh"], nkv=s["nkv"], hd=s["hd"], page_size=16,
-                                        window=s["window"] if window is None else window, dtype=BF16,
-                                        device=DEV, seed=seed)
+    q, kc, vc, meta = build_paged_batch(
+        seqs,
+        nh=s["nh"],
+        nkv=s["nkv"],
+        hd=s["hd"],
+        page_size=16,
+        window=s["window"] if window is None else window,
+        dtype=BF16,
+        device=DEV,
+        seed=seed,
+    )
     # Raw randn scores have std sqrt(hd): the softmax would be nearly one-hot. Soften it so the test checks a
     # real weighted sum.
     q = (q.float() * s["hd"] ** -0.5 * 2).to(BF16)
@@ -99,9 +111,13 @@ def _reference(q, kc, vc, meta):
     out = torch.empty_like(q)
     for g in range(len(cu) - 1):
         r0, r1 = cu[g], cu[g + 1]
-        sub = dataclasses.replace(meta, token_seq=meta.token_seq[r0:r1], kv_end=meta.kv_end[r0:r1],
-                                  cu_seqlens_q=torch.tensor([0, r1 - r0], dtype=torch.int32, device=DEV),
-                                  max_q_len=r1 - r0)
+        sub = dataclasses.replace(
+            meta,
+            token_seq=meta.token_seq[r0:r1],
+            kv_end=meta.kv_end[r0:r1],
+            cu_seqlens_q=torch.tensor([0, r1 - r0], dtype=torch.int32, device=DEV),
+            max_q_len=r1 - r0,
+        )
         out[r0:r1] = reference_attention(q[r0:r1], kc, vc, sub)
     return out
 
@@ -114,8 +130,18 @@ def _check_attention(out, q, kc, vc, meta):
 
 
 @pytest.mark.parametrize("shape", ["sliding", "full"])
-@pytest.mark.parametrize("phase,B", [("decode", 1), ("decode", 8), ("decode", 32), ("verify", 1), ("verify", 8),
-                                     ("verify", 32), ("mixed", 5)])
+@pytest.mark.parametrize(
+    "phase,B",
+    [
+        ("decode", 1),
+        ("decode", 8),
+        ("decode", 32),
+        ("verify", 1),
+        ("verify", 8),
+        ("verify", 32),
+        ("mixed", 5),
+    ],
+)
 def test_attention_real_shapes(shape, phase, B):
     q, kc, vc, meta = _batch(shape, _seqs(phase, B))
     _check_attention(TritonAttention().forward(q, kc, vc, meta, KIND), q, kc, vc, meta)
@@ -162,7 +188,9 @@ def test_decode_step_cuda_graph(shape, q_len):
     backend = TritonAttention()
     # The pool holds 800 positions past each row, so later steps can move kv_end forward in place (moving it
     # back would put the sliding window on pages the builder freed).
-    q, kc, vc, meta = _batch(shape, [(L + 800, list(range(L - q_len + 1, L + 1))) for L in _contexts(8, seed=2)])
+    q, kc, vc, meta = _batch(
+        shape, [(L + 800, list(range(L - q_len + 1, L + 1))) for L in _contexts(8, seed=2)]
+    )
     T, nkv, hd = q.shape[0], kc.shape[2], kc.shape[3]
     k_new = torch.randn(T, nkv, hd, device=DEV).to(BF16)
     v_new = torch.randn_like(k_new)
@@ -182,7 +210,7 @@ def test_decode_step_cuda_graph(shape, q_len):
         static_out = step()
 
     for advance in (0, 1, 700):  # the same graph over new tokens and longer views
-        q.copy_((torch.randn_like(q, dtype=torch.float32) * hd ** -0.5 * 2).to(BF16))
+        q.copy_((torch.randn_like(q, dtype=torch.float32) * hd**-0.5 * 2).to(BF16))
         k_new.copy_(torch.randn_like(k_new, dtype=torch.float32).to(BF16))
         v_new.copy_(torch.randn_like(v_new, dtype=torch.float32).to(BF16))
         meta.kv_end.add_(advance)
@@ -211,19 +239,29 @@ def test_norms_real_shapes():
     scalar = torch.tensor([0.6], device=DEV, dtype=BF16)
     _assert_rounding_close(k_rms_norm(h, w, 1e-6), on_cpu(rms_norm, h, w, 1e-6))
     _assert_rounding_close(k_rms_norm(h, None, 1e-6), on_cpu(rms_norm, h, None, 1e-6))
-    _assert_rounding_close(rmsnorm_residual_add(x, h, w, 1e-6), on_cpu(_residual_ref, x, h, w, None))
-    _assert_rounding_close(rmsnorm_residual_add(x, h, w, 1e-6, scalar), on_cpu(_residual_ref, x, h, w, scalar))
+    _assert_rounding_close(
+        rmsnorm_residual_add(x, h, w, 1e-6), on_cpu(_residual_ref, x, h, w, None)
+    )
+    _assert_rounding_close(
+        rmsnorm_residual_add(x, h, w, 1e-6, scalar), on_cpu(_residual_ref, x, h, w, scalar)
+    )
 
 
-@pytest.mark.parametrize("heads,hd,theta,pairs", [(32, 256, 1e4, 128), (32, 512, 1e6, 64), (16, 256, 1e4, 128)])
+@pytest.mark.parametrize(
+    "heads,hd,theta,pairs", [(32, 256, 1e4, 128), (32, 512, 1e6, 64), (16, 256, 1e4, 128)]
+)
 def test_rmsnorm_rope_real_shapes(heads, hd, theta, pairs):
     g = torch.Generator(DEV).manual_seed(1)
     T = 40
     x = (torch.randn(T, heads, hd, generator=g, device=DEV) * 3).to(BF16)
     w = (torch.rand(hd, generator=g, device=DEV) * 2).to(BF16)
     pos = torch.randint(0, 100000, (T,), generator=g, device=DEV)
-    cos, sin = rope_cos_sin(rope_inv_freq(RopeSpec(theta=theta, head_dim=hd, rotated_pairs=pairs)).to(DEV), pos, BF16)
-    _assert_rounding_close(rmsnorm_rope(x, w, cos, sin, 1e-6), on_cpu(_norm_rope_ref, x, w, cos, sin))
+    cos, sin = rope_cos_sin(
+        rope_inv_freq(RopeSpec(theta=theta, head_dim=hd, rotated_pairs=pairs)).to(DEV), pos, BF16
+    )
+    _assert_rounding_close(
+        rmsnorm_rope(x, w, cos, sin, 1e-6), on_cpu(_norm_rope_ref, x, w, cos, sin)
+    )
 
 
 def test_gelu_tanh_mul_real_shape():
@@ -233,8 +271,18 @@ def test_gelu_tanh_mul_real_shape():
 
 # ---------------------------------------------------------------------------------------------- skinny GEMM
 @pytest.mark.parametrize("M", [1, 5, 16])
-@pytest.mark.parametrize("N,K", [(16384, 5376), (5376, 8192), (5376, 16384), (43008, 5376), (5376, 21504), (262144, 1024),
-                                 (1024, 10752)])
+@pytest.mark.parametrize(
+    "N,K",
+    [
+        (16384, 5376),
+        (5376, 8192),
+        (5376, 16384),
+        (43008, 5376),
+        (5376, 21504),
+        (262144, 1024),
+        (1024, 10752),
+    ],
+)
 def test_gemv_real_shapes(M, N, K):
     """The 31B's projections, its drafter's LM head and split-K input projection, at decode / verify / tile rows."""
     g = torch.Generator(DEV).manual_seed(M)
@@ -291,7 +339,9 @@ def test_greedy_head_real_shapes(K):
     for M in (1, 5, 16):
         for i in range(0, 64 - M + 1, M):
             rows = x[i : i + M]
-            assert torch.equal(greedy_head(rows, w, q, scale, table), softcap(gemv(rows, w)).argmax(-1)), (M, i)
+            assert torch.equal(
+                greedy_head(rows, w, q, scale, table), softcap(gemv(rows, w)).argmax(-1)
+            ), (M, i)
     rows = x[:5].clone()
     greedy_head(rows, w, q, scale, table)
     graph = torch.cuda.CUDAGraph()
@@ -315,7 +365,10 @@ def test_step_inputs_equal_torch_ops(dtype):
         cos, sin = rope_tables(inv, pos, dtype)
         assert torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
     g = torch.Generator(DEV).manual_seed(3)
-    tables = {k: torch.randint(0, 5000, (9, 300), generator=g, device=DEV, dtype=torch.int32) for k in ("a", "b")}
+    tables = {
+        k: torch.randint(0, 5000, (9, 300), generator=g, device=DEV, dtype=torch.int32)
+        for k in ("a", "b")
+    }
     token_seq = torch.randint(0, 9, (64,), generator=g, device=DEV, dtype=torch.int32)
     p = torch.randint(0, 300 * 16, (64,), generator=g, device=DEV)
     kv_end, slots = write_slots(token_seq, p, tables, 16)
@@ -341,7 +394,11 @@ def test_pdl_chain_graph_replay_is_stable(dataflow_mlp):
         h, normed = x, None
         for _ in range(8):
             normed = normed if normed is not None else k_rms_norm(h, norm_w, 1e-6)
-            mlp = gemv_mlp(normed, w_in, w_out) if dataflow_mlp else gemv(gelu_tanh_mul(gemv(normed, w_in)), w_out)
+            mlp = (
+                gemv_mlp(normed, w_in, w_out)
+                if dataflow_mlp
+                else gemv(gelu_tanh_mul(gemv(normed, w_in)), w_out)
+            )
             h, normed = rmsnorm_residual_add(h, mlp, norm_w, 1e-6, next_weight=norm_w)
         return h
 
@@ -375,19 +432,23 @@ E, TOP_K, H_MOE, I_MOE = 128, 8, 2816, 704
 @pytest.fixture(scope="module")
 def experts():
     """The reference module (on CPU) and its weights on the GPU."""
-    cfg = SimpleNamespace(num_experts=E, top_k_experts=TOP_K, hidden_size=H_MOE, moe_intermediate_size=I_MOE)
+    cfg = SimpleNamespace(
+        num_experts=E, top_k_experts=TOP_K, hidden_size=H_MOE, moe_intermediate_size=I_MOE
+    )
     mod = Experts(cfg)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        mod.gate_up_proj.copy_(torch.randn(mod.gate_up_proj.shape, generator=g) * H_MOE ** -0.5)
-        mod.down_proj.copy_(torch.randn(mod.down_proj.shape, generator=g) * I_MOE ** -0.5)
+        mod.gate_up_proj.copy_(torch.randn(mod.gate_up_proj.shape, generator=g) * H_MOE**-0.5)
+        mod.down_proj.copy_(torch.randn(mod.down_proj.shape, generator=g) * I_MOE**-0.5)
     mod = mod.to(BF16)
     return mod, mod.gate_up_proj.detach().to(DEV), mod.down_proj.detach().to(DEV)
 
 
 def test_moe_route_real_shape():
     g = torch.Generator(DEV).manual_seed(4)
-    logits = torch.randn(257, E, generator=g, device=DEV) * 3  # fp32: no exact ties, so the top-k is unique
+    logits = (
+        torch.randn(257, E, generator=g, device=DEV) * 3
+    )  # fp32: no exact ties, so the top-k is unique
     scale = torch.rand(E, generator=g, device=DEV) + 0.5
     w, ids = moe_route(logits, scale, TOP_K)
     probs = torch.softmax(logits, -1, dtype=torch.float32)
@@ -401,8 +462,11 @@ def test_moe_route_real_shape():
 def test_moe_experts_real_shapes(experts, T):
     g = torch.Generator(DEV).manual_seed(T)
     x = torch.randn(T, H_MOE, generator=g, device=DEV).to(BF16)
-    weights, ids = moe_route(torch.randn(T, E, generator=g, device=DEV), torch.rand(E, generator=g, device=DEV) + 0.5,
-                             TOP_K)
+    weights, ids = moe_route(
+        torch.randn(T, E, generator=g, device=DEV),
+        torch.rand(E, generator=g, device=DEV) + 0.5,
+        TOP_K,
+    )
     ref_mod, gate_up, down = experts
     ref = on_cpu(ref_mod, x, weights, ids.long())
     out = moe_experts(x, gate_up, down, weights, ids)
