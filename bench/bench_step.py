@@ -20,12 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gemma4serve.attention.metadata import page_tables  # noqa: E402
 from gemma4serve.config import FULL, SLIDING  # noqa: E402
 from gemma4serve.engine.args import EngineArgs  # noqa: E402
 from gemma4serve.engine.cuda_graphs import CudaGraphs  # noqa: E402
 from gemma4serve.engine.engine import LLMEngine  # noqa: E402
-from gemma4serve.engine.runner import pack_chunks  # noqa: E402
+from gemma4serve.engine.runner import scheduled_batch  # noqa: E402
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence  # noqa: E402
 from gemma4serve.sampling_params import SamplingParams  # noqa: E402
 
@@ -101,12 +100,12 @@ def fake_decoding_sequences(
 
 def replay_target(graphs: CudaGraphs, chunks: list[ScheduledChunk], greedy: bool = False):
     """What the runner does for a graphed decode/verify step: pack the inputs on the host, copy, replay."""
-    ids, positions, _, _ = pack_chunks(chunks)
+    batch = scheduled_batch(chunks)
     return graphs.run_target(
-        torch.tensor(ids),
-        torch.tensor(positions),
-        chunks[0].num_query,
-        page_tables([ch.seq.pages for ch in chunks]),
+        batch.token_ids,
+        batch.positions,
+        batch.decode_query_len,
+        batch.page_tables,
         greedy=greedy,
     )
 

@@ -245,7 +245,7 @@ def test_64_concurrent_mixed_requests(engine):
 
 
 def held_pages(engine: LLMEngine, rid: str) -> dict:
-    seqs = engine.requests[rid].seqs
+    seqs = engine.requests[rid].sequences
     return {
         "full": sum(len(s.pages.full) for s in seqs),
         "sliding": sum(1 for s in seqs for p in s.pages.sliding if p),
@@ -293,16 +293,16 @@ def test_abort_mid_prefill_mid_decode_mid_draft(engine):
         touched = {o.request_id for o in outs}
         reqs = engine.requests
         if "prefill" in reqs and "prefill" not in aborted:
-            seq = reqs["prefill"].seqs[0]
+            seq = reqs["prefill"].sequences[0]
             if (
                 0 < seq.num_computed < seq.num_prompt
             ):  # part of the prompt is in the cache, part is not
                 aborted["prefill"] = abort_and_check(engine, run, "prefill")
         if "decode" in reqs and "decode" not in aborted:
-            if all(len(s.output_ids) >= 2 for s in reqs["decode"].seqs):
+            if all(len(s.output_ids) >= 2 for s in reqs["decode"].sequences):
                 aborted["decode"] = abort_and_check(engine, run, "decode")
         if "draft" in reqs and "draft" not in aborted:
-            seq = reqs["draft"].seqs[0]
+            seq = reqs["draft"].sequences[0]
             if (
                 "draft" in touched and seq.drafts and len(seq.output_ids) >= 3
             ):  # this step just drafted
@@ -735,11 +735,11 @@ def test_bad_sampling_values(engine, kwargs, message):
 @pytest.mark.parametrize(
     "prompt, max_tokens, message",
     [
-        ([], 4, "the prompt is empty"),
-        ("", 4, "the prompt is empty"),
-        ([5] * 1024, 4, "maximum context length is 1024 tokens; the prompt has 1024"),
-        ([5] * 2000, None, "maximum context length is 1024 tokens; the prompt has 2000"),
-        ([5] * 1000, 100, r"1000 prompt tokens \+ 100 max_tokens"),
+        ([], 4, "prompt is empty"),
+        ("", 4, "prompt is empty"),
+        ([5] * 1024, 4, "maximum context length is 1024 tokens. However, your request has 1024 "),
+        ([5] * 2000, None, "maximum context length is 1024 tokens. However, your request has 2000 "),
+        ([5] * 1000, 100, r"requested 1100 tokens \(1000 in the input, 100 in the completion\)"),
         ([5, VOCAB, 6], 4, f"token id {VOCAB} is outside the vocabulary"),
         ([5, -1], 4, "token id -1 is outside the vocabulary"),
         ([5] * 10, 400, "KV cache"),  # fits max_model_len (1024) but not the 256-token pool
@@ -790,7 +790,7 @@ def test_async_engine_concurrent_consumers(tiny_checkpoints, engine):
             break  # leaving the loop closes the generator, which aborts the request
 
     async def bad():
-        with pytest.raises(ValueError, match="the prompt is empty"):
+        with pytest.raises(ValueError, match="prompt is empty"):
             async for _ in ae.generate([], params, "bad"):
                 pass
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gemma4serve import LLM, SamplingParams
+from gemma4serve.engine.runner import scheduled_batch
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence
 from tests.hf_oracle import hf_greedy, hf_logits, load_hf_target
 
@@ -27,12 +28,9 @@ def engine_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
         for start in range(0, len(prompt), chunk):
             length = min(chunk, len(prompt) - start)
             eng.kv.grow(seq.pages, start, start + length)
-            ids, pos, meta = eng.runner.prepare([ScheduledChunk(seq, start, length, [])])
-            s = eng.state
-            from gemma4serve.model.gemma4 import ForwardContext
-
-            hidden = s.target(ids, pos, ForwardContext(meta, s.kv, s.attn))
-            out.append(s.target.logits(hidden).float())
+            batch = scheduled_batch([ScheduledChunk(seq, start, length, [])])
+            hidden = eng.runner.forward(batch, greedy=False).hidden
+            out.append(eng.state.target.logits(hidden).float())
     finally:
         eng.kv.free(seq.pages)
     return torch.cat(out)

@@ -89,7 +89,7 @@ class AsyncEngine:
 
     def kv_pool_free(self) -> dict:
         st = self._stats
-        return {"full": st.full_pages_free, "sliding": st.swa_pages_free}
+        return {"full": st.full_pages_free, "sliding": st.sliding_pages_free}
 
     def num_unfinished(self) -> int:
         st = self._stats

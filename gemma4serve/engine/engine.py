@@ -1,11 +1,13 @@
 """The synchronous engine: requests in, one step at a time, outputs (with deltas) out.
 
-It owns the request state machine (waiting -> prefill chunks -> decode/verify -> finished | aborted), the
-stop conditions and detokenization; the scheduler decides what runs, the runner runs it.
+It owns the request state machine (waiting -> prefill chunks -> decode/verify -> finished or
+aborted), the stop conditions and detokenization; the scheduler decides what runs, the runner runs
+it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -32,14 +34,21 @@ from gemma4serve.kv.manager import KVManager
 from gemma4serve.kv.pool import PagePool
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.tokenizer import Tokenizer
+from gemma4serve.validation import (
+    RequestError,
+    check_context_length,
+    check_token_ids,
+    encode_text,
+    with_bos,
+)
 
 log = logging.getLogger("gemma4serve")
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # choices of one request get well-separated seeds
 
 
-# generation_config.json fields that become the server's sampling defaults (vLLM's behaviour): the IT
-# checkpoints ship temperature 1.0, top_k 64, top_p 0.95.
+# generation_config.json fields that become the server's sampling defaults (vLLM's behaviour): the
+# IT checkpoints ship temperature 1.0, top_k 64, top_p 0.95.
 _GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
@@ -52,20 +61,47 @@ def generation_defaults(checkpoint_dir: Path) -> dict:
 
 
 @dataclass(eq=False)
+class Choice:
+    """One of a request's n choices: its sequence, its text, and what its next output adds."""
+
+    sequence: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def take_output(self, with_logprobs: bool) -> CompletionOutput:
+        """The choice as an output, with everything new since the last one (then cleared)."""
+        seq = self.sequence
+        output = CompletionOutput(
+            index=seq.index,
+            text=self.detokenizer.text if self.detokenizer is not None else "",
+            token_ids=list(seq.output_ids),
+            new_text=self.new_text,
+            new_token_ids=self.new_token_ids,
+            new_logprobs=self.new_logprobs if with_logprobs else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        self.new_token_ids, self.new_text, self.new_logprobs = [], "", []
+        return output
+
+
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence]
-    detoks: list
+    choices: list[Choice]
     metrics: RequestMetrics
-    new_ids: list = field(default_factory=list)  # per choice: tokens since the last output
-    new_text: list = field(default_factory=list)
-    new_logprobs: list = field(default_factory=list)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [choice.sequence for choice in self.choices]
 
     @property
     def finished(self) -> bool:
-        return all(s.status is Status.FINISHED for s in self.seqs)
+        return all(seq.status is Status.FINISHED for seq in self.sequences)
 
 
 class LLMEngine:
@@ -74,355 +110,327 @@ class LLMEngine:
         self.state = load_models(args)
         cfg = self.state.target.cfg
         self.cfg = cfg
-        tok_dir = Path(args.tokenizer) if args.tokenizer else self.state.target_dir
-        self.tokenizer = (
-            Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").exists() else None
-        )
+        tokenizer_dir = Path(args.tokenizer) if args.tokenizer else self.state.target_dir
+        has_tokenizer = (tokenizer_dir / "tokenizer.json").exists()
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if has_tokenizer else None
         self.eos_ids = set(cfg.eos_token_ids)
         self.default_sampling_params = generation_defaults(self.state.target_dir)
         plan = self.state.kv_plan
         self.max_model_len = plan.max_model_len
-        ps = args.page_size
+        page_size = args.page_size
         self.kv = KVManager(
-            PagePool(plan.full_pages, ps, "full"),
-            PagePool(plan.sliding_pages, ps, "sliding"),
-            ps,
+            PagePool(plan.full_pages, page_size, "full"),
+            PagePool(plan.sliding_pages, page_size, "sliding"),
+            page_size,
             plan.sliding_keep,
         )
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
-        forced = None
         k = args.num_draft_tokens if self.state.draft is not None else 0
+        self.num_draft_tokens = k
+        forced = None
         if args.forced_acceptance is not None and k:
             forced = ForcedAcceptance(args.forced_acceptance, k, self.state.device)
             log.warning(
-                "BENCHMARK MODE: --forced-acceptance forces %.2f tokens per verify step; generated text is NOT "
-                "the model's output",
+                "BENCHMARK MODE: --forced-acceptance forces %.2f tokens per verify step; "
+                "generated text is NOT the model's output",
                 forced.mean_tokens_per_step,
             )
-        self.num_draft_tokens = k
-        graphs, costs = None, None
-        if (
-            self.state.device.type == "cuda"
-            and not args.enforce_eager
-            and self.state.attn.name != "torch"
-        ):
-            graphs = CudaGraphs(self.state, args.max_num_seqs, self.max_model_len, k)
-            graphs.capture()
-            costs = graphs.measure() if args.adaptive_draft_length else None
-            if costs:
-                log.info(
-                    "step costs per batch bucket (decode / verify / draft loop ms): %s",
-                    "; ".join(
-                        f"{b}: {c.decode * 1e3:.2f} / {c.verify * 1e3:.2f} / {c.draft * 1e3:.2f}"
-                        for b, c in costs.items()
-                    ),
-                )
+        graphs, costs = self._capture_graphs(k)
         self.draft_length = DraftLength(k, costs)
-        self.runner = ModelRunner(self.state, k, forced, graphs)
+        self.runner = ModelRunner(self.state, num_draft_tokens=k, forced=forced, graphs=graphs)
         if self.state.device.type == "cuda":
             self._warm_up()
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(args.seed)
         self._arrivals = 0
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
-        self._inflight: StepHandle | None = (
-            None  # a launched decode step not read yet (async scheduling)
-        )
-        self.num_continued_steps = (
-            0  # steps queued before the results of the step before them were read
-        )
+        self._inflight: StepHandle | None = None  # a launched decode step not read yet
+        self.num_continued_steps = 0  # steps queued before the step before them was read
+
+    def _capture_graphs(self, k: int) -> tuple[CudaGraphs | None, dict | None]:
+        """CUDA graphs of the decode/verify steps and the draft loop (CUDA, Triton attention), and
+        each bucket's measured step costs for the adaptive draft length."""
+        args = self.args
+        if (
+            self.state.device.type != "cuda"
+            or args.enforce_eager
+            or self.state.attn.name == "torch"
+        ):
+            return None, None
+        graphs = CudaGraphs(self.state, args.max_num_seqs, self.max_model_len, k)
+        graphs.capture()
+        costs = graphs.measure() if args.adaptive_draft_length else None
+        if costs:
+            log.info(
+                "step costs per batch bucket (decode / verify / draft loop ms): %s",
+                "; ".join(
+                    f"{b}: {c.decode * 1e3:.2f} / {c.verify * 1e3:.2f} / {c.draft * 1e3:.2f}"
+                    for b, c in costs.items()
+                ),
+            )
+        return graphs, costs
 
     def _warm_up(self) -> None:
-        """One eager step per chunk length before serving, so that Triton compiles the kernel variants that eager
-        steps select by shape now, not while requests wait (up to seconds per prompt on a cold cache;
-        docs/performance.md, compile stalls), and one greedy step for the greedy heads' kernels. Its pages are
-        freed again."""
+        """One eager step per chunk-length bucket, so Triton compiles the shape-selected kernel
+        variants before serving rather than while requests wait; one greedy step for the greedy
+        heads' kernels. Its pages are freed again."""
         t0 = time.monotonic()
         limit = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
         longest = limit // 16 * 16
-        # Kernels pick tiles by power-of-two buckets of the rows (attention by the longest query run, the GEMV up
-        # to 16 rows, MoE by token-expert pairs), and Triton specialises integers that are 1 or divisible by 16:
-        # each power of two, one past it, and the longest chunks reach every bucket.
+        # Kernels pick tiles by power-of-two buckets of rows, and Triton specialises integers that
+        # are 1 or divisible by 16: each power of two, one past it, and the longest chunks.
         lengths = {1, longest - 1, longest} | {
             n for j in range(1, limit.bit_length()) for n in (2**j, 2**j + 1)
         }
-        sampled, greedy = (
-            SamplingParams(max_tokens=1),
-            SamplingParams(max_tokens=1, temperature=0.0),
-        )
-        for n, params in [(n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(1, greedy)]:
-            seq = Sequence("warm-up", 0, [0] * n, n, params, 0, 0, n + 1)
+        sampled = SamplingParams(max_tokens=1)
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        runs = [(n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(1, greedy)]
+        for n, params in runs:
+            seq = Sequence(
+                request_id="warm-up",
+                index=0,
+                token_ids=[0] * n,
+                num_prompt=n,
+                params=params,
+                seed=0,
+                arrival=0,
+                max_len=n + 1,
+            )
             self.kv.grow(seq.pages, 0, n)
             try:
-                self.runner.launch([ScheduledChunk(seq, 0, n, [])], self.num_draft_tokens).results()
+                chunk = ScheduledChunk(seq, 0, n, [])
+                self.runner.launch([chunk], self.num_draft_tokens).results()
             finally:
                 self.kv.free(seq.pages)
         log.info("warmed up eager steps in %.1fs", time.monotonic() - t0)
 
-    # ---- requests -------------------------------------------------------------------------------------
+    # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams) -> None:
-        """Queue a request; raises ValueError with a user-facing message when it cannot be served."""
+        """Queue a request; raises RequestError (a ValueError) when it cannot be served."""
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token ids")
-            ids = self.tokenizer.encode(prompt)
-            bos = self.tokenizer.bos_token_id
-            # Gemma expects <bos> first (the chat template writes it; a raw text prompt gets it here, as in vLLM).
-            prompt = ids if (not ids or bos is None or ids[:1] == [bos]) else [bos] + ids
+                raise RequestError("this model has no tokenizer: pass token ids")
+            text = encode_text(self.tokenizer, prompt, param="prompt")
+            prompt = with_bos(text, self.tokenizer.bos_token_id)
         prompt = [int(t) for t in prompt]
         params.validate()
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})"
-            )
-        n_prompt = len(prompt)
-        if n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n_prompt}"
-            )
-        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{n_prompt} prompt tokens + {params.max_tokens} max_tokens"
-            )
-        max_len = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
+        check_token_ids(prompt, self.cfg.vocab_size)
+        max_tokens = check_context_length(len(prompt), params.max_tokens, self.max_model_len)
+        max_len = len(prompt) + max_tokens
         if self.kv.pages_for(max_len + self.num_draft_tokens + 1) > self.kv.full.capacity:
-            raise ValueError(
+            raise RequestError(
                 f"the request needs up to {max_len} tokens of KV cache; the pool holds "
                 f"{self.kv.full.capacity * self.kv.page_size}"
             )
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seqs, detoks = [], []
+        choices = []
         for i in range(params.n):
             self._arrivals += 1
-            seqs.append(
-                Sequence(
-                    request_id=request_id,
-                    index=i,
-                    token_ids=list(prompt),
-                    num_prompt=n_prompt,
-                    params=params,
-                    seed=(base_seed + i * _SEED_STRIDE) % (1 << 64),
-                    arrival=self._arrivals,
-                    max_len=max_len,
-                )
+            seq = Sequence(
+                request_id=request_id,
+                index=i,
+                token_ids=list(prompt),
+                num_prompt=len(prompt),
+                params=params,
+                seed=(base_seed + i * _SEED_STRIDE) % (1 << 64),
+                arrival=self._arrivals,
+                max_len=max_len,
             )
-            detoks.append(
-                IncrementalDetokenizer(
-                    self.tokenizer,
-                    skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                )
-                if self.tokenizer is not None
-                else None
-            )
-        req = Request(
-            request_id,
-            prompt,
-            params,
-            seqs,
-            detoks,
-            RequestMetrics(arrival_time=time.monotonic()),
-            new_ids=[[] for _ in seqs],
-            new_text=["" for _ in seqs],
-            new_logprobs=[[] for _ in seqs],
+            choices.append(Choice(seq, self._detokenizer(params)))
+        metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.requests[request_id] = Request(request_id, prompt, params, choices, metrics)
+        self.stats.prompt_tokens += len(prompt)
+        for choice in choices:
+            self.scheduler.add(choice.sequence)
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        self.requests[request_id] = req
-        self.stats.prompt_tokens += n_prompt
-        for s in seqs:
-            self.scheduler.add(s)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        for s in req.seqs:
-            if s.status is not Status.FINISHED:
-                s.finish_reason = "abort"
-                self.scheduler.finish(s)
-                self.stats.requests_finished["abort"] = (
-                    self.stats.requests_finished.get("abort", 0) + 1
-                )
+        for choice in req.choices:
+            if choice.sequence.status is not Status.FINISHED:
+                choice.sequence.finish_reason = "abort"
+                self._end(choice.sequence, "abort")
         return self._output(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    # ---- the step -------------------------------------------------------------------------------------
+    # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step. With async scheduling a pure decode step is read one call later: the call first
-        queues the step that follows it on the device, then reads and commits it while the GPU runs on."""
-        prev = self._inflight
-        if prev is not None:
-            self._inflight = self._continue(prev)
-            outs = self._finish_step(prev)
-            if self._inflight is not None and all(
-                s.status is Status.FINISHED for s in self._inflight.seqs
-            ):
-                self._inflight = None  # everything it computes was cut off by `prev`
-            return outs
-        chunks = self.scheduler.schedule()
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        if not chunks:
-            return []
-        now = time.monotonic()
-        for ch in chunks:
-            m = self.requests[ch.seq.request_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-        draft_len = self.stats.draft_length = self.draft_length.choose(
-            sum(ch.samples for ch in chunks)
-        )
-        if not draft_len:
-            for ch in chunks:
-                ch.drafts = []
-        handle = self.runner.launch(chunks, draft_len)
-        for ch in chunks:
-            if not ch.samples:
-                ch.seq.num_computed += ch.length
-        if handle.continuable and self.args.async_scheduling:
-            self._inflight = handle
-            return []
-        return self._finish_step(handle)
+        """Run one step and return the outputs it produced.
 
-    def _continue(self, prev: StepHandle) -> StepHandle | None:
-        """Queue the step after `prev` (same sequences, one more verify each, as many drafts) if the scheduler
-        would pick exactly that and its KV fits; None otherwise."""
-        seqs, sch = prev.seqs, self.scheduler
-        q_prev, q_next = prev.tokens.shape[1], prev.draft_len + 1
-        budget = sch.max_num_batched_tokens - len(seqs) * q_next
-        if sch.running != seqs or budget < 0 or sch.would_admit(budget):
-            return None
-        if (
-            any(s.status is not Status.RUNNING for s in seqs)
-            or self.draft_length.choose(len(seqs)) != prev.draft_len
+        Two paths. A scheduled step runs what the scheduler picks. A continued step follows a
+        decode step on the device (async scheduling): the engine queues it from the previous
+        step's device outputs before it reads them, then reads and commits the previous step
+        while the GPU runs on."""
+        handle = self._inflight if self._inflight is not None else self._launch_scheduled()
+        if handle is None:
+            return []
+        self._inflight = None
+        if handle.continuable and self.args.async_scheduling:
+            self._inflight = self._launch_continued(handle)
+        outputs = self._commit_step(handle)
+        if self._inflight is not None and all(
+            s.status is Status.FINISHED for s in self._inflight.sequences
         ):
+            self._inflight = None  # everything it computes was cut off by `handle`
+        return outputs
+
+    def _launch_scheduled(self) -> StepHandle | None:
+        chunks = self.scheduler.schedule()
+        if not chunks:
             return None
-        # `prev` may emit q_prev tokens, then the next step writes q_next rows (past a sequence's end too: the
-        # rows of a sequence that ends in `prev` are dropped).
-        if not self.kv.grow_all(
-            [(s.pages, s.num_computed, s.num_computed + q_prev + q_next) for s in seqs]
-        ):
+        now = time.monotonic()
+        for chunk in chunks:
+            metrics = self.requests[chunk.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        draft_len = self.draft_length.choose(sum(chunk.samples for chunk in chunks))
+        self.stats.draft_length = draft_len
+        if not draft_len:
+            for chunk in chunks:
+                chunk.drafts = []
+        handle = self.runner.launch(chunks, draft_len)
+        for chunk in chunks:
+            if not chunk.samples:
+                chunk.seq.num_computed += chunk.length
+        return handle
+
+    def _launch_continued(self, previous: StepHandle) -> StepHandle | None:
+        """Queue the step after `previous` (the same sequences, one more verify each, as many
+        drafts) if the scheduler would pick exactly that and its KV fits; None otherwise."""
+        seqs, scheduler = previous.sequences, self.scheduler
+        rows_before, rows_next = previous.outputs.tokens.shape[1], previous.draft_len + 1
+        budget = scheduler.max_num_batched_tokens - len(seqs) * rows_next
+        if scheduler.running != seqs or budget < 0 or scheduler.would_admit(budget):
+            return None
+        if any(s.status is not Status.RUNNING for s in seqs):
+            return None
+        if self.draft_length.choose(len(seqs)) != previous.draft_len:
+            return None
+        # `previous` may emit rows_before tokens, then the next step writes rows_next rows (past a
+        # sequence's end too: the rows of a sequence that ends in `previous` are dropped).
+        spans = [(s.pages, s.num_computed, s.num_computed + rows_before + rows_next) for s in seqs]
+        if not self.kv.grow_all(spans):
             return None
         self.num_continued_steps += 1
-        return self.runner.launch_next(prev, [s.pages for s in seqs])
+        return self.runner.launch_continued(previous, [s.pages for s in seqs])
 
-    def _finish_step(self, handle: StepHandle) -> list[RequestOutput]:
+    def _commit_step(self, handle: StepHandle) -> list[RequestOutput]:
+        """Read a step's results, commit them to their sequences, and build the outputs."""
         touched: dict[str, Request] = {}
-        for (seq, result), drafted in zip(handle.results().items(), handle.drafted):
-            if (
-                seq.status is Status.FINISHED
-            ):  # aborted, or cut off by the step before (async scheduling)
+        for seq, result in handle.results().items():
+            if seq.status is Status.FINISHED:  # aborted, or cut off by the step before it
                 continue
             req = self.requests[seq.request_id]
-            self._commit(req, seq, drafted, result)
+            self._record_drafts(result)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = time.monotonic()
+            self._append_tokens(req.choices[seq.index], result)
             touched[req.request_id] = req
-        outs = []
+        outputs = []
         for req in touched.values():
-            outs.append(self._output(req))
+            outputs.append(self._output(req))
             if req.finished:
                 del self.requests[req.request_id]
-        return outs
+        return outputs
 
-    def _commit(self, req: Request, seq: Sequence, drafted: int, result: StepResult) -> None:
-        """Append the step's tokens, cutting at the first stop condition, and record drafting statistics."""
-        st = self.stats
-        st.seq_steps += 1
-        if drafted:
-            accepted = len(result.tokens) - 1
-            self.draft_length.observe(drafted, accepted)
-            st.spec_num_steps += 1
-            st.spec_drafted_tokens += drafted
-            st.spec_accepted_tokens += accepted
-            for i in range(accepted):
-                st.spec_accepted_per_position[i] += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = time.monotonic()
-        p, i = seq.params, seq.index
-        detok = req.detoks[i]
-        for j, tok in enumerate(result.tokens):
-            seq.token_ids.append(tok)
-            req.new_ids[i].append(tok)
-            st.generation_tokens += 1
+    def _record_drafts(self, result: StepResult) -> None:
+        """Speculative-decoding statistics of one sequence's step."""
+        stats = self.stats
+        stats.seq_steps += 1
+        if not result.num_drafted:
+            return
+        accepted = len(result.tokens) - 1
+        self.draft_length.observe(result.num_drafted, accepted)
+        stats.spec_num_steps += 1
+        stats.spec_drafted_tokens += result.num_drafted
+        stats.spec_accepted_tokens += accepted
+        for i in range(accepted):
+            stats.spec_accepted_per_position[i] += 1
+
+    def _append_tokens(self, choice: Choice, result: StepResult) -> None:
+        """Append the step's tokens to the choice, up to the first stop condition."""
+        seq = choice.sequence
+        for j, token in enumerate(result.tokens):
+            seq.token_ids.append(token)
+            choice.new_token_ids.append(token)
+            self.stats.generation_tokens += 1
             if result.logprobs is not None:
-                lp, top = result.logprobs[j]
-                req.new_logprobs[i].append(TokenLogprob(tok, lp, top))
-            if not p.ignore_eos and tok in self.eos_ids:
-                self._finish(req, seq, "stop", tok)
-                break
-            if tok in p.stop_token_ids:
-                if (
-                    detok is not None and p.include_stop_str_in_output
-                ):  # vLLM shows the stop token's text then
-                    req.new_text[i] += detok.push([tok])[0]
-                self._finish(req, seq, "stop", tok)
-                break
-            if detok is not None:
-                text, stop = detok.push([tok])
-                req.new_text[i] += text
-                if stop is not None:
-                    self._finish(req, seq, "stop", stop)
-                    break
-            if seq.num_tokens >= seq.max_len:
-                self._finish(req, seq, "length", None)
-                break
-        if seq.status is not Status.FINISHED:
-            seq.num_computed = seq.num_tokens - 1
-            seq.drafts = result.next_drafts
+                choice.new_logprobs.append(result.logprobs[j])
+            reason, stop = self._push_token(choice, token)
+            if reason is not None:
+                seq.finish_reason, seq.stop_reason = reason, stop
+                if choice.detokenizer is not None:
+                    choice.new_text += choice.detokenizer.flush()
+                self._end(seq, reason)
+                return
+        seq.num_computed = seq.num_tokens - 1
+        seq.drafts = result.next_drafts
 
-    def _finish(self, req: Request, seq: Sequence, reason: str, stop_reason) -> None:
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        detok = req.detoks[seq.index]
-        if detok is not None:
-            req.new_text[seq.index] += detok.flush()
+    def _push_token(self, choice: Choice, token: int) -> tuple[str | None, int | str | None]:
+        """Detokenize one appended token; (finish reason, stop token or string) if it ends the
+        choice, else (None, None)."""
+        seq, params, detokenizer = choice.sequence, choice.sequence.params, choice.detokenizer
+        if not params.ignore_eos and token in self.eos_ids:
+            return "stop", token
+        if token in params.stop_token_ids:
+            if detokenizer is not None and params.include_stop_str_in_output:
+                choice.new_text += detokenizer.push([token])[0]  # vLLM shows the stop token then
+            return "stop", token
+        if detokenizer is not None:
+            text, stop = detokenizer.push([token])
+            choice.new_text += text
+            if stop is not None:
+                return "stop", stop
+        if seq.num_tokens >= seq.max_len:
+            return "length", None
+        return None, None
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Release a finished or aborted sequence and count it."""
         self.scheduler.finish(seq)
-        self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
+        finished = self.stats.requests_finished
+        finished[reason] = finished.get(reason, 0) + 1
 
     def _output(self, req: Request) -> RequestOutput:
-        outs = []
-        for i, seq in enumerate(req.seqs):
-            detok = req.detoks[i]
-            outs.append(
-                CompletionOutput(
-                    index=i,
-                    text=detok.text if detok is not None else "",
-                    token_ids=list(seq.output_ids),
-                    new_text=req.new_text[i],
-                    new_token_ids=req.new_ids[i],
-                    new_logprobs=req.new_logprobs[i] if req.params.logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-            req.new_ids[i], req.new_text[i], req.new_logprobs[i] = [], "", []
-        finished = req.finished
-        if finished:
+        with_logprobs = req.params.logprobs is not None
+        outputs = [choice.take_output(with_logprobs) for choice in req.choices]
+        if req.finished:
             req.metrics.finished_time = time.monotonic()
-        return RequestOutput(req.request_id, req.prompt_ids, outs, finished, req.metrics)
+        return RequestOutput(req.request_id, req.prompt_ids, outputs, req.finished, req.metrics)
 
-    # ---- introspection --------------------------------------------------------------------------------
+    # ---- introspection --------------------------------------------------------------------------
 
     def snapshot(self) -> EngineStats:
-        st = self.stats
-        st.num_running = len(self.scheduler.running)
-        st.num_waiting = len(self.scheduler.waiting)
-        st.full_pages_total, st.full_pages_free = self.kv.full.capacity, self.kv.full.num_free
-        st.swa_pages_total, st.swa_pages_free = self.kv.sliding.capacity, self.kv.sliding.num_free
-        st.num_preemptions = self.scheduler.num_preemptions
-        return EngineStats(
-            **{
-                **st.__dict__,
-                "requests_finished": dict(st.requests_finished),
-                "spec_accepted_per_position": list(st.spec_accepted_per_position),
-            }
+        """A copy of the statistics, with the scheduler's and the pools' current counts."""
+        stats = self.stats
+        stats.num_running = len(self.scheduler.running)
+        stats.num_waiting = len(self.scheduler.waiting)
+        stats.full_pages_total = self.kv.full.capacity
+        stats.full_pages_free = self.kv.full.num_free
+        stats.sliding_pages_total = self.kv.sliding.capacity
+        stats.sliding_pages_free = self.kv.sliding.num_free
+        stats.num_preemptions = self.scheduler.num_preemptions
+        return dataclasses.replace(
+            stats,
+            requests_finished=dict(stats.requests_finished),
+            spec_accepted_per_position=list(stats.spec_accepted_per_position),
         )
 
     def kv_pool_free(self) -> dict:

@@ -58,8 +58,8 @@ class EngineStats:
     num_waiting: int = 0
     full_pages_total: int = 0
     full_pages_free: int = 0
-    swa_pages_total: int = 0
-    swa_pages_free: int = 0
+    sliding_pages_total: int = 0
+    sliding_pages_free: int = 0
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0

@@ -1,10 +1,13 @@
-"""Runs one scheduled step on the device: packed target forward, verification, and the draft loop.
+"""Runs one step on the device: target forward, acceptance, draft loop, one copy of the results.
 
-A step is launched, not awaited. The host builds its inputs (token ids, positions, page tables, sampling
-settings) and queues the target forward, acceptance, the k-step draft loop and one copy of the results into
-pinned host memory; `StepHandle.results()` waits for that copy. A pure decode step can be continued on the
-device (`launch_next`): the next step's token ids and positions are taken from this step's outputs, so the
-host queues it before it has read them, and reads them while the GPU runs it.
+A step is launched, not awaited. Every step takes the same path:
+
+    TargetBatch + SamplingInputs -> target forward (a CUDA graph where one fits, else eager:
+    chosen in `forward` only) -> `accept` -> draft loop -> one copy of the outputs to the host.
+
+The inputs come from one of two builders: `scheduled_batch` packs the scheduler's chunks on the
+host; `_continued_inputs` derives the next decode step from the previous step's device outputs,
+so the host queues it before it has read them. `StepHandle.results()` waits for the copy.
 """
 
 from __future__ import annotations
@@ -14,86 +17,156 @@ from dataclasses import dataclass
 
 import torch
 
-from gemma4serve.attention.metadata import HostBatch, causal_metadata, page_tables, to_device
+from gemma4serve.attention.metadata import (
+    AttentionMetadata,
+    HostBatch,
+    causal_metadata,
+    page_tables,
+    to_device,
+)
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import ModelState
-from gemma4serve.engine.sampler import SamplingBatch, accept
+from gemma4serve.engine.outputs import TokenLogprob
+from gemma4serve.engine.sampler import AcceptResult, SamplingBatch, accept
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, StepResult
 from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
 from gemma4serve.kv.manager import SeqPages
 from gemma4serve.model.gemma4 import ForwardContext
 
+# ---- what crosses the step ----------------------------------------------------------------------
+
+
+@dataclass
+class TargetBatch:
+    """The packed query rows of one target forward: one group of consecutive rows per sequence."""
+
+    token_ids: torch.Tensor  # [T] int64, on the host (scheduled steps) or the device (continued)
+    positions: torch.Tensor  # [T] int64, beside token_ids
+    page_tables: dict[str, torch.Tensor]  # host, kind -> [G, pages] int32
+    # Rows of every group when the step is decode-shaped (each group: one token plus its drafts), so
+    # a CUDA graph can run it; None for steps that carry prefill chunks.
+    decode_query_len: int | None
+    group_starts: torch.Tensor | None = None  # host [G+1] int32; None: groups of decode_query_len
+    key_lengths: torch.Tensor | None = None  # host [G] int32: each group's last position + 1
+
+    @property
+    def num_groups(self) -> int:
+        return self.page_tables[FULL].shape[0]
+
 
 @dataclass
 class SamplingInputs:
-    """The rows a step samples from, one group per sequence that produces tokens (all on the device)."""
+    """The rows a step samples from: 1 + drafts rows per sequence that produces tokens."""
 
-    seqs: list[Sequence]
-    rows: (
-        torch.Tensor
-    )  # [B, K+1] packed row of (last token, d_1..d_k); short groups repeat their last row
-    first_pos: torch.Tensor  # [B] position of each group's first row
+    sequences: list[Sequence]
+    rows: torch.Tensor  # [B, K+1] forward row of (last token, d_1..d_K); short groups repeat a row
+    first_position: torch.Tensor  # [B] position of each group's first row
     drafts: torch.Tensor  # [B, K] -1 padded
     num_drafts: torch.Tensor  # [B]
     table_rows: torch.Tensor  # [B] int32: each sequence's page-table row
-    sb: SamplingBatch
-    all_rows: bool = (
-        False  # rows.view(-1) is every row of the forward, in order (so no gather is needed)
-    )
+    sampling: SamplingBatch
+    drafted: list[int]  # host copy of num_drafts
+    rows_are_all: bool = False  # rows.view(-1) is every forward row in order: no gather needed
+
+
+@dataclass
+class TargetOutputs:
+    """The target forward's results; a CUDA graph also ends in the logits or the greedy tokens."""
+
+    hidden: torch.Tensor  # [T, H] final-normed hidden states
+    logits: torch.Tensor | None  # [T, V]
+    greedy_tokens: torch.Tensor | None  # [T]
+    page_tables: dict[str, torch.Tensor]  # the device tables the draft loop reads
+    graphed: bool
+
+
+@dataclass
+class StepOutputs:
+    """A launched step's device outputs."""
+
+    tokens: torch.Tensor  # [B, K+1] emitted tokens, -1 past num_emitted
+    num_emitted: torch.Tensor  # [B]
+    next_drafts: torch.Tensor | None  # [B, draft_len] proposals for the next step
+
+
+class _PinnedColumns:
+    """Device tensors [B, n_i] of one dtype copied to pinned host memory at once, read by name."""
+
+    def __init__(self, parts: dict[str, torch.Tensor]):
+        self.columns: dict[str, slice] = {}
+        start = 0
+        for name, part in parts.items():
+            self.columns[name] = slice(start, start + part.shape[1])
+            start += part.shape[1]
+        self.host = _to_host(torch.cat(list(parts.values()), dim=1))
+
+    def rows(self) -> list[dict[str, list]]:
+        return [
+            {name: row[cols] for name, cols in self.columns.items()} for row in self.host.tolist()
+        ]
+
+
+@dataclass
+class _PinnedLogprobs:
+    chosen: torch.Tensor  # [B, K+1] logprob of each emitted token
+    top_ids: torch.Tensor  # [B, K+1, W] the W best tokens of each row, best first
+    top_logprobs: torch.Tensor  # [B, K+1, W]
+
+    def token_logprobs(self):
+        """A reader (sequence index, its emitted tokens, top-n wanted) -> [TokenLogprob]."""
+        chosen = self.chosen.tolist()
+        top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
+
+        def read(i: int, tokens: list[int], wanted: int) -> list[TokenLogprob]:
+            return [
+                TokenLogprob(
+                    token,
+                    chosen[i][j],
+                    list(zip(top_ids[i][j][:wanted], top_logprobs[i][j][:wanted])),
+                )
+                for j, token in enumerate(tokens)
+            ]
+
+        return read
 
 
 @dataclass
 class StepHandle:
-    """A launched step: its device outputs, and their copy to the host (in flight until `results()`)."""
+    """A launched step: its device outputs and their copy to the host (read by `results()`)."""
 
-    inputs: SamplingInputs | None
-    tokens: torch.Tensor | None = None  # [B, K+1] emitted tokens, -1 past num_emitted
-    num_emitted: torch.Tensor | None = None  # [B]
-    next_drafts: torch.Tensor | None = None  # [B, k]
-    drafted: list[int] = ()  # per sequence: the drafts this step verified
-    draft_len: int = 0  # drafts this step proposes for the next one (next_drafts' width)
-    continuable: bool = False  # a pure decode step that `launch_next` can follow
-    _ints: torch.Tensor | None = None
-    _floats: torch.Tensor | None = None
+    inputs: SamplingInputs | None  # None: the step only prefilled, nothing to read
+    outputs: StepOutputs | None = None
+    draft_len: int = 0  # drafts this step proposes for the next one
+    continuable: bool = False  # a decode step that `launch_continued` can follow
+    _ints: _PinnedColumns | None = None
+    _logprobs: _PinnedLogprobs | None = None
     _done: torch.cuda.Event | None = None
-    _top_width: int = 0  # top-logprob slots per emitted token
 
     @property
-    def seqs(self) -> list[Sequence]:
-        return self.inputs.seqs if self.inputs is not None else []
+    def sequences(self) -> list[Sequence]:
+        return self.inputs.sequences if self.inputs is not None else []
 
-    def results(self) -> dict:
+    def results(self) -> dict[Sequence, StepResult]:
         """Wait for the step; {sequence: StepResult} for the sequences it produced tokens for."""
         if self.inputs is None:
             return {}
         if self._done is not None:
             self._done.synchronize()
-        rows = self._ints.tolist()
-        floats = self._floats.tolist() if self._floats is not None else None
-        K1 = self.tokens.shape[1]
-        k = self.next_drafts.shape[1] if self.next_drafts is not None else 0
-        width = self._top_width
+        token_logprobs = self._logprobs.token_logprobs() if self._logprobs is not None else None
         out = {}
-        for i, seq in enumerate(self.inputs.seqs):
-            row = rows[i]
-            n = row[K1]
-            lp = None
-            if floats is not None and seq.params.logprobs is not None:
-                top_ids, top_lps, want = row[K1 + 1 + k :], floats[i][K1:], seq.params.logprobs
-                lp = [
-                    (
-                        floats[i][j],
-                        list(
-                            zip(
-                                top_ids[j * width : j * width + want],
-                                top_lps[j * width : j * width + want],
-                            )
-                        ),
-                    )
-                    for j in range(n)
-                ]
-            out[seq] = StepResult(tokens=row[:n], next_drafts=row[K1 + 1 : K1 + 1 + k], logprobs=lp)
+        for i, (seq, row) in enumerate(zip(self.inputs.sequences, self._ints.rows())):
+            n = row["num_emitted"][0]
+            tokens = row["tokens"][:n]
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = token_logprobs(i, tokens, seq.params.logprobs)
+            out[seq] = StepResult(
+                tokens=tokens,
+                next_drafts=row["next_drafts"],
+                num_drafted=self.inputs.drafted[i],
+                logprobs=logprobs,
+            )
         return out
 
 
@@ -105,279 +178,308 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def pack_chunks(chunks: list[ScheduledChunk]):
-    """Host-side: token ids, positions, owning group and group offsets of a step's packed query rows."""
-    ids, positions, token_seq, cu = [], [], [], [0]
-    for b, ch in enumerate(chunks):
-        ids += ch.seq.token_ids[ch.start : ch.start + ch.length] + ch.drafts
-        positions += range(ch.start, ch.start + ch.num_query)
-        token_seq += [b] * ch.num_query
-        cu.append(cu[-1] + ch.num_query)
-    return ids, positions, token_seq, cu
+# ---- building a step's inputs -------------------------------------------------------------------
+
+
+def scheduled_batch(chunks: list[ScheduledChunk]) -> TargetBatch:
+    """Host-side packing of the scheduler's chunks: their token ids, positions and page tables."""
+    token_ids, positions = [], []
+    for chunk in chunks:
+        token_ids += chunk.seq.token_ids[chunk.start : chunk.start + chunk.length] + chunk.drafts
+        positions += range(chunk.start, chunk.start + chunk.num_query)
+    query_lens = [chunk.num_query for chunk in chunks]
+    decode = all(
+        chunk.length == 1 and chunk.samples and chunk.num_query == query_lens[0] for chunk in chunks
+    )
+    return TargetBatch(
+        token_ids=torch.tensor(token_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        page_tables=page_tables([chunk.seq.pages for chunk in chunks]),
+        decode_query_len=query_lens[0] if decode else None,
+        group_starts=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
+        key_lengths=torch.tensor([c.start + c.num_query for c in chunks], dtype=torch.int32),
+    )
+
+
+@dataclass
+class _ContinuationRows:
+    """Index tensors of every continued step of B sequences x Q rows, made once (each would be a
+    launch between two steps, and nothing writes them)."""
+
+    rows: torch.Tensor  # [B, Q]
+    num_drafts: torch.Tensor  # [B]
+    table_rows: torch.Tensor  # [B] int32
+    offsets: torch.Tensor  # [Q]
 
 
 class ModelRunner:
     def __init__(
         self,
         state: ModelState,
+        *,
         num_draft_tokens: int,
         forced: ForcedAcceptance | None = None,
         graphs: CudaGraphs | None = None,
     ):
-        self.s = state
-        self.k = num_draft_tokens  # 0 without a drafter (the engine decides)
-        self.draft_loop = DraftLoop(state) if self.k else None
+        self.state = state
+        self.num_draft_tokens = num_draft_tokens  # 0 without a drafter (the engine decides)
+        self.draft_loop = DraftLoop(state) if num_draft_tokens else None
         self.forced = forced
         self.graphs = graphs
         self.window = {SLIDING: state.target.cfg.sliding_window, FULL: 0}
-        self._continuation_index: dict[tuple[int, int], tuple] = {}
+        self._continuation_rows: dict[tuple[int, int], _ContinuationRows] = {}
 
-    def prepare(self, chunks: list[ScheduledChunk]):
-        """Host -> device: the packed token ids, positions and attention metadata of a step."""
-        dev = self.s.device
-        ids, positions, token_seq, cu = pack_chunks(chunks)
-        pos_t = to_device(torch.tensor(positions, dtype=torch.int64), dev)
-        host_tables = page_tables([ch.seq.pages for ch in chunks])
-        cu_t = torch.tensor(cu, dtype=torch.int32)
-        kv_len = torch.tensor([ch.start + ch.num_query for ch in chunks], dtype=torch.int32)
-        host = HostBatch(cu_t, kv_len, host_tables)
-        meta = causal_metadata(
-            to_device(torch.tensor(token_seq, dtype=torch.int32), dev),
-            pos_t,
-            {kind: to_device(t, dev) for kind, t in host_tables.items()},
-            self.window,
-            to_device(cu_t, dev),
-            max(ch.num_query for ch in chunks),
-            self.s.page_size,
-            host,
-        )
-        return to_device(torch.tensor(ids, dtype=torch.int64), dev), pos_t, meta
-
-    def _sampling_inputs(self, chunks: list[ScheduledChunk]) -> SamplingInputs | None:
-        """Host -> device for verification and drafting, built before the forward is queued."""
-        dev = self.s.device
-        sampling = [(b, ch) for b, ch in enumerate(chunks) if ch.samples]
-        if not sampling:
-            return None
-        K = max(len(ch.drafts) for _, ch in sampling)
-        ends = list(itertools.accumulate(ch.num_query for ch in chunks))
-        rows, first_pos, drafts, num_drafts = [], [], [], []
-        for b, ch in sampling:
-            nd = len(ch.drafts)
-            first = ends[b] - nd - 1
-            rows.append([first + min(j, nd) for j in range(K + 1)])
-            first_pos.append(ch.start + ch.length - 1)
-            drafts.append(ch.drafts + [-1] * (K - nd))
-            num_drafts.append(nd)
-        seqs = [ch.seq for _, ch in sampling]
-        flat = [r for row in rows for r in row]
-
-        def i64(x):
-            return to_device(torch.tensor(x, dtype=torch.int64), dev)
-
-        return SamplingInputs(
-            seqs=seqs,
-            rows=i64(rows),
-            first_pos=i64(first_pos),
-            drafts=i64(drafts).view(len(sampling), K),
-            num_drafts=i64(num_drafts),
-            table_rows=to_device(torch.tensor([b for b, _ in sampling], dtype=torch.int32), dev),
-            sb=SamplingBatch.build(
-                [q.params for q in seqs],
-                [q.seed for q in seqs],
-                [q.output_ids for q in seqs],
-                [q.token_ids[: q.num_prompt] for q in seqs],
-                dev,
-            ),
-            all_rows=flat == list(range(ends[-1])),
-        )
+    # ---- the two entry points -------------------------------------------------------------------
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], draft_len: int) -> StepHandle:
         """Queue a scheduled step that proposes `draft_len` (0 or k) drafts for the next one."""
-        s = self.s
-        inp = self._sampling_inputs(chunks)
-        Q = chunks[0].num_query
-        decode = all(ch.length == 1 and ch.samples and ch.num_query == Q for ch in chunks)
-        graphed = (
-            self.graphs is not None
-            and decode
-            and self.graphs.fits(len(chunks), Q, max(len(ch.seq.pages.full) for ch in chunks))
+        batch = scheduled_batch(chunks)
+        inputs = self._scheduled_sampling_inputs(chunks, batch)
+        continuable = (
+            batch.decode_query_len is not None
+            and inputs is not None
+            and not inputs.sampling.any_penalty
         )
-        if graphed:
-            ids, positions, _, _ = pack_chunks(chunks)
-            hidden, logits, chosen = self.graphs.run_target(
-                torch.tensor(ids),
-                torch.tensor(positions),
-                Q,
-                page_tables([ch.seq.pages for ch in chunks]),
-                greedy=inp is not None and inp.sb.argmax_only,
-            )
-            tables = self.graphs.tables
-        else:
-            ids_t, pos_t, meta = self.prepare(chunks)
-            hidden = s.target(ids_t, pos_t, ForwardContext(meta, s.kv, s.attn))
-            logits, chosen, tables = None, None, meta.page_table
-        if inp is None:
-            return StepHandle(None)
-        drafted = [len(ch.drafts) for ch in chunks if ch.samples]
-        return self._verify_and_draft(
-            inp,
-            hidden,
-            logits,
-            chosen,
-            tables,
-            graphed,
-            drafted,
-            draft_len,
-            decode and not inp.sb.any_penalty,
-        )
+        return self._run(batch, inputs, draft_len=draft_len, continuable=continuable)
 
     @torch.inference_mode()
-    def launch_next(self, prev: StepHandle, pages: list[SeqPages]) -> StepHandle:
-        """Queue the decode step that follows `prev` for the same sequences, from its device outputs: each
-        sequence's newest token and next drafts at the positions after its emitted tokens; it proposes as
-        many drafts again. `pages` must already map every position that step can write."""
-        dev = self.s.device
-        B, Q = prev.tokens.shape[0], prev.draft_len + 1
-        rows, num_drafts, table_rows, offsets = self._continuation_indices(B, Q)
-        P = prev.inputs.first_pos + prev.num_emitted  # position of each newest token
-        if prev.draft_len:
-            newest = prev.tokens.gather(1, (prev.num_emitted - 1)[:, None])
-            ids = torch.cat([newest, prev.next_drafts], dim=1)
-            pos = P[:, None] + offsets
-        else:
-            # One token a step, the newest (prev.tokens may be the last replay's graph output: it is copied into
-            # the graph's inputs before the next replay).
-            ids, pos = prev.tokens, P[:, None]
-        host_tables = page_tables(pages)
-        graphed = self.graphs is not None and self.graphs.fits(
-            B, Q, max(len(p.full) for p in pages)
-        )
-        if graphed:
-            hidden, logits, chosen = self.graphs.run_target(
-                ids.view(-1), pos.view(-1), Q, host_tables, greedy=prev.inputs.sb.argmax_only
-            )
-            tables = self.graphs.tables
-        else:
-            s = self.s
-            tables = {kind: to_device(t, dev) for kind, t in host_tables.items()}
-            token_seq = torch.div(
-                torch.arange(B * Q, device=dev, dtype=torch.int32), Q, rounding_mode="floor"
-            )
-            cu = torch.arange(0, B * Q + 1, Q, device=dev, dtype=torch.int32)
-            meta = causal_metadata(token_seq, pos.view(-1), tables, self.window, cu, Q, s.page_size)
-            hidden = s.target(ids.view(-1), pos.view(-1), ForwardContext(meta, s.kv, s.attn))
-            logits = chosen = None
-        # The drafts as copied into `ids`: `prev.next_drafts` is a graph output, and graphs share one memory
-        # pool, so the target replay below may overwrite it.
-        drafts = ids[:, 1:]
-        inp = SamplingInputs(
-            seqs=prev.inputs.seqs,
-            rows=rows,
-            first_pos=P,
-            drafts=drafts,
-            num_drafts=num_drafts,
-            table_rows=table_rows,
-            sb=prev.inputs.sb,
-            all_rows=True,
-        )
-        return self._verify_and_draft(
-            inp, hidden, logits, chosen, tables, graphed, [Q - 1] * B, prev.draft_len, True
-        )
+    def launch_continued(self, previous: StepHandle, pages: list[SeqPages]) -> StepHandle:
+        """Queue the decode step after `previous` for the same sequences, from its device outputs.
+        `pages` must already map every position that step can write."""
+        batch, inputs = self._continued_inputs(previous, pages)
+        return self._run(batch, inputs, draft_len=previous.draft_len, continuable=True)
 
-    def _continuation_indices(self, B: int, Q: int) -> tuple:
-        """(rows [B, Q], num_drafts [B], table_rows [B], offsets [Q]): the same for every continued step of B
-        sequences x Q rows, so made once (each would be a launch between two steps; nothing writes them)."""
-        if (B, Q) not in self._continuation_index:
-            dev = self.s.device
-            self._continuation_index[(B, Q)] = (
-                torch.arange(B * Q, device=dev).view(B, Q),
-                torch.full((B,), Q - 1, device=dev, dtype=torch.int64),
-                torch.arange(B, device=dev, dtype=torch.int32),
-                torch.arange(Q, device=dev),
-            )
-        return self._continuation_index[(B, Q)]
+    # ---- the step -------------------------------------------------------------------------------
 
-    def _verify_and_draft(
+    def _run(
         self,
-        inp: SamplingInputs,
-        hidden,
-        all_logits,
-        all_chosen,
-        tables,
-        graphed: bool,
-        drafted: list[int],
+        batch: TargetBatch,
+        inputs: SamplingInputs | None,
+        *,
         draft_len: int,
         continuable: bool,
     ) -> StepHandle:
-        """Device-only from here: accept, draft the next tokens, queue the copy of the results to the host.
-        all_logits / all_chosen: a graph's logits or greedy tokens of every row (None: computed here)."""
-        s = self.s
-        rows, first_pos, drafts, num_drafts = inp.rows, inp.first_pos, inp.drafts, inp.num_drafts
-        B, K1 = rows.shape
-        flat_rows = rows.view(-1)
+        greedy = inputs is not None and inputs.sampling.argmax_only
+        target = self.forward(batch, greedy=greedy)
+        if inputs is None:
+            return StepHandle(None)
+        outputs, logprobs = self._accept(inputs, target)
+        if draft_len:
+            outputs.next_drafts = self._draft(inputs, target, outputs, draft_len)
+        return self._copy_to_host(inputs, outputs, logprobs, draft_len, continuable)
+
+    def forward(self, batch: TargetBatch, *, greedy: bool) -> TargetOutputs:
+        """The target over `batch`: a CUDA graph replay where one fits, else eager (the one place
+        that chooses). `greedy`: only each row's argmax is needed (a greedy graph may run)."""
+        graphs = self.graphs
+        Q = batch.decode_query_len
+        widest = batch.page_tables[FULL].shape[1]
+        if graphs is not None and Q is not None and graphs.fits(batch.num_groups, Q, widest):
+            hidden, logits, tokens = graphs.run_target(
+                batch.token_ids, batch.positions, Q, batch.page_tables, greedy=greedy
+            )
+            return TargetOutputs(hidden, logits, tokens, graphs.tables, graphed=True)
+        state = self.state
+        positions = to_device(batch.positions, state.device)
+        meta = self._eager_metadata(batch, positions)
+        token_ids = to_device(batch.token_ids, state.device)
+        hidden = state.target(token_ids, positions, ForwardContext(meta, state.kv, state.attn))
+        return TargetOutputs(hidden, None, None, meta.page_table, graphed=False)
+
+    def _eager_metadata(self, batch: TargetBatch, positions: torch.Tensor) -> AttentionMetadata:
+        device = self.state.device
+        tables = {kind: to_device(t, device) for kind, t in batch.page_tables.items()}
+        if batch.group_starts is not None:  # packed on the host
+            sizes = batch.group_starts.diff()
+            token_group = torch.repeat_interleave(
+                torch.arange(batch.num_groups, dtype=torch.int32), sizes
+            )
+            host = HostBatch(batch.group_starts, batch.key_lengths, batch.page_tables)
+            return causal_metadata(
+                to_device(token_group, device),
+                positions,
+                tables,
+                self.window,
+                to_device(batch.group_starts, device),
+                int(sizes.max()),
+                self.state.page_size,
+                host,
+            )
+        Q = batch.decode_query_len
+        T = positions.shape[0]
+        i32 = {"dtype": torch.int32, "device": device}
+        token_group = torch.div(torch.arange(T, **i32), Q, rounding_mode="floor")
+        group_starts = torch.arange(0, T + 1, Q, **i32)
+        return causal_metadata(
+            token_group, positions, tables, self.window, group_starts, Q, self.state.page_size
+        )
+
+    def _accept(
+        self, inputs: SamplingInputs, target: TargetOutputs
+    ) -> tuple[StepOutputs, AcceptResult]:
+        """The sampled rows' logits (or greedy tokens) -> `accept` -> (tokens, num_emitted)."""
+        B, K1 = inputs.rows.shape
 
         def sampled(t):  # the sampled rows of a tensor over the forward's rows
-            return t if inp.all_rows else t[flat_rows]
+            return t if inputs.rows_are_all else t[inputs.rows.view(-1)]
 
         logits = chosen = None
-        if all_chosen is not None:
-            chosen = sampled(all_chosen)
-        elif all_logits is not None:
-            logits = sampled(all_logits)
-        elif inp.sb.argmax_only:
-            chosen = s.target.greedy(sampled(hidden))
+        if target.greedy_tokens is not None:
+            chosen = sampled(target.greedy_tokens)
+        elif target.logits is not None:
+            logits = sampled(target.logits)
+        elif inputs.sampling.argmax_only:
+            chosen = self.state.target.greedy(sampled(target.hidden))
         else:
-            logits = s.target.logits(sampled(hidden))
-        res = accept(
+            logits = self.state.target.logits(sampled(target.hidden))
+        result = accept(
             logits.view(B, K1, -1) if logits is not None else None,
-            drafts,
-            num_drafts,
-            first_pos,
-            inp.sb,
+            inputs.drafts,
+            inputs.num_drafts,
+            inputs.first_position,
+            inputs.sampling,
             chosen.view(B, K1) if chosen is not None else None,
         )
-        tokens, num_emitted = res.tokens, res.num_emitted
+        tokens, num_emitted = result.tokens, result.num_emitted
         if self.forced is not None and K1 > 1:
             tokens, num_emitted = self.forced.apply(
-                tokens, num_emitted, drafts, num_drafts, first_pos
+                tokens, num_emitted, inputs.drafts, inputs.num_drafts, inputs.first_position
             )
+        return StepOutputs(tokens, num_emitted, None), result
 
-        next_drafts = None
-        if draft_len:
-            last = (num_emitted - 1)[:, None]
-            seed_hidden = hidden[rows.gather(1, last).squeeze(1)]
-            seed_token = tokens.gather(1, last).squeeze(1)
-            P = first_pos + num_emitted  # position of the newest token; rows < P are committed
-            if graphed:
-                next_drafts = self.graphs.run_draft(seed_token, seed_hidden, P, inp.table_rows)
-            else:
-                next_drafts = self.draft_loop.run(
-                    seed_token, seed_hidden, P, inp.table_rows, tables, draft_len
-                )
+    def _draft(
+        self, inputs: SamplingInputs, target: TargetOutputs, outputs: StepOutputs, draft_len: int
+    ) -> torch.Tensor:
+        """The next drafts, seeded with the hidden state of each sequence's last accepted row and
+        the newest token at P (rows < P are committed)."""
+        last = (outputs.num_emitted - 1)[:, None]
+        seed_hidden = target.hidden[inputs.rows.gather(1, last).squeeze(1)]
+        seed_token = outputs.tokens.gather(1, last).squeeze(1)
+        P = inputs.first_position + outputs.num_emitted  # position of the newest token
+        if target.graphed:
+            return self.graphs.run_draft(seed_token, seed_hidden, P, inputs.table_rows)
+        return self.draft_loop.run(
+            seed_token, seed_hidden, P, inputs.table_rows, target.page_tables, draft_len
+        )
 
-        parts = [tokens, num_emitted[:, None]] + ([next_drafts] if next_drafts is not None else [])
-        floats, top_width = None, 0
-        if res.logprobs is not None:
-            parts.append(res.top_ids.flatten(1))
-            floats = _to_host(torch.cat([res.logprobs, res.top_logprobs.flatten(1)], dim=1))
-            top_width = res.top_ids.shape[-1]
-        ints = _to_host(torch.cat(parts, dim=1))
+    def _copy_to_host(
+        self,
+        inputs: SamplingInputs,
+        outputs: StepOutputs,
+        accepted: AcceptResult,
+        draft_len: int,
+        continuable: bool,
+    ) -> StepHandle:
+        no_drafts = outputs.tokens[:, :0]
+        columns = {
+            "tokens": outputs.tokens,
+            "num_emitted": outputs.num_emitted[:, None],
+            "next_drafts": outputs.next_drafts if outputs.next_drafts is not None else no_drafts,
+        }
+        logprobs = None
+        if accepted.logprobs is not None:
+            logprobs = _PinnedLogprobs(
+                _to_host(accepted.logprobs),
+                _to_host(accepted.top_ids),
+                _to_host(accepted.top_logprobs),
+            )
+        ints = _PinnedColumns(columns)
         done = None
-        if s.device.type == "cuda":
+        if self.state.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(
-            inp,
-            tokens,
-            num_emitted,
-            next_drafts,
-            drafted,
-            draft_len,
-            continuable,
-            ints,
-            floats,
-            done,
-            top_width,
+        return StepHandle(inputs, outputs, draft_len, continuable, ints, logprobs, done)
+
+    # ---- input builders -------------------------------------------------------------------------
+
+    def _scheduled_sampling_inputs(
+        self, chunks: list[ScheduledChunk], batch: TargetBatch
+    ) -> SamplingInputs | None:
+        """Host -> device for verification and drafting, built before the forward is queued."""
+        device = self.state.device
+        sampling = [(group, chunk) for group, chunk in enumerate(chunks) if chunk.samples]
+        if not sampling:
+            return None
+        K = max(len(chunk.drafts) for _, chunk in sampling)
+        ends = batch.group_starts[1:].tolist()
+        rows, first_position, drafts, drafted = [], [], [], []
+        for group, chunk in sampling:
+            num_drafts = len(chunk.drafts)
+            first = ends[group] - num_drafts - 1
+            rows.append([first + min(j, num_drafts) for j in range(K + 1)])
+            first_position.append(chunk.start + chunk.length - 1)
+            drafts.append(chunk.drafts + [-1] * (K - num_drafts))
+            drafted.append(num_drafts)
+        sequences = [chunk.seq for _, chunk in sampling]
+
+        def int64(values):
+            return to_device(torch.tensor(values, dtype=torch.int64), device)
+
+        return SamplingInputs(
+            sequences=sequences,
+            rows=int64(rows),
+            first_position=int64(first_position),
+            drafts=int64(drafts).view(len(sampling), K),
+            num_drafts=int64(drafted),
+            table_rows=to_device(
+                torch.tensor([group for group, _ in sampling], dtype=torch.int32), device
+            ),
+            sampling=SamplingBatch.build(
+                [seq.params for seq in sequences],
+                [seq.seed for seq in sequences],
+                [seq.output_ids for seq in sequences],
+                [seq.token_ids[: seq.num_prompt] for seq in sequences],
+                device,
+            ),
+            drafted=drafted,
+            rows_are_all=[r for row in rows for r in row] == list(range(ends[-1])),
         )
+
+    def _continued_inputs(
+        self, previous: StepHandle, pages: list[SeqPages]
+    ) -> tuple[TargetBatch, SamplingInputs]:
+        """Each sequence's newest token and next drafts, at the positions after its outputs."""
+        outputs = previous.outputs
+        B, Q = outputs.tokens.shape[0], previous.draft_len + 1
+        index = self._continuation(B, Q)
+        P = previous.inputs.first_position + outputs.num_emitted  # position of each newest token
+        if previous.draft_len:
+            newest = outputs.tokens.gather(1, (outputs.num_emitted - 1)[:, None])
+            token_ids = torch.cat([newest, outputs.next_drafts], dim=1)
+            positions = P[:, None] + index.offsets
+        else:
+            # One token a step, the newest (it may be the last replay's graph output: it is copied
+            # into the graph's inputs before the next replay).
+            token_ids, positions = outputs.tokens, P[:, None]
+        batch = TargetBatch(
+            token_ids=token_ids.view(-1),
+            positions=positions.view(-1),
+            page_tables=page_tables(pages),
+            decode_query_len=Q,
+        )
+        # The drafts as copied into `token_ids`: `next_drafts` may be a graph output, which the
+        # target replay can overwrite (graphs share one memory pool).
+        inputs = SamplingInputs(
+            sequences=previous.inputs.sequences,
+            rows=index.rows,
+            first_position=P,
+            drafts=token_ids[:, 1:],
+            num_drafts=index.num_drafts,
+            table_rows=index.table_rows,
+            sampling=previous.inputs.sampling,
+            drafted=[Q - 1] * B,
+            rows_are_all=True,
+        )
+        return batch, inputs
+
+    def _continuation(self, B: int, Q: int) -> _ContinuationRows:
+        if (B, Q) not in self._continuation_rows:
+            device = self.state.device
+            self._continuation_rows[(B, Q)] = _ContinuationRows(
+                rows=torch.arange(B * Q, device=device).view(B, Q),
+                num_drafts=torch.full((B,), Q - 1, device=device, dtype=torch.int64),
+                table_rows=torch.arange(B, device=device, dtype=torch.int32),
+                offsets=torch.arange(Q, device=device),
+            )
+        return self._continuation_rows[(B, Q)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.kv.manager import SeqPages
 from gemma4serve.sampling_params import SamplingParams
 
@@ -43,7 +44,7 @@ class Sequence:
 
 @dataclass
 class ScheduledChunk:
-    """Tokens token_ids[start:start+length], then `drafts` if the chunk reaches the end of the sequence."""
+    """Tokens token_ids[start:start+length], then `drafts` if the chunk ends the sequence."""
 
     seq: Sequence
     start: int
@@ -61,8 +62,10 @@ class ScheduledChunk:
 
 @dataclass
 class StepResult:
-    """What one sampling chunk produced: accepted drafts + one bonus/correction token, and the next drafts."""
+    """What one sampling chunk produced: accepted drafts + one bonus/correction token, and the next
+    drafts."""
 
     tokens: list[int]
     next_drafts: list[int]
-    logprobs: list | None = None  # per token: (logprob, [(id, logprob), ...])
+    num_drafted: int  # the drafts this step verified
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for logprobs

@@ -61,7 +61,7 @@ class EngineStatsCollector(Collector):
 
         pools = {
             "full": (s.full_pages_total, s.full_pages_free),
-            "sliding": (s.swa_pages_total, s.swa_pages_free),
+            "sliding": (s.sliding_pages_total, s.sliding_pages_free),
         }
         per_pool = ["model_name", "pool"]
         usage = GaugeMetricFamily(
