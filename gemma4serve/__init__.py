@@ -7,7 +7,8 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):
-    # LLM pulls in torch and the model code; importing the package (e.g. for the CLI's --help) stays light.
+    # LLM pulls in torch and the model code; importing the package (e.g. for the CLI's --help) stays
+    # light.
     if name == "LLM":
         from gemma4serve.engine.llm import LLM
 

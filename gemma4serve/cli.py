@@ -1,11 +1,12 @@
 """`gemma4serve`: parse the command line (vLLM's spellings), build the engine, serve it over HTTP.
 
     gemma4serve --model google/gemma-4-31B-it --draft google/gemma-4-31B-it-assistant
-    gemma4serve --demo          # a tiny random Gemma 4 and its assistant: runs anywhere, CPU included
+    gemma4serve --demo          # a tiny random Gemma 4 and its assistant: runs anywhere
 
-Startup prints the engine's progress (resolve/download, load, KV sizing, graph capture) and ends with exactly
-one line `gemma4serve ready: http://HOST:PORT (model NAME)`. SIGTERM (or Ctrl-C) drains: new requests get
-503, running ones finish for up to --drain-timeout seconds, the rest are aborted, and the process exits 0.
+Startup prints the engine's progress (resolve/download, load, KV sizing, graph capture) and ends
+with exactly one line `gemma4serve ready: http://HOST:PORT (model NAME)`. SIGTERM (or Ctrl-C)
+drains: new requests get 503, running ones finish for up to --drain-timeout seconds, the rest are
+aborted, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ API_KEY_ENV = "GEMMA4SERVE_API_KEY"
 SHUTDOWN_BACKSTOP_S = 5.0  # after the drain timeout's aborts, how long aborted requests get to end
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Argument types
 
 
@@ -42,9 +43,22 @@ def _token_count(text: str) -> int:
     return int(float(number) * scale)
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-               "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
-               "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}  # fmt: skip
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+    "t": 1024**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
 
 
 def _byte_size(text: str) -> int:
@@ -75,7 +89,7 @@ def _fraction(text: str) -> float:
     return value
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Parser
 
 
@@ -150,10 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_byte_size,
         help="Bytes for KV pages, e.g. 20GiB; overrides --gpu-memory-utilization.",
     )
+    # Test knob: the full pool's size in tokens.
+    engine.add_argument("--kv-cache-tokens", type=int, help=argparse.SUPPRESS)
     engine.add_argument(
-        "--kv-cache-tokens", type=int, help=argparse.SUPPRESS
-    )  # test knob: full pool size in tokens
-    engine.add_argument("--block-size", type=int, default=16, help="Tokens per KV page.")
+        "--page-size",
+        "--block-size",
+        dest="page_size",
+        type=int,
+        default=16,
+        help="Tokens per KV page (vLLM calls a page a block).",
+    )
     engine.add_argument(
         "--num-draft-tokens",
         "--num-speculative-tokens",
@@ -166,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--adaptive-draft-length",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Stop drafting at batch sizes where a verify + draft step costs more than the measured "
-        "acceptance gains (step costs are measured on the CUDA graphs at start; default: on).",
+        help="Stop drafting at batch sizes where a verify + draft step costs more than the "
+        "measured acceptance gains (step costs are measured on the CUDA graphs at start; "
+        "default: on).",
     )
     engine.add_argument(
         "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"]
@@ -232,7 +253,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
-        page_size=ns.block_size,
+        page_size=ns.page_size,
         num_draft_tokens=ns.num_draft_tokens,
         adaptive_draft_length=ns.adaptive_draft_length,
         gpu_memory_utilization=ns.gpu_memory_utilization,
@@ -262,12 +283,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ns
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Serving
 
 
 class _DropUvicornBanner(logging.Filter):
-    """Uvicorn's own "Uvicorn running on ..." would be a second where-it-listens line; ours is the one."""
+    """Drops uvicorn's "Uvicorn running on ...": ours is the one line that says where we listen."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("Uvicorn running on")
@@ -299,8 +320,8 @@ def serve(
     log_level: str = "info",
     access_log: bool = True,
 ) -> None:
-    """Serve `engine` until SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks; call it from
-    the main thread (signals are delivered there)."""
+    """Serve `engine` until SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks;
+    call it from the main thread (signals are delivered there)."""
     import uvicorn
 
     from gemma4serve.server.app import build_app
@@ -319,8 +340,9 @@ def serve(
                 print(f"gemma4serve ready: {_url(host, bound)} (model {names[0]})", flush=True)
 
         def handle_exit(self, sig, frame):
-            # Not super(): uvicorn records the signal and re-raises it after its graceful shutdown, which turns
-            # a clean drain into death by SIGTERM (exit 143). We drain and exit 0, as orchestrators expect.
+            # Not super(): uvicorn records the signal and re-raises it after its graceful shutdown,
+            # which turns a clean drain into death by SIGTERM (exit 143). We drain and exit 0, as
+            # orchestrators expect.
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True  # a second Ctrl-C: stop waiting
                 return
@@ -340,7 +362,8 @@ def serve(
         log_level=log_level,
         log_config=None,  # keep our logging setup
         access_log=access_log,
-        # The app aborts what still runs after drain_timeout; uvicorn's own cancel is only the backstop.
+        # The app aborts what still runs after drain_timeout; uvicorn's own cancel is only the
+        # backstop.
         timeout_graceful_shutdown=drain_timeout + SHUTDOWN_BACKSTOP_S,
         lifespan="on",
     )
@@ -356,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     setup_logging(ns.log_level)
     if ns.demo:
-        from gemma4serve.tiny import ensure_demo_model
+        from gemma4serve.demo.checkpoints import ensure_demo_model
 
         logger.info("--demo: preparing the tiny random Gemma 4 and its assistant")
         ns.model, ns.draft = (str(p) for p in ensure_demo_model())
@@ -364,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     args = engine_args(ns)
     if args.forced_acceptance is not None:
         logger.warning(
-            "!!! --forced-acceptance %s: BENCHMARK MODE. Acceptance is forced, so the outputs are NOT the "
-            "model's. Never serve users like this. !!!",
+            "!!! --forced-acceptance %s: BENCHMARK MODE. Acceptance is forced, so the outputs "
+            "are NOT the model's. Never serve users like this. !!!",
             args.forced_acceptance,
         )
     logger.info("starting: model=%s draft=%s device=%s", args.model, args.draft, args.device)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The sampler packs top_k into int32: a larger one would fail the whole batch's step.
+MAX_TOP_K = 2**31 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -27,7 +30,7 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         self.validate()
 
@@ -37,8 +40,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if self.top_k > 2**31 - 1:
-            raise ValueError(f"top_k must be below 2^31, got {self.top_k}")
+        if not (0 <= self.top_k <= MAX_TOP_K):
+            raise ValueError(
+                f"top_k must be -1 or 0 (off), or in [1, {MAX_TOP_K}], got {self.top_k}"
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):

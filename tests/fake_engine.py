@@ -105,6 +105,10 @@ class _Choice:
 
 
 class FakeEngine:
+    """An `EngineClient` that replies with a fixed text, for testing the HTTP layer alone."""
+
+    default_sampling_params: dict = {}
+
     def __init__(self, *, max_model_len: int = 256, token_delay: float = 0.001, tokens_per_step: int = 2,
                  reply: str = REPLY, full_pages: int = 4096, sliding_pages: int = 512, page_size: int = 16,
                  fail_after_steps: int | None = None):  # fmt: skip
@@ -121,6 +125,7 @@ class FakeEngine:
         self.full_pages = full_pages
         self.sliding_pages = sliding_pages
         self.started = False
+        self.ready = False  # the real engine's: it runs and admits (a test may switch it off)
         self.shutdown_calls: list[float] = []
         self.requests: dict[
             str, tuple[list[int], object]
@@ -138,7 +143,7 @@ class FakeEngine:
 
     def start(self) -> None:
         asyncio.get_running_loop()  # like the real engine: called from the server's startup, on the loop
-        self.started = True
+        self.started = self.ready = True
 
     def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)
@@ -147,6 +152,7 @@ class FakeEngine:
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         self.shutdown_calls.append(drain_timeout)
+        self.ready = False
         self._abort_requested.update(self.active)
 
     def kv_pool_free(self) -> dict:

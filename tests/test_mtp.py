@@ -111,11 +111,12 @@ def oracle_drafts(engine: LLMEngine, prompts, outputs, k: int, wrong_every: int)
     acceptance length 0..k occurs. Only the proposals change: verification and commit run as in production.
     The engine must run with async_scheduling=False: a continued step takes its drafts from the device, not
     from `seq.drafts`. Returns a function that restores the engine."""
-    original = engine._commit
+    original = engine._append_tokens
     reference = {tuple(p): o for p, o in zip(prompts, outputs)}
 
-    def commit(req, seq, drafts, result):
-        original(req, seq, drafts, result)
+    def append_tokens(choice, result):
+        original(choice, result)
+        seq = choice.sequence
         ref = reference[tuple(seq.token_ids[: seq.num_prompt])]
         done = len(seq.output_ids)
         proposal = ref[done : done + k]
@@ -126,8 +127,8 @@ def oracle_drafts(engine: LLMEngine, prompts, outputs, k: int, wrong_every: int)
         proposal += [0] * (k - len(proposal))
         seq.drafts = proposal
 
-    engine._commit = commit
-    return lambda: setattr(engine, "_commit", original)
+    engine._append_tokens = append_tokens
+    return lambda: setattr(engine, "_append_tokens", original)
 
 
 @pytest.mark.parametrize("k", [3, 6])

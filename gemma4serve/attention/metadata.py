@@ -2,17 +2,18 @@
 
 Layout (shared by the torch and Triton backends):
 - KV of one layer type lives in `KVCache.k[kind]` / `.v[kind]`, each
-  [num_producer_layers_of_kind, num_pages, page_size, num_kv_heads, head_dim]. Physical page 0 of every pool
-  is a never-allocated null page: page-table entries that no longer map anything point there.
-- A sequence has one page table per kind, indexed by *logical* page = position // page_size over the whole
-  sequence. Sliding pages that no reader can reach are freed and their entries reset to 0; kernels only read
-  entries inside the visible window.
-- Query token t (of sequence `token_seq[t]`) sees the keys at positions [kv_end[t] - window, kv_end[t]) ∩ [0, ∞),
-  where window is the kind's visible-key count (0 = unlimited). The target is causal: kv_end = pos + 1 and
-  window = W (a query at p sees p-W+1 … p). The drafter reads the committed rows only: kv_end = P and
-  window = W_a + 1 (spec §12.2).
-- Writes: the K/V of query token t go to slot `write_slot[kind][t]` (= page * page_size + offset) of the
-  writing layer, before attention reads; -1 means no write (the drafter never writes).
+  [num_producer_layers_of_kind, num_pages, page_size, num_kv_heads, head_dim]. Physical page 0 of
+  every pool is a never-allocated null page: page-table entries that map nothing point there.
+- A sequence has one page table per kind, indexed by *logical* page = position // page_size over
+  the whole sequence. Sliding pages that no reader can reach are freed and their entries reset to
+  0; kernels only read entries inside the visible window.
+- Query token t (of sequence `token_seq[t]`) sees the keys at positions
+  [kv_end[t] - window, kv_end[t]) ∩ [0, ∞), where window is the kind's visible-key count
+  (0 = unlimited). The target is causal: kv_end = pos + 1 and window = W (a query at p sees
+  p-W+1 … p). The drafter reads the committed rows only: kv_end = P and window = W_a + 1
+  (docs/gemma4.md §12.2).
+- Writes: the K/V of query token t go to slot `write_slot[kind][t]` (= page * page_size + offset)
+  of the writing layer, before attention reads; -1 means no write (the drafter never writes).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from gemma4serve.model import fused
 
 @dataclass
 class HostBatch:
-    """Host copies of an eager step's layout, for a backend that plans on the host (FlashInfer): the query rows
-    of each group, the keys its last query sees (its last position + 1), and the page tables per kind."""
+    """Host copies of an eager step's layout, for a backend that plans on the host (FlashInfer):
+    the query rows of each group, the keys its last query sees (its last position + 1), and the
+    page tables per kind."""
 
     cu_seqlens_q: torch.Tensor  # [G+1] int32
     kv_len: torch.Tensor  # [G] int32
@@ -56,8 +58,9 @@ class AttentionMetadata:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without waiting: a copy from pageable memory first drains the stream, which would stall
-    the host while an earlier step still runs; from pinned memory it is queued like a kernel."""
+    """Host -> device without waiting: a copy from pageable memory first drains the stream, which
+    would stall the host while an earlier step still runs; from pinned memory it is queued like a
+    kernel."""
     if t.device == device or device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -71,7 +74,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def page_tables(pages: list) -> dict:
-    """Host-side page tables of a step's sequences (one row each, zero = null page), per pool kind."""
+    """Host-side page tables of a step's sequences (a row each, 0 = null page), per pool kind."""
     out = {}
     for kind, attr in ((FULL, "full"), (SLIDING, "sliding")):
         rows = [getattr(p, attr) for p in pages]
@@ -90,8 +93,8 @@ def causal_metadata(
     page_size: int,
     host: HostBatch | None = None,
 ) -> AttentionMetadata:
-    """Metadata of a target pass, derived on the device: each token sees keys up to its own position and
-    writes its K/V to the slot its page table maps its position to."""
+    """Metadata of a target pass, derived on the device: each token sees keys up to its own
+    position and writes its K/V to the slot its page table maps its position to."""
     if (
         (k := fused.on(pos)) is not None
         and len(tables) == 2

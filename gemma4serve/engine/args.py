@@ -1,4 +1,5 @@
-"""Everything that shapes an engine, in one plain dataclass shared by `LLM`, the CLI and the benchmarks."""
+"""Everything that shapes an engine, in one plain dataclass shared by `LLM`, the CLI and the
+benchmarks."""
 
 from __future__ import annotations
 
@@ -29,14 +30,16 @@ class EngineArgs:
     )
     kv_cache_memory: int | None = None  # bytes for KV pages; overrides gpu_memory_utilization
     kv_cache_tokens: int | None = None  # test knob: the full pool's capacity in tokens
-    # auto: triton on CUDA (prefill through flashinfer when that extra is installed), torch elsewhere
+    # auto: triton on CUDA (prefill through flashinfer when that extra is installed), torch
+    # elsewhere
     attention_backend: str = "auto"  # | torch | triton | flashinfer
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = (
         True  # queue the next decode step before reading the current one's tokens
     )
     seed: int = 0  # seeds dummy weights and the per-request seeds drawn when a request gives none
-    # Benchmark only: force the mean number of tokens per verify step (bonus included) while every draft and
-    # verify computation still runs. Random weights accept ~nothing; this measures MTP's speed, not quality.
+    # Benchmark only: force the mean number of tokens per verify step (bonus included) while every
+    # draft and verify computation still runs. Random weights accept ~nothing; this measures MTP's
+    # speed, not quality.
     forced_acceptance: list[float] | float | None = None
     served_model_name: str | None = None

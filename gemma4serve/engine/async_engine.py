@@ -1,7 +1,8 @@
 """The engine in its own thread, for the server: add a request and iterate its outputs; abort by id.
 
-The step loop never waits on HTTP handling and a slow client never stalls other requests: the thread pushes
-each output into the request's asyncio queue with `call_soon_threadsafe` and moves on.
+The step loop never waits on HTTP handling and a slow client never stalls other requests: the
+thread pushes each output into the request's asyncio queue with `call_soon_threadsafe` and moves
+on. It implements `EngineClient`; requests reach its thread as `AddRequest` / `AbortRequest`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.client import AbortRequest, AddRequest, EngineMessage
 from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.outputs import EngineStats, RequestOutput
 from gemma4serve.sampling_params import SamplingParams
@@ -31,18 +33,16 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = args.served_model_name or args.model
-        self.default_sampling_params = (
-            self.engine.default_sampling_params
-        )  # what a request leaves unset
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", ...) | ("abort", rid)
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.default_sampling_params = self.engine.default_sampling_params
+        self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
+        self._streams: dict[str, AddRequest] = {}  # running requests: where their outputs go
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._accepting = True
         self._stats = self.engine.snapshot()
         self._thread: threading.Thread | None = None
 
-    # ---- public API (event-loop side) -----------------------------------------------------------------
+    # ---- public API (event-loop side) -------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is None:
@@ -60,9 +60,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         if not self._accepting:
             raise EngineShuttingDown("the server is shutting down")
-        loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params, loop, q))
+        loop = asyncio.get_running_loop()
+        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, loop, q))
         self._wake.set()
         finished = False
         try:
@@ -81,7 +81,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -96,7 +96,7 @@ class AsyncEngine:
         return st.num_running + st.num_waiting
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
-        """Stop admitting, let in-flight requests finish for up to drain_timeout seconds, abort the rest."""
+        """Stop admitting, let running requests finish for up to drain_timeout s, abort the rest."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout
         while (
@@ -113,37 +113,42 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    # ---- engine thread ----------------------------------------------------------------------------------
+    # ---- engine thread --------------------------------------------------------------------------
 
     def _push(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        loop, q = stream
         try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             self._streams.pop(request_id, None)
 
     def _drain_inbox(self) -> None:
         while True:
             try:
-                msg = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "add":
-                _, rid, prompt, params, loop, q = msg
-                self._streams[rid] = (loop, q)
-                try:
-                    self.engine.add_request(rid, prompt, params)
-                except ValueError as e:
-                    self._push(rid, e)
-                    self._streams.pop(rid, None)
+            if isinstance(message, AddRequest):
+                self._add(message)
             else:
-                out = self.engine.abort(msg[1])
-                if out is not None:
-                    self._push(msg[1], out)
-                self._streams.pop(msg[1], None)
+                self._abort(message.request_id)
+
+    def _add(self, message: AddRequest) -> None:
+        rid = message.request_id
+        self._streams[rid] = message
+        try:
+            self.engine.add_request(rid, message.prompt_token_ids, message.params)
+        except ValueError as e:
+            self._push(rid, e)
+            self._streams.pop(rid, None)
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self._push(request_id, output)
+        self._streams.pop(request_id, None)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -1,15 +1,17 @@
-"""CUDA graphs for the steady state: the target's decode/verify forward (with the logits of every row) and
-the whole k-step draft loop, each captured once per batch-size bucket. Buckets of at most the GEMV's rows
-also get a greedy variant of the forward that ends in the greedy head's tokens instead of the logits.
+"""CUDA graphs for the steady state: the target's decode/verify forward (with the logits of every
+row) and the whole k-step draft loop, each captured once per batch-size bucket. Buckets of at
+most the GEMV's rows also get a greedy variant of the forward that ends in the greedy head's
+tokens instead of the logits.
 
-A decode step of B sequences with d drafts each is B groups of Q = d + 1 query tokens. Its token ids,
-positions and page tables are copied into static buffers; write slots and key ranges are derived inside the
-graph. Rows past B point at a dummy page-table row of null pages at position 0, so they write into the null
-page. The graph for the smallest bucket >= B is replayed and the first B*Q rows of the outputs are the
-step's. Steps that carry prefill chunks, or uneven draft counts, run eagerly.
+A decode step of B sequences with d drafts each is B groups of Q = d + 1 query tokens. Its token
+ids, positions and page tables are copied into static buffers; write slots and key ranges are
+derived inside the graph. Rows past B point at a dummy page-table row of null pages at position
+0, so they write into the null page. The graph for the smallest bucket >= B is replayed and the
+first B*Q rows of the outputs are the step's. Steps that carry prefill chunks, or uneven draft
+counts, run eagerly.
 
-All graphs share one memory pool, so a graph's outputs are only valid until the next replay of any graph:
-read or copy them first.
+All graphs share one memory pool, so a graph's outputs are only valid until the next replay of
+any graph: read or copy them first.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class CudaGraphs:
         self.q_lens = sorted({1, num_draft_tokens + 1})
         B, T = self.buckets[-1], self.buckets[-1] * max(self.q_lens)
         dev, ps = state.device, state.page_size
-        # Page-table columns: a step queued behind another writes up to 2(k+1) rows past a sequence's end.
+        # Page-table columns: a step queued behind another writes up to 2(k+1) rows past a
+        # sequence's end.
         width = -(-(max_model_len + 2 * (num_draft_tokens + 1)) // ps) + 1
         self.dummy_row = B  # a page-table row of null pages for padding
         i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
@@ -53,11 +56,13 @@ class CudaGraphs:
             SLIDING: torch.zeros(B + 1, width, **i32),
         }
         self.width = width
-        # What run_target last wrote into token_seq and the tables: an unchanged input is not copied again (at
-        # batch 1 each copy is a launch between two steps, and a page table changes once per page of tokens).
+        # What run_target last wrote into token_seq and the tables: an unchanged input is not copied
+        # again (at batch 1 each copy is a launch between two steps, and a page table changes once
+        # per page of tokens).
         self._token_seq_key: tuple | None = None
         self._copied_tables: dict = {}
-        # Built once and kept: a tensor a graph reads must outlive the capture (its memory is not the graph's).
+        # Built once and kept: a tensor a graph reads must outlive the capture (its memory is not
+        # the graph's).
         self.cu_seqlens = {q: torch.arange(0, B * q + 1, q, **i32) for q in self.q_lens}
         H = state.target.cfg.hidden_size
         self.d_token = torch.zeros(B, **i64)
@@ -71,7 +76,7 @@ class CudaGraphs:
             DraftLoop(state) if (state.draft is not None and num_draft_tokens) else None
         )
 
-    # ---- capture --------------------------------------------------------------------------------------
+    # ---- capture --------------------------------------------------------------------------------
 
     def _target_fn(self, B: int, Q: int, greedy: bool):
         s, T = self.s, B * Q
@@ -137,9 +142,9 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def measure(self) -> dict[int, StepCost]:
-        """Each bucket's decode, verify and draft-loop replay time, for choosing the draft length. The static
-        inputs still point every row at the null page, so this is the weights' and launches' cost; the KV
-        reads of real contexts come on top of decode and verify alike."""
+        """Each bucket's decode, verify and draft-loop replay time, for choosing the draft
+        length. The static inputs still point every row at the null page, so this is the weights'
+        and launches' cost; the KV reads of real contexts come on top of decode and verify alike."""
         if self.draft_loop is None:
             return {}
         return {
@@ -162,21 +167,22 @@ class CudaGraphs:
         end.synchronize()
         return start.elapsed_time(end) / reps / 1e3
 
-    # ---- replay ---------------------------------------------------------------------------------------
+    # ---- replay ---------------------------------------------------------------------------------
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
     def fits(self, n: int, Q: int, max_pages: int) -> bool:
-        """Whether n sequences of Q query rows each, holding at most max_pages pages, have a graph."""
+        """Whether n sequences of Q query rows each, holding <= max_pages pages, have a graph."""
         return Q in self.q_lens and self.bucket(n) is not None and max_pages < self.width
 
     def run_target(
         self, ids: torch.Tensor, pos: torch.Tensor, Q: int, tables: dict, greedy: bool = False
     ):
-        """Replay the decode/verify graph: ids and positions [n*Q] (host or device), host page tables [n, w]
-        per kind -> (hidden [n*Q, H], logits [n*Q, V] or None, greedy tokens [n*Q] or None). `greedy`: only
-        the argmax of each row is needed, so the bucket's greedy variant runs where it has one."""
+        """Replay the decode/verify graph: ids and positions [n*Q] (host or device), host page
+        tables [n, w] per kind -> (hidden [n*Q, H], logits [n*Q, V] or None, greedy tokens [n*Q]
+        or None). `greedy`: only the argmax of each row is needed, so the bucket's greedy variant
+        runs where it has one."""
         T = ids.shape[0]
         n = T // Q
         B = self.bucket(n)

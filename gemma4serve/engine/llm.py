@@ -24,7 +24,7 @@ class LLM:
         prompts: str | list[int] | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; results come back in prompt order."""
+        """Run prompts (strings or token-id lists) to completion; results in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()

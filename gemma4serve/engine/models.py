@@ -56,7 +56,8 @@ def resolve_device_dtype(args: EngineArgs) -> tuple[torch.device, torch.dtype]:
 
 
 def _empty_module(cls, cfg, device, dtype):
-    """Build on the meta device and allocate uninitialised storage once: no wasted random init of 31B weights."""
+    """Build on the meta device and allocate uninitialised storage once: no wasted random init of
+    31B weights."""
     with torch.device("meta"):
         module = cls(cfg)
     return module.to(dtype).to_empty(device=device).eval().requires_grad_(False)
@@ -125,18 +126,22 @@ def _kv_budget(args: EngineArgs, device: torch.device) -> int | None:
     return 512 * 2**20  # CPU: tiny models only
 
 
+def _checkpoint_dir(name: str, args: EngineArgs) -> Path:
+    """A local directory as given when dummy weights need only its config; else the hub's copy."""
+    if args.load_format == "dummy" and Path(name).exists():
+        return Path(name)
+    return resolve_checkpoint(name, args.revision)
+
+
 def load_models(args: EngineArgs) -> ModelState:
     device, dtype = resolve_device_dtype(args)
     dummy = args.load_format == "dummy"
-    target_dir = (
-        Path(args.model)
-        if dummy and Path(args.model).exists()
-        else resolve_checkpoint(args.model, args.revision)
-    )
+    target_dir = _checkpoint_dir(args.model, args)
     cfg = load_config(target_dir)
     if not isinstance(cfg, TextConfig):
         raise ConfigError(
-            f"{args.model} is an assistant checkpoint; pass it as --draft, with its target as --model"
+            f"{args.model} is an assistant checkpoint; pass it as --draft, with its target as "
+            "--model"
         )
     log.info(
         "loading %s (%s, %s) on %s",
@@ -151,11 +156,7 @@ def load_models(args: EngineArgs) -> ModelState:
 
     draft, draft_dir = None, None
     if args.draft:
-        draft_dir = (
-            Path(args.draft)
-            if dummy and Path(args.draft).exists()
-            else resolve_checkpoint(args.draft, args.revision)
-        )
+        draft_dir = _checkpoint_dir(args.draft, args)
         dcfg = load_config(draft_dir)
         if not isinstance(dcfg, AssistantConfig):
             raise ConfigError(f"draft model {args.draft} is not a gemma4_assistant checkpoint")
@@ -181,7 +182,8 @@ def load_models(args: EngineArgs) -> ModelState:
         cfg, {FULL: plan.full_pages, SLIDING: plan.sliding_pages}, args.page_size, dtype, device
     )
     log.info(
-        "KV cache: %.2f GiB, full pool %d pages (%d tokens), sliding pool %d pages, max_model_len %d",
+        "KV cache: %.2f GiB, full pool %d pages (%d tokens), sliding pool %d pages, "
+        "max_model_len %d",
         plan.bytes / 2**30,
         plan.full_pages - 1,
         (plan.full_pages - 1) * args.page_size,

@@ -1,9 +1,9 @@
 """Continuous batching: which sequences run this step, with how many tokens, on which pages.
 
-Each step fills a token budget: running sequences first (a decode is its last token plus its drafts: a
-verify), continuing prefills next, then newly admitted requests, all in one packed forward. When the full
-pool runs out, the most recently admitted running sequence gives its pages back and is re-queued to be
-recomputed later (preemption by recompute).
+Each step fills a token budget: running sequences first (a decode is its last token plus its
+drafts: a verify), continuing prefills next, then newly admitted requests, all in one packed
+forward. When the full pool runs out, the most recently admitted running sequence gives its pages
+back and is re-queued to be recomputed later (preemption by recompute).
 """
 
 from __future__ import annotations
@@ -82,16 +82,16 @@ class Scheduler:
         return chunks
 
     def would_admit(self, budget: int) -> bool:
-        """Whether `schedule` would admit a waiting sequence next to the running ones, with `budget` tokens
-        left after them."""
+        """Whether `schedule` would admit a waiting sequence next to the running ones, with
+        `budget` tokens left after them."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return False
         return self._fits(self._chunk(self.waiting[0], budget), alone=not self.running)
 
     def _fits(self, chunk: ScheduledChunk, alone: bool) -> bool:
         end = chunk.start + chunk.num_query
-        # Keep a page of headroom per running sequence so admissions do not force immediate preemptions;
-        # with nothing else running, nothing could ever free pages: admit what fits.
+        # Keep a page of headroom per running sequence so admissions do not force immediate
+        # preemptions; with nothing else running, nothing could ever free pages: admit what fits.
         headroom = 0 if alone else len(self.running)
         return self.kv.full_pages_needed(
             chunk.seq.pages, end
@@ -104,7 +104,7 @@ class Scheduler:
         length = min(remaining, budget)
         drafts = []
         if length == remaining:
-            # All k drafts even near the request's end (the commit cuts what runs past it): steps with equal
-            # draft counts replay one CUDA graph and can be continued on the device.
+            # All k drafts even near the request's end (the commit cuts what runs past it): steps
+            # with equal draft counts replay one CUDA graph and can be continued on the device.
             drafts = seq.drafts[: max(0, budget - length)]
         return ScheduledChunk(seq, seq.num_computed, length, drafts)

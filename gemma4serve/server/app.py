@@ -1,14 +1,15 @@
 """The HTTP layer: an OpenAI-compatible Starlette app over one engine.
 
-Routes: POST /v1/chat/completions, POST /v1/completions (SSE streaming or one JSON body), GET /v1/models,
-GET /v1/models/{id}, GET /health, GET /metrics, GET /version. Every refusal is OpenAI's error body
+Routes: POST /v1/chat/completions, POST /v1/completions (SSE streaming or one JSON body),
+GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version. Every refusal is
+OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}` with a 4xx (503 while starting or draining).
 
-Where work runs: templating and tokenization go to the thread pool, /metrics reads `engine.stats()` there
-too; the engine's own work happens on its thread. The event loop only validates, awaits outputs and writes
-bytes. A generation is watched for client disconnect for its whole life (waiting in the queue included):
-on disconnect its task is cancelled, the engine's async generator is closed and the request is aborted,
-so its KV pages go back to the pools.
+Where work runs: templating and tokenization go to the thread pool, /metrics reads
+`engine.stats()` there too; the engine's own work happens on its thread. The event loop only
+validates, awaits outputs and writes bytes. A generation is watched for client disconnect for its
+whole life (waiting in the queue included): on disconnect its task is cancelled, the engine's
+async generator is closed and the request is aborted, so its KV pages go back to the pools.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gemma4serve.engine.client import EngineClient
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -43,9 +44,15 @@ from gemma4serve.server.protocol import (
     CompletionRequest,
     ResponseHeader,
     TokenStrings,
-    check_context_length,
     error_body,
     parse_request,
+)
+from gemma4serve.validation import (
+    RequestError,
+    check_context_length,
+    check_token_ids,
+    encode_text,
+    with_bos,
 )
 
 logger = logging.getLogger("gemma4serve.server")
@@ -76,15 +83,15 @@ def _json(status: int, body: dict, headers: dict | None = None) -> Response:
     )
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Server state
 
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine, the served names, the switches of the server's lifecycle."""
+    """What the routes share: the engine, the served names, the server's lifecycle switches."""
 
-    engine: Any
+    engine: EngineClient
     model_names: list[str]
     api_key: str | None
     metrics: ServerMetrics
@@ -106,25 +113,24 @@ class ServerState:
             return "The server is shutting down."
         if not self.ready:
             return "The engine is not ready yet."
-        if not getattr(
-            self.engine, "ready", True
-        ):  # the engine thread died: fail fast, never hang a client
+        if not self.engine.ready:  # the engine died: fail fast, never hang a client
             return "The engine is not running."
         return None
 
     def begin_drain(self) -> None:
-        """Stop admitting requests (503) and fail health checks; safe to call from a signal handler."""
+        """Stop admitting requests (503) and fail health checks; safe in a signal handler."""
         self.draining = True
 
     def abort_inflight(self) -> None:
-        """Abort every running request: the engine ends each with finish_reason "abort", so that streams
-        still close with a final chunk and [DONE]."""
+        """Abort every running request: the engine ends each with finish_reason "abort", so that
+        streams still close with a final chunk and [DONE]."""
         for request_id in list(self.inflight):
             self.engine.abort(request_id)
 
     async def abort_after_drain_timeout(self) -> None:
-        """Once draining starts, give running requests `drain_timeout` seconds, then abort the rest. Polls:
-        draining is switched on from a signal handler, where touching asyncio objects is not safe."""
+        """Once draining starts, give running requests `drain_timeout` seconds, then abort the
+        rest. Polls: draining is switched on from a signal handler, where touching asyncio
+        objects is not safe."""
         while not self.draining:
             await asyncio.sleep(0.1)
         await asyncio.sleep(self.drain_timeout)
@@ -137,7 +143,8 @@ class ServerState:
             self.abort_inflight()
 
     def stop_engine(self, drain_timeout: float | None = None) -> None:
-        """engine.shutdown(), once, whoever asks first (the app's shutdown, or the CLI after a forced exit)."""
+        """engine.shutdown(), once, whoever asks first (the app's shutdown, or the CLI after a
+        forced exit)."""
         with self._stop_lock:
             if self._engine_stopped:
                 return
@@ -153,7 +160,8 @@ class ServerState:
         if requested not in self.model_names:
             raise ApiError(
                 404,
-                f"The model `{requested}` does not exist. This server serves: {', '.join(self.model_names)}.",
+                f"The model `{requested}` does not exist. This server serves: "
+                f"{', '.join(self.model_names)}.",
                 param="model",
                 code="model_not_found",
             )
@@ -175,7 +183,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.gemma4serve
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Gate: auth and draining for /v1 (pure ASGI, so that it never buffers a stream)
 
 
@@ -210,7 +218,7 @@ class ApiGate:
         return None
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # One generation as an ASGI response
 
 
@@ -229,12 +237,20 @@ SSE_HEADERS = [
 class GenerationResponse:
     """Runs one request on the engine and writes it out, streamed (SSE) or as one JSON body.
 
-    The status is chosen only after the engine accepted the request (its first output): a ValueError from
-    `generate` (prompt too long, ...) is still a 400. Uvicorn's send() silently drops writes to a gone client,
-    so disconnects are watched on receive(), concurrently, for the whole generation."""
+    The status is chosen only after the engine accepted the request (its first output): a
+    ValueError from `generate` (prompt too long, ...) is still a 400. Uvicorn's send() silently
+    drops writes to a gone client, so disconnects are watched on receive(), concurrently, for the
+    whole generation."""
 
-    def __init__(self, state: ServerState, fmt: ResponseFormat, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, stream: bool):  # fmt: skip
+    def __init__(
+        self,
+        state: ServerState,
+        fmt: ResponseFormat,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+    ):
         self.state = state
         self.fmt = fmt
         self.request_id = request_id
@@ -253,7 +269,8 @@ class GenerationResponse:
             if not work.done():
                 logger.info("request %s: client disconnected, aborting", self.request_id)
         except asyncio.CancelledError:
-            # uvicorn's graceful-shutdown backstop: the engine did not end this request after the drain abort.
+            # uvicorn's graceful-shutdown backstop: the engine did not end this request after the
+            # drain abort.
             logger.warning("request %s: cancelled at shutdown", self.request_id)
         finally:
             work.cancel()
@@ -262,8 +279,13 @@ class GenerationResponse:
 
     async def _start(self, send, status: int, headers: list) -> None:
         self._started = True
-        await send({"type": "http.response.start", "status": status,
-                    "headers": headers + [(b"x-request-id", self.request_id.encode())]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": headers + [(b"x-request-id", self.request_id.encode())],
+            }
+        )
 
     async def _send_json(self, send, status: int, body: dict) -> None:
         await self._start(send, status, [(b"content-type", b"application/json")])
@@ -277,7 +299,10 @@ class GenerationResponse:
             try:
                 outputs = engine.generate(self.prompt_ids, self.params, self.request_id)
                 first = await outputs.__anext__()
-            except ValueError as e:  # the engine's word on a user error, before anything ran
+            except RequestError as e:  # the engine's word on a request, before anything ran
+                await self._send_json(send, 400, error_body(str(e), param=e.param, code=e.code))
+                return
+            except ValueError as e:  # sampling settings the engine refused
                 await self._send_json(send, 400, error_body(str(e)))
                 return
             if self.stream:
@@ -297,7 +322,9 @@ class GenerationResponse:
             )
             if not self._started:
                 await self._send_json(send, 500, body)
-            else:  # mid-stream: the status is gone; tell the client in-band, as vLLM does, then end the stream
+            # mid-stream: the status is gone; tell the client in-band, as vLLM does, then end the
+            # stream
+            else:
                 await send(
                     {
                         "type": "http.response.body",
@@ -324,8 +351,8 @@ class GenerationResponse:
                     logger.exception("request %s: abort failed", self.request_id)
 
     async def _next(self, outputs, previous: RequestOutput) -> RequestOutput:
-        """The engine's next output. Should the engine stop without a finished one, the request ends as
-        aborted rather than as an error: the client still gets a well-formed end."""
+        """The engine's next output. Should the engine stop without a finished one, the request
+        ends as aborted rather than as an error: the client still gets a well-formed end."""
         output = await anext(outputs, None)
         if output is None:
             logger.warning(
@@ -378,7 +405,7 @@ def _ended_as_abort(last: RequestOutput) -> RequestOutput:
             token_ids=c.token_ids,
             finish_reason=c.finish_reason or "abort",
             stop_reason=c.stop_reason,
-        )  # fmt: skip
+        )
         for c in last.outputs
     ]
     return RequestOutput(
@@ -390,33 +417,17 @@ def _sse(events: list[dict]) -> bytes:
     return b"".join(b"data: " + _dumps(e) + b"\n\n" for e in events)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Prompt building (runs in the thread pool: templating and tokenizing long prompts is CPU work)
 
 
-def _check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
-    # An id outside the embedding table would fault the model (on GPU: a device assert that kills the server).
-    if vocab_size is not None:
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ApiError(
-                400, f"token id {bad} is outside the vocabulary [0, {vocab_size}).", param=param
-            )
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    echo_text: str = ""  # what `echo` puts before the completion ("" without echo)
 
 
-def _encode(tokenizer, text: str, param: str) -> list[int]:
-    try:
-        return tokenizer.encode(text, add_special_tokens=False)
-    except (
-        TypeError,
-        UnicodeError,
-    ) as e:  # JSON allows lone surrogates ("\\ud800"); the tokenizer does not
-        raise ApiError(
-            400, f"The {param} could not be tokenized (invalid Unicode?): {e}", param=param
-        ) from e
-
-
-def _render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
+def _render_chat(tokenizer, req: ChatCompletionRequest) -> Prompt:
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = RESERVED_TEMPLATE_KWARGS & kwargs.keys()
     if reserved:
@@ -432,33 +443,26 @@ def _render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
             tools=req.tools,
             **kwargs,
         )
-    except (
-        Exception
-    ) as e:  # jinja2's raise_exception ("roles must alternate", ...) and friends: the input's fault
+    except Exception as e:  # jinja2's raise_exception ("roles must alternate", ...): the input's
         raise ApiError(
             400, f"The chat template rejected these messages: {e}", param="messages"
         ) from e
-    ids = _encode(tokenizer, text, "messages")  # the template already wrote <bos>
-    if not ids:
-        raise ApiError(400, "The rendered prompt is empty.", param="messages")
-    return ids
+    return Prompt(encode_text(tokenizer, text, param="messages"))  # the template wrote <bos>
 
 
-def _encode_completion_prompt(tokenizer, req: CompletionRequest) -> tuple[list[int], str]:
-    """(prompt token ids, the text `echo` returns)."""
+def _completion_prompt(tokenizer, req: CompletionRequest) -> Prompt:
     prompt = req.single_prompt()
     if isinstance(prompt, str):
-        ids = _encode(tokenizer, prompt, "prompt")
-        # Gemma needs <bos> first; HF's tokenizer (and so vLLM) adds it to a text prompt by default.
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if req.add_special_tokens and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos] + ids
-        return ids, prompt if req.echo else ""
-    _check_token_ids(prompt, getattr(tokenizer, "vocab_size", None), "prompt")
-    return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False) if req.echo else ""
+        ids = encode_text(tokenizer, prompt, param="prompt")
+        if req.add_special_tokens:
+            ids = with_bos(ids, tokenizer.bos_token_id)
+        return Prompt(ids, prompt if req.echo else "")
+    check_token_ids(prompt, tokenizer.vocab_size, param="prompt")
+    echo = tokenizer.decode(prompt, skip_special_tokens=False) if req.echo else ""
+    return Prompt(list(prompt), echo)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Routes
 
 
@@ -477,39 +481,43 @@ async def _read_body(request: Request) -> bytes:
     return bytes(body)
 
 
-async def chat_completions(request: Request):
+async def _generation(
+    request: Request,
+    request_type: type[ChatCompletionRequest | CompletionRequest],
+    build_prompt,
+    response_format: type[ResponseFormat],
+    id_prefix: str,
+) -> GenerationResponse:
+    """The pipeline both generation endpoints share: parse, prompt (off the event loop), context
+    and sampling checks, then the response that runs the request."""
     state = _state(request)
-    engine = state.engine
-    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _read_body(request))
+    req = parse_request(request_type, await _read_body(request))
     model = state.resolve_model(req.model)
-    prompt_ids = await run_in_threadpool(_render_chat, engine.tokenizer, req)
-    max_tokens = check_context_length(len(prompt_ids), req.requested_max_tokens, engine.max_model_len,
-                                      prompt_param="messages")  # fmt: skip
+    prompt: Prompt = await run_in_threadpool(build_prompt, state.engine.tokenizer, req)
+    max_tokens = check_context_length(
+        len(prompt.token_ids),
+        req.requested_max_tokens,
+        state.engine.max_model_len,
+        prompt_param=req.prompt_param,
+    )
     params = req.sampling_params(
         max_tokens=max_tokens, logprobs=req.num_logprobs, defaults=state.sampling_defaults
     )
-    header = ResponseHeader(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model)
-    fmt = ChatFormat(header, req, state.token_strings, len(prompt_ids))
-    return GenerationResponse(state, fmt, header.id, prompt_ids, params, req.stream)
+    header = ResponseHeader(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+    fmt = response_format(header, req, state.token_strings, len(prompt.token_ids), prompt.echo_text)
+    return GenerationResponse(state, fmt, header.id, prompt.token_ids, params, req.stream)
+
+
+async def chat_completions(request: Request):
+    return await _generation(
+        request, ChatCompletionRequest, _render_chat, ChatFormat, id_prefix="chatcmpl"
+    )
 
 
 async def completions(request: Request):
-    state = _state(request)
-    engine = state.engine
-    req: CompletionRequest = parse_request(CompletionRequest, await _read_body(request))
-    model = state.resolve_model(req.model)
-    prompt_ids, echo_text = await run_in_threadpool(
-        _encode_completion_prompt, engine.tokenizer, req
+    return await _generation(
+        request, CompletionRequest, _completion_prompt, CompletionFormat, id_prefix="cmpl"
     )
-    max_tokens = check_context_length(
-        len(prompt_ids), req.max_tokens, engine.max_model_len, prompt_param="prompt"
-    )
-    params = req.sampling_params(
-        max_tokens=max_tokens, logprobs=req.logprobs, defaults=state.sampling_defaults
-    )
-    header = ResponseHeader(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model)
-    fmt = CompletionFormat(header, req, state.token_strings, len(prompt_ids), echo_text)
-    return GenerationResponse(state, fmt, header.id, prompt_ids, params, req.stream)
 
 
 async def list_models(request: Request):
@@ -549,7 +557,7 @@ async def version(request: Request):
         return _json(200, {"version": "unknown"})
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Errors: every refusal in OpenAI's schema
 
 
@@ -558,6 +566,10 @@ _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
 
 async def _api_error(request: Request, exc: ApiError):
     return _json(exc.status, exc.body())
+
+
+async def _request_error(request: Request, exc: RequestError):
+    return _json(400, error_body(str(exc), param=exc.param, code=exc.code))
 
 
 async def _http_error(request: Request, exc: HTTPException):
@@ -573,11 +585,11 @@ async def _internal_error(request: Request, exc: Exception):
     )
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 def build_app(
-    engine,
+    engine: EngineClient,
     *,
     served_model_name: str | list[str],
     api_key: str | None = None,
@@ -585,11 +597,12 @@ def build_app(
 ) -> Starlette:
     """The ASGI app over `engine` (an AsyncEngine or anything with its interface).
 
-    The app's startup calls `engine.start()`; its shutdown calls `engine.shutdown(drain_timeout)` off the
-    event loop. `app.state.gemma4serve` is the ServerState: `begin_drain()` (the CLI calls it on SIGTERM)
-    makes /health and new requests 503 and, `drain_timeout` seconds later, aborts what still runs.
-    When the engine offers `default_sampling_params` (a dict, e.g. the checkpoint's generation_config), those
-    fill what a request leaves unset, as vLLM does with a model's generation config.
+    The app's startup calls `engine.start()`; its shutdown calls `engine.shutdown(drain_timeout)`
+    off the event loop. `app.state.gemma4serve` is the ServerState: `begin_drain()` (the CLI
+    calls it on SIGTERM) makes /health and new requests 503 and, `drain_timeout` seconds later,
+    aborts what still runs. When the engine offers `default_sampling_params` (a dict, e.g. the
+    checkpoint's generation_config), those fill what a request leaves unset, as vLLM does with a
+    model's generation config.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
@@ -600,7 +613,7 @@ def build_app(
         api_key=api_key or None,
         metrics=ServerMetrics(engine.stats, names[0]),
         token_strings=TokenStrings(engine.tokenizer),
-        sampling_defaults=dict(getattr(engine, "default_sampling_params", None) or {}),
+        sampling_defaults=dict(engine.default_sampling_params),
         drain_timeout=drain_timeout,
     )
 
@@ -630,6 +643,7 @@ def build_app(
         middleware=[Middleware(ApiGate, state=state)],
         exception_handlers={
             ApiError: _api_error,
+            RequestError: _request_error,
             HTTPException: _http_error,
             Exception: _internal_error,
         },

@@ -1,5 +1,5 @@
-"""Response formats, one per endpoint and of one shape, so one generation loop serves both: RequestOutputs
-in, OpenAI stream chunks or one final body out."""
+"""Response formats, one per endpoint and of one shape, so one generation loop serves both:
+RequestOutputs in, OpenAI stream chunks or one final body out."""
 
 from __future__ import annotations
 
@@ -17,14 +17,22 @@ from gemma4serve.server.protocol import (
 
 
 class ResponseFormat:
-    """Turns RequestOutputs into stream chunks or one final body. Tracks per-choice state (finish reported,
-    text offsets) across the outputs of one request."""
+    """Turns RequestOutputs into stream chunks or one final body. Tracks per-choice state (finish
+    reported, text offsets) across the outputs of one request."""
 
-    def __init__(self, header: ResponseHeader, request, strings: TokenStrings, prompt_len: int):
+    def __init__(
+        self,
+        header: ResponseHeader,
+        request,
+        strings: TokenStrings,
+        prompt_len: int,
+        echo_text: str = "",
+    ):
         self.header = header
         self.request = request
         self.strings = strings
         self.prompt_len = prompt_len
+        self.echo_text = echo_text  # the prompt text `echo` puts first ("" without echo)
         self._finish_sent: set[int] = set()
         self.completion_tokens = 0  # totals of the latest output, summed over choices
 
@@ -111,9 +119,8 @@ class ChatFormat(ResponseFormat):
 
 
 class CompletionFormat(ResponseFormat):
-    def __init__(self, header, request, strings, prompt_len, echo_text: str):
-        super().__init__(header, request, strings, prompt_len)
-        self.echo_text = echo_text  # "" without echo
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}
 
     def opening(self, n: int) -> list[dict]:

@@ -1,5 +1,5 @@
-"""Prometheus metrics, named like vLLM's with our prefix (`vllm:x` -> `gemma4serve:x`), so that dashboards
-port by a search-and-replace.
+"""Prometheus metrics, named like vLLM's with our prefix (`vllm:x` -> `gemma4serve:x`), so that
+dashboards port by a search-and-replace.
 
 Two sources, kept apart so that the engine thread never touches a prometheus object:
 - engine state and counters (requests, KV pages, tokens, speculative decoding) are read from one
@@ -27,12 +27,81 @@ FINISH_REASONS = (
 )  # always exported, so that rate() sees a series from the start
 
 # vLLM's buckets, extended downwards: with MTP a token can take well under 10 ms.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class EngineStatsCollector(Collector):
@@ -112,7 +181,8 @@ class EngineStatsCollector(Collector):
         yield per_pos
         yield gauge(
             "spec_decode_draft_length",
-            "Drafts per sequence in the latest step (0: drafting is off at this load or there is no drafter).",
+            "Drafts per sequence in the latest step (0: drafting is off at this load or there "
+            "is no drafter).",
             s.draft_length,
         )
         yield gauge(

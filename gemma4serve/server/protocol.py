@@ -1,9 +1,9 @@
-"""OpenAI's wire format: the request bodies we accept, their conversion to SamplingParams, and the response,
-chunk, usage, logprob and error bodies we send.
+"""OpenAI's wire format: the request bodies we accept, their conversion to SamplingParams, and
+the response, chunk, usage, logprob and error bodies we send.
 
-Requests are validated in pydantic's strict mode: a field of the wrong type (`"max_tokens": "5"`,
-`"stream": "yes"`) is a 400, as on api.openai.com, while unknown fields are ignored, as vLLM does, so that
-clients written for either keep working.
+Requests are validated in pydantic's strict mode: a field of the wrong type
+(`"max_tokens": "5"`, `"stream": "yes"`) is a 400, as on api.openai.com, while unknown fields are
+ignored, as vLLM does, so that clients written for either keep working.
 """
 
 from __future__ import annotations
@@ -12,19 +12,20 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
 
-# --------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Errors
 
 
 class ApiError(Exception):
-    """A request the server refuses, carried to the HTTP layer as OpenAI's error body and a 4xx/5xx status."""
+    """A request the server refuses, carried to the HTTP layer as OpenAI's error body and a
+    4xx/5xx status."""
 
     def __init__(
         self,
@@ -50,7 +51,8 @@ def error_body(message: str, *, type: str = "invalid_request_error", param=None,
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-# pydantic adds the union member it tried to an error's location ("stop", "list[str]"); these are not fields.
+# pydantic adds the union member it tried to an error's location ("stop", "list[str]"); these are
+# not fields.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -82,16 +84,14 @@ def _validation_error(exc: ValidationError) -> ApiError:
     return ApiError(400, f"Invalid value for '{param}': {message}", param=param, code=code)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Requests
 
 MAX_N = 128  # OpenAI's limit; each choice is a sequence with its own KV pages
-MAX_TOP_K = (
-    2**31 - 1
-)  # the sampler packs top_k into int32: a larger one would fail the whole batch's step
 
 
-# Numbers are finite (NaN or inf temperatures turn into NaN probabilities inside a batch shared with others).
+# Numbers are finite (NaN or inf temperatures turn into NaN probabilities inside a batch shared with
+# others).
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -128,8 +128,9 @@ class ChatMessage(BaseModel):
         return self
 
     def to_template(self) -> dict:
-        """The dict the chat template sees. Text parts are joined into one string (vLLM's "string" content
-        format): the Gemma templates trim a system message's content as a string."""
+        """The dict the chat template sees. Text parts are joined into one string (vLLM's
+        "string" content format): the Gemma templates trim a system message's content as a
+        string."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
@@ -142,7 +143,8 @@ class StreamOptions(_Request):
 
 
 class _GenerationRequest(_Request):
-    """Fields shared by /v1/chat/completions and /v1/completions. None = "not given": the server's default."""
+    """Fields shared by /v1/chat/completions and /v1/completions. None = "not given": the
+    server's default."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -177,14 +179,9 @@ class _GenerationRequest(_Request):
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ApiError(
                 400,
-                f"response_format type '{self.response_format.get('type')}' is not supported; only 'text'.",
+                f"response_format type '{self.response_format.get('type')}' is not supported; "
+                "only 'text'.",
                 param="response_format",
-            )
-        if self.top_k is not None and not (-1 <= self.top_k <= MAX_TOP_K):
-            raise ApiError(
-                400,
-                f"top_k must be -1 or 0 (off), or in [1, {MAX_TOP_K}], got {self.top_k}",
-                param="top_k",
             )
         if self.n > MAX_N:
             raise ApiError(400, f"n must be at most {MAX_N}, got {self.n}", param="n")
@@ -206,8 +203,9 @@ class _GenerationRequest(_Request):
     def sampling_params(
         self, *, max_tokens: int, logprobs: int | None, defaults: dict | None = None
     ) -> SamplingParams:
-        """`defaults` (the checkpoint's generation_config, when the engine offers one) fill what the request
-        leaves unset; then SamplingParams' own defaults. Raises ApiError(400) on values no sampler honours."""
+        """`defaults` (the checkpoint's generation_config, when the engine offers one) fill what
+        the request leaves unset; then SamplingParams' own defaults. Raises ApiError(400) on
+        values no sampler honours."""
         given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -233,7 +231,8 @@ class _GenerationRequest(_Request):
                 **chosen,
             )
         except ValueError as e:
-            # SamplingParams' messages start with the field's name ("top_p must be in (0, 1], got 0.0").
+            # SamplingParams' messages start with the field's name ("top_p must be in (0, 1], got
+            # 0.0").
             field = str(e).split(" ", 1)[0]
             raise ApiError(
                 400, str(e), param=field if field in SamplingParams.__dataclass_fields__ else None
@@ -282,6 +281,8 @@ class ChatCompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    prompt_param: ClassVar[str] = "messages"  # the field a prompt error names
+
     def template_messages(self) -> list[dict]:
         return [m.to_template() for m in self.messages]
 
@@ -310,6 +311,16 @@ class CompletionRequest(_GenerationRequest):
                 400, "echo with logprobs (prompt logprobs) is not supported.", param="echo"
             )
 
+    prompt_param: ClassVar[str] = "prompt"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request: a string or token ids. A batch of prompts is refused."""
         prompt = self.prompt
@@ -331,7 +342,7 @@ def _no_constants(name: str):
 
 
 def parse_request(model: type[_Request], body: bytes) -> Any:
-    """Bytes of a request body -> a validated request model, or ApiError(400) that says what is wrong."""
+    """A request body -> a validated request model, or ApiError(400) that says what is wrong."""
     try:
         data = json.loads(
             body, parse_constant=_no_constants
@@ -350,34 +361,7 @@ def parse_request(model: type[_Request], body: bytes) -> Any:
     return request
 
 
-def check_context_length(
-    prompt_len: int, max_tokens: int | None, max_model_len: int, *, prompt_param: str
-) -> int:
-    """The number of tokens to generate (all the room left when the request set none), or ApiError(400) when
-    the prompt or prompt + max_tokens does not fit the context (OpenAI's/vLLM's wording and code)."""
-    if prompt_len >= max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{prompt_len} input tokens. Please reduce the length of the input.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if max_tokens is None:
-        return max_model_len - prompt_len
-    if prompt_len + max_tokens > max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the input, {max_tokens} in the completion). "
-            "Please reduce the length of the input or of the completion (max_tokens).",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return max_tokens
-
-
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Responses
 
 
@@ -398,18 +382,35 @@ class ResponseHeader:
     model: str
 
     def chat_completion(self, choices: list[dict], usage: dict) -> dict:
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
 
     def completion(self, choices: list[dict], usage: dict) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
 
     def chat_chunk(
         self, choices: list[dict], usage: dict | None = None, *, with_usage: bool = False
     ) -> dict:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "choices": choices}  # fmt: skip
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if (
             with_usage
         ):  # OpenAI: with include_usage, every chunk carries "usage" (null until the last)
@@ -419,8 +420,13 @@ class ResponseHeader:
     def completion_chunk(
         self, choices: list[dict], usage: dict | None = None, *, with_usage: bool = False
     ) -> dict:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                 "choices": choices}  # fmt: skip
+        chunk = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if with_usage:
             chunk["usage"] = usage
         return chunk
@@ -454,7 +460,7 @@ def completion_choice(
     return choice
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Logprobs
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -466,8 +472,9 @@ def _finite(logprob: float) -> float:
 
 
 class TokenStrings:
-    """Token id -> (text, UTF-8 bytes) as OpenAI's logprobs show a token. A byte-fallback piece (`<0xE2>`)
-    shows its one raw byte, so that clients can reassemble multi-byte characters from `bytes`."""
+    """Token id -> (text, UTF-8 bytes) as OpenAI's logprobs show a token. A byte-fallback piece
+    (`<0xE2>`) shows its one raw byte, so that clients can reassemble multi-byte characters from
+    `bytes`."""
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
@@ -489,7 +496,8 @@ class TokenStrings:
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings) -> dict:
-    """`choices[].logprobs` of a chat completion: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    """A chat completion's `choices[].logprobs`:
+    {"content": [{token, logprob, bytes, top_logprobs}]}."""
 
     def entry(token_id: int, logprob: float) -> dict:
         text, raw = strings(token_id)
@@ -506,8 +514,9 @@ def chat_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings) -> dict:
 def completion_logprobs(
     logprobs: list[TokenLogprob], strings: TokenStrings, text_offset: int
 ) -> dict:
-    """`choices[].logprobs` of a legacy completion. `top_logprobs` also holds the sampled token (OpenAI: "up
-    to logprobs+1 elements"); `text_offset` counts characters from the start of this choice's text."""
+    """`choices[].logprobs` of a legacy completion. `top_logprobs` also holds the sampled token
+    (OpenAI: "up to logprobs+1 elements"); `text_offset` counts characters from the start of this
+    choice's text."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for lp in logprobs:
         text, _ = strings(lp.token_id)
