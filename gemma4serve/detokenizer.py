@@ -1,16 +1,17 @@
 """Streaming detokenization with stop strings.
 
-Text comes from `tokenizers.decoders.DecodeStream`, which holds back tokens until they decode to whole
-UTF-8 characters (a CJK character or an emoji split over several `<0xNN>` byte-fallback tokens is released
-only once complete). On top of that, stop strings are matched on the decoded text, so a stop string can span
-any number of tokens, and any tail of the text that could still grow into a stop string is held back until it
-either matches (cut there) or can no longer match (released).
+Text comes from `tokenizers.decoders.DecodeStream`, which holds back tokens until they decode to
+whole UTF-8 characters (a CJK character or an emoji split over several `<0xNN>` byte-fallback
+tokens is released only once complete). On top of that, stop strings are matched on the decoded
+text, so a stop string can span any number of tokens, and any tail of the text that could still
+grow into a stop string is held back until it either matches (cut there) or can no longer match
+(released).
 
-The released text equals `tokenizer.decode(all_ids)` cut before the first stop string, as long as the byte
-tokens form valid UTF-8. A model can emit invalid byte runs (e.g. a lone lead byte followed by a complete
-character); a full decode then turns the whole run into U+FFFD, after the stream has already released the
-valid character. The stream cannot take released text back, so it keeps it and shows only the stray bytes
-as U+FFFD.
+The released text equals `tokenizer.decode(all_ids)` cut before the first stop string, as long as
+the byte tokens form valid UTF-8. A model can emit invalid byte runs (e.g. a lone lead byte
+followed by a complete character); a full decode then turns the whole run into U+FFFD, after the
+stream has already released the valid character. The stream cannot take released text back, so it
+keeps it and shows only the stray bytes as U+FFFD.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ def _backend(tokenizer) -> HFTokenizer:
 def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of some stop string."""
     best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
                 best = n
                 break
     return best
@@ -48,7 +49,8 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._undecoded: list[int] = []  # ids the stream has taken but not turned into text yet
         self._held = ""  # decoded text not yet released (it could be the start of a stop string)
-        self.stops = tuple(s for s in ([stop] if isinstance(stop, str) else stop) if s)
+        stops = [stop] if isinstance(stop, str) else stop
+        self.stops = tuple(string for string in stops if string)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.text = ""  # everything released so far
         self.matched_stop: str | None = None
@@ -58,9 +60,9 @@ class IncrementalDetokenizer:
         try:
             piece = self._stream.step(self._tok, token_id)
         except Exception:
-            # DecodeStream raises when a new token changes text it already returned (an invalid byte run,
-            # see the module doc). Release what the pending ids decode to on their own and start afresh:
-            # Gemma's decoder is context-free outside byte runs, so nothing else is lost.
+            # DecodeStream raises when a new token changes text it already returned (an invalid
+            # byte run, see the module doc). Release what the pending ids decode to on their own and
+            # start afresh: Gemma's decoder is context-free outside byte runs, so nothing is lost.
             piece = self._tok.decode(self._undecoded, skip_special_tokens=self._skip_special)
             self._stream = DecodeStream(skip_special_tokens=self._skip_special)
         if piece is None:
@@ -69,31 +71,34 @@ class IncrementalDetokenizer:
         return piece
 
     def push(self, token_ids: list[int]) -> tuple[str, str | None]:
-        """Feed new token ids; returns (text that can be released now, the stop string that matched or None).
-        After a stop string matched, further ids are ignored."""
+        """Feed new token ids; return (text releasable now, the stop string that matched or None).
+
+        After a stop string matched, further ids are ignored.
+        """
         if self.matched_stop is not None:
             return "", self.matched_stop
-        for t in token_ids:
-            self._held += self._step(int(t))
+        for token_id in token_ids:
+            self._held += self._step(int(token_id))
         if not self.stops:
             out, self._held = self._held, ""
             self.text += out
             return out, None
 
-        # A stop cannot start inside released text: we only release text no stop string can start in.
+        # A stop cannot start inside released text: only text no stop string can start in is
+        # released.
         first = None
-        for s in self.stops:
-            i = self._held.find(s)
+        for stop in self.stops:
+            i = self._held.find(stop)
             if i >= 0 and (first is None or i < first[0]):
-                first = (i, s)
+                first = (i, stop)
         if first is not None:
-            i, s = first
-            out = self._held[: i + len(s)] if self.include_stop_str_in_output else self._held[:i]
+            i, stop = first
+            out = self._held[: i + len(stop)] if self.include_stop_str_in_output else self._held[:i]
             self._held = ""
             self._undecoded.clear()
-            self.matched_stop = s
+            self.matched_stop = stop
             self.text += out
-            return out, s
+            return out, stop
 
         keep = _partial_stop_len(self._held, self.stops)
         out = self._held[: len(self._held) - keep]
@@ -102,8 +107,10 @@ class IncrementalDetokenizer:
         return out, None
 
     def flush(self) -> str:
-        """At the end of generation: release the held-back text and whatever the stream still buffers
-        (an unfinished byte sequence decodes to U+FFFD, as in a full decode)."""
+        """At the end of generation, release the held-back text and what the stream still buffers.
+
+        An unfinished byte sequence decodes to U+FFFD, as in a full decode.
+        """
         if self.matched_stop is not None:
             return ""
         out = self._held

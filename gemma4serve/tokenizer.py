@@ -1,10 +1,11 @@
 """The checkpoint's tokenizer: `tokenizers` for the ids, jinja2 for the chat template.
 
 The chat template is rendered with the same environment transformers uses in `apply_chat_template`
-(sandboxed, trim_blocks + lstrip_blocks, loopcontrols, `raise_exception`, `strftime_now`, a `tojson` that
-does not HTML-escape, a no-op `{% generation %}` tag) and the same variables (`messages`, `tools`,
-`documents`, `add_generation_prompt`, the named special tokens, and any extra keyword such as
-`enable_thinking`), so any template a checkpoint ships renders as it would in transformers.
+(sandboxed, trim_blocks + lstrip_blocks, loopcontrols, `raise_exception`, `strftime_now`, a
+`tojson` that does not HTML-escape, a no-op `{% generation %}` tag) and the same variables
+(`messages`, `tools`, `documents`, `add_generation_prompt`, the named special tokens, and any extra
+keyword such as `enable_thinking`), so any template a checkpoint ships renders as it would in
+transformers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ TEMPLATE_TOKEN_NAMES = (
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant spans for training masks; rendering ignores it."""
+    """The `{% generation %}...{% endgeneration %}` tag, rendered as its body alone.
+
+    It marks assistant spans for training masks; rendering ignores it.
+    """
 
     tags = {"generation"}
 
@@ -151,7 +155,7 @@ class Tokenizer:
             bos_token_id=bos_id,
         )
 
-    # ---- ids <-> text -------------------------------------------------------------------------------------
+    # ---- ids <-> text ----------------------------------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
@@ -169,14 +173,15 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        # Special-token strings inside `text` (e.g. "<|turn>" from the chat template) always map to their ids;
-        # add_special_tokens only controls the post-processor (BOS/EOS insertion, none for Gemma 4).
+        # Special-token strings inside `text` (e.g. "<|turn>" from the chat template) always map to
+        # their ids; add_special_tokens only controls the post-processor (BOS/EOS insertion, none
+        # for Gemma 4).
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    # ---- chat template ------------------------------------------------------------------------------------
+    # ---- chat template ---------------------------------------------------------------------------
 
     def apply_chat_template(
         self,
@@ -191,12 +196,11 @@ class Tokenizer:
         source = chat_template or self.chat_template
         if source is None:
             raise ValueError(
-                "this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json)"
+                "this checkpoint has no chat template "
+                "(chat_template.jinja or tokenizer_config.json)"
             )
-        variables = {
-            **self.special_tokens,
-            **template_kwargs,
-        }  # explicit kwargs override the special tokens
+        # Explicit keywords override the special tokens.
+        variables = {**self.special_tokens, **template_kwargs}
         return compile_chat_template(source).render(
             messages=messages,
             tools=tools,

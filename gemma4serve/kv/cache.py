@@ -16,11 +16,11 @@ class KVCache:
         self.v: dict[str, torch.Tensor] = {}
         self.slot_of_layer: dict[int, tuple[str, int]] = {}
         for kind in (SLIDING, FULL):
-            producers = [l for l in cfg.producer_layers if l.kind == kind]
+            producers = [layer for layer in cfg.producer_layers if layer.kind == kind]
             if not producers:
                 continue
-            for j, l in enumerate(producers):
-                self.slot_of_layer[l.index] = (kind, j)
+            for j, layer in enumerate(producers):
+                self.slot_of_layer[layer.index] = (kind, j)
             hd, nkv = producers[0].head_dim, producers[0].num_kv_heads
             shape = (len(producers), num_pages[kind], page_size, nkv, hd)
             self.k[kind] = torch.zeros(shape, dtype=dtype, device=device)
@@ -33,9 +33,9 @@ class KVCache:
 
     @staticmethod
     def bytes_per_page(cfg: TextConfig, kind: str, page_size: int, dtype: torch.dtype) -> int:
-        producers = [l for l in cfg.producer_layers if l.kind == kind]
+        producers = [layer for layer in cfg.producer_layers if layer.kind == kind]
         return (
-            sum(2 * page_size * l.num_kv_heads * l.head_dim for l in producers)
+            sum(2 * page_size * layer.num_kv_heads * layer.head_dim for layer in producers)
             * torch.finfo(dtype).bits
             // 8
         )

@@ -1,9 +1,11 @@
-"""Which pages each sequence holds in the full and the sliding pool (DESIGN §3, spec §12.3).
+"""Which pages each sequence holds in the full and the sliding pool.
 
-A sequence maps logical page i (positions i*page_size …) to a physical page, one list per pool. Full pages
-are kept for the life of the sequence. Sliding pages are kept only while some reader can still reach them:
-the target reads W-1 rows back from its next query, the drafter W_a+1 rows back from P; everything older
-goes back to the free list (its table entry becomes the null page 0).
+See docs/architecture.md ("KV cache: two pools, window-aware") and docs/gemma4.md §12.3.
+
+A sequence maps logical page i (positions i*page_size …) to a physical page, one list per pool.
+Full pages are kept for the life of the sequence. Sliding pages are kept only while some reader can
+still reach them: the target reads W-1 rows back from its next query, the drafter W_a+1 rows back
+from P; everything older goes back to the free list (its table entry becomes the null page 0).
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ class KVManager:
         )
 
     def grow(self, pages: SeqPages, start: int, end: int) -> None:
-        """Map every position < end in the full pool, and [start - keep, end) in the sliding pool, where
-        start is the first position this step writes. Sliding pages below that range are released first."""
+        """Map positions < end in the full pool and [start - keep, end) in the sliding pool.
+
+        `start` is the first position this step writes. Sliding pages below that range are
+        released first.
+        """
         self.release_unreachable(pages, start)
         pages.full.extend(self.full.allocate(self.full_pages_needed(pages, end)))
         missing = self._missing_sliding(pages, start, end)
@@ -68,7 +73,7 @@ class KVManager:
             pages.sliding[i] = p
 
     def grow_all(self, spans: list[tuple[SeqPages, int, int]]) -> bool:
-        """`grow` every (pages, start, end) if all of them fit together; change nothing otherwise."""
+        """`grow` every (pages, start, end) if all of them fit together; else change nothing."""
         full = sum(self.full_pages_needed(p, end) for p, _, end in spans)
         sliding = sum(self.sliding_pages_needed(p, start, end) for p, start, end in spans)
         if full > self.full.num_free or sliding > self.sliding.num_free:

@@ -8,7 +8,10 @@ class OutOfPages(RuntimeError):
 
 
 class PagePool:
-    """Page 0 is the null page: never handed out, so a page-table entry that maps nothing can point at it."""
+    """Pages of one pool; page 0 is the null page, never handed out.
+
+    A page-table entry that maps nothing points at the null page.
+    """
 
     def __init__(self, num_pages: int, page_size: int, name: str):
         if num_pages < 2:

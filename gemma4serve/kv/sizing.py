@@ -1,8 +1,8 @@
-"""How many pages each pool gets (DESIGN §3).
+"""How many pages each pool gets (docs/architecture.md, "KV cache: two pools, window-aware").
 
-The sliding pool is sized from what the running sequences can ever hold at once — each keeps at most the
-rows a reader can still reach plus one step's queries — and the full pool gets every remaining byte. There is
-no swa:full ratio to tune.
+The sliding pool is sized from what the running sequences can ever hold at once — each keeps at
+most the rows a reader can still reach plus one step's queries — and the full pool gets every
+remaining byte. There is no swa:full ratio to tune.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def plan_kv(
     kv_tokens: int | None,
     max_model_len: int | None,
 ) -> KVPlan:
-    # Rows before the next query that someone still reads (the target's W-1, the drafter's W_a+1) ...
+    # Rows before the next query that someone still reads (target: W-1, drafter: W_a+1) ...
     keep = max(cfg.sliding_window - 1, (draft_window + 1) if draft_window else 0)
-    # ... plus two steps' queries: with async scheduling a step is queued before the one before it is read.
+    # ... plus two steps' queries: with async scheduling a step is queued before the previous
+    # one is read.
     per_seq = _ceil(keep + 2 * (num_draft_tokens + 1), page_size) + 2
     sliding_pages = max_num_seqs * per_seq + _ceil(max_num_batched_tokens, page_size) + 1
     sliding_page_bytes = KVCache.bytes_per_page(cfg, SLIDING, page_size, dtype)
@@ -57,8 +58,10 @@ def plan_kv(
         full_pages = left // full_page_bytes if full_page_bytes else 0
         if full_pages < 2:
             raise ConfigError(
-                f"KV cache budget of {kv_bytes / 2**30:.2f} GiB is too small: the sliding pool alone needs "
-                f"{sliding_pages * sliding_page_bytes / 2**30:.2f} GiB for max_num_seqs={max_num_seqs}; "
+                f"KV cache budget of {kv_bytes / 2**30:.2f} GiB is too small: "
+                "the sliding pool alone needs "
+                f"{sliding_pages * sliding_page_bytes / 2**30:.2f} GiB "
+                f"for max_num_seqs={max_num_seqs}; "
                 "lower --max-num-seqs or raise --gpu-memory-utilization / --kv-cache-memory"
             )
     capacity = (full_pages - 1) * page_size - num_draft_tokens - 1
@@ -67,7 +70,8 @@ def plan_kv(
         max_model_len = limit
     elif max_model_len > cfg.max_position_embeddings:
         raise ConfigError(
-            f"max_model_len {max_model_len} exceeds the model's {cfg.max_position_embeddings} positions"
+            f"max_model_len {max_model_len} exceeds the model's "
+            f"{cfg.max_position_embeddings} positions"
         )
     elif max_model_len > capacity and kv_tokens is None:
         raise ConfigError(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# What a text server needs from a repo: configs, weights, tokenizer, chat template. Not the README images,
-# not the original (non-HF) weight formats some repos also carry.
+# What a text server needs from a repo: configs, weights, tokenizer, chat template. Not the README
+# images, not the original (non-HF) weight formats some repos also carry.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 
 
@@ -14,15 +14,18 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 
 def _looks_like_path(model: str) -> bool:
-    # A Hub id is "name" or "org/name"; anything else with path syntax was meant as a local directory.
+    # A Hub id is "name" or "org/name"; anything else with path syntax means a local directory.
     return model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or "\\" in model
 
 
 def resolve_checkpoint(
     model: str, revision: str | None = None, *, cache_dir: str | Path | None = None
 ) -> Path:
-    """A local directory is used as is; otherwise `model` is a Hugging Face repo id, fetched into (or, with
-    HF_HUB_OFFLINE=1, found in) the HF cache with `snapshot_download`."""
+    """The local checkpoint directory for `model`, a directory or a Hugging Face repo id.
+
+    A local directory is used as is; a repo id is fetched into (or, with HF_HUB_OFFLINE=1, found
+    in) the HF cache with `snapshot_download`.
+    """
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -58,13 +61,15 @@ def resolve_checkpoint(
         )
     except GatedRepoError as e:
         raise CheckpointNotFoundError(
-            f"{where} is gated: accept its license on huggingface.co and log in (`hf auth login` or HF_TOKEN)"
+            f"{where} is gated: accept its license on huggingface.co and log in "
+            "(`hf auth login` or HF_TOKEN)"
         ) from e
     except RevisionNotFoundError as e:
         raise CheckpointNotFoundError(f"{where}: revision {revision!r} not found on the Hub") from e
     except RepositoryNotFoundError as e:
         raise CheckpointNotFoundError(
-            f"{where}: no such local directory, and no such repository on the Hub (or it is private: log in)"
+            f"{where}: no such local directory, and no such repository on the Hub "
+            "(or it is private: log in)"
         ) from e
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
         offline = (

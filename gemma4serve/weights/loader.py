@@ -1,9 +1,10 @@
 """Stream a safetensors checkpoint into a module, one tensor at a time.
 
-The model module owns the naming: `to_param_name(checkpoint_name)` returns the parameter/buffer name, or
-None for tensors the text engine does not use (vision/audio towers, the dead k/v weights of KV-shared
-layers, ...). Everything is checked from the safetensors headers before a single weight byte is read, so a
-wrong checkpoint fails in a second, not after minutes of copying, and the error names every offending tensor.
+The model module owns the naming: `to_param_name(checkpoint_name)` returns the parameter/buffer
+name, or None for tensors the text engine does not use (vision/audio towers, the dead k/v weights
+of KV-shared layers, ...). Everything is checked from the safetensors headers before a single
+weight byte is read, so a wrong checkpoint fails in a second, not after minutes of copying, and the
+error names every offending tensor.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class _Entry:
 
 
 def checkpoint_files(ckpt_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards of `model.safetensors.index.json`, else the single file."""
+    """The safetensors files of a checkpoint.
+
+    These are the shards of `model.safetensors.index.json`, else the single file.
+    """
     ckpt_dir = Path(ckpt_dir)
     index = ckpt_dir / "model.safetensors.index.json"
     if index.exists():
@@ -72,16 +76,16 @@ def load_weights(
     dtype: torch.dtype | None,
     progress: bool = True,
 ) -> None:
-    """Copy every checkpoint tensor that `to_param_name` maps into the module's parameter/buffer of that name.
+    """Copy each checkpoint tensor that `to_param_name` maps into the module's tensor of that name.
 
-    Floating tensors are converted to `dtype` (None: the parameter's own dtype); integer tensors (e.g. the
-    assistant's `token_ordering`) keep theirs. Raises WeightLoadError, naming the tensors, for names the
-    module does not have, shape mismatches, a parameter loaded twice, and parameters left unloaded (except
-    those in `module.optional_weights`)."""
+    Floating tensors are converted to `dtype` (None: the parameter's own dtype); integer tensors
+    (e.g. the assistant's `token_ordering`) keep theirs. Raises WeightLoadError, naming the
+    tensors, for names the module does not have, shape mismatches, a parameter loaded twice, and
+    parameters left unloaded (except those in `module.optional_weights`).
+    """
     device = torch.device(device)
-    targets = module.state_dict(
-        keep_vars=True
-    )  # persistent params + buffers, by name (tied ones twice)
+    # Persistent parameters and buffers, by name (tied ones twice).
+    targets = module.state_dict(keep_vars=True)
     optional = set(getattr(module, "optional_weights", ()))
 
     # Pass 1: headers only.
@@ -89,38 +93,45 @@ def load_weights(
     unknown, mismatched, twice = [], [], []
     loaded_by: dict[str, str] = {}
     for file in checkpoint_files(ckpt_dir):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                pname = to_param_name(name)
-                if pname is None:
+        with safe_open(str(file), framework="pt") as reader:
+            for name in reader.keys():
+                param_name = to_param_name(name)
+                if param_name is None:
                     continue
-                if pname not in targets:
-                    unknown.append(f"{name} -> {pname}" if pname != name else name)
+                if param_name not in targets:
+                    unknown.append(f"{name} -> {param_name}" if param_name != name else name)
                     continue
-                sl = f.get_slice(name)
-                shape = tuple(sl.get_shape())
-                expected = tuple(targets[pname].shape)
+                header = reader.get_slice(name)
+                shape = tuple(header.get_shape())
+                expected = tuple(targets[param_name].shape)
                 if shape != expected:
                     mismatched.append(
-                        f"{name}: checkpoint {list(shape)}, module {pname} expects {list(expected)}"
+                        f"{name}: checkpoint {list(shape)}, "
+                        f"module {param_name} expects {list(expected)}"
                     )
                     continue
-                if pname in loaded_by:
-                    twice.append(f"{pname} <- {loaded_by[pname]} and {name}")
+                if param_name in loaded_by:
+                    twice.append(f"{param_name} <- {loaded_by[param_name]} and {name}")
                     continue
-                loaded_by[pname] = name
-                itemsize = _DTYPES[sl.get_dtype()].itemsize if sl.get_dtype() in _DTYPES else 1
-                entries.append(_Entry(file, name, pname, itemsize * _numel(shape)))
+                loaded_by[param_name] = name
+                dtype_name = header.get_dtype()
+                itemsize = _DTYPES[dtype_name].itemsize if dtype_name in _DTYPES else 1
+                entries.append(_Entry(file, name, param_name, itemsize * _numel(shape)))
 
     # Tied parameters appear under several names; loading any of them loads the tensor.
-    loaded_tensors = {id(targets[p]) for p in loaded_by}
-    missing = [n for n, t in targets.items() if id(t) not in loaded_tensors and n not in optional]
-    on_meta = [p for p in loaded_by if targets[p].is_meta]
+    loaded_tensors = {id(targets[param]) for param in loaded_by}
+    missing = [
+        name
+        for name, tensor in targets.items()
+        if id(tensor) not in loaded_tensors and name not in optional
+    ]
+    on_meta = [param for param in loaded_by if targets[param].is_meta]
     problems = []
     if on_meta:
         problems.append(
-            f"{len(on_meta)} module weight(s) are on the meta device (materialize the module first, e.g. "
-            "module.to_empty(device=...)):" + _short_list(on_meta)
+            f"{len(on_meta)} module weight(s) are on the meta device "
+            "(materialize the module first, e.g. module.to_empty(device=...)):"
+            + _short_list(on_meta)
         )
     if unknown:
         problems.append(
@@ -144,25 +155,25 @@ def load_weights(
     from tqdm.auto import tqdm
 
     bar = tqdm(
-        total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, unit_divisor=1024,
+        total=sum(entry.nbytes for entry in entries), unit="B", unit_scale=True, unit_divisor=1024,
         desc="Loading weights", disable=not progress,
     )  # fmt: skip
     st_device = _safetensors_device(device)
     try:
         by_file: dict[Path, list[_Entry]] = {}
-        for e in entries:
-            by_file.setdefault(e.file, []).append(e)
+        for entry in entries:
+            by_file.setdefault(entry.file, []).append(entry)
         with torch.no_grad():
             for file, file_entries in by_file.items():
-                with safe_open(str(file), framework="pt", device=st_device) as f:
-                    for e in file_entries:
-                        t = f.get_tensor(e.name)
-                        target = targets[e.param]
-                        if t.is_floating_point():
-                            t = t.to(dtype or target.dtype)
-                        target.copy_(t)
-                        del t
-                        bar.update(e.nbytes)
+                with safe_open(str(file), framework="pt", device=st_device) as reader:
+                    for entry in file_entries:
+                        tensor = reader.get_tensor(entry.name)
+                        target = targets[entry.param]
+                        if tensor.is_floating_point():
+                            tensor = tensor.to(dtype or target.dtype)
+                        target.copy_(tensor)
+                        del tensor
+                        bar.update(entry.nbytes)
     finally:
         bar.close()
 
