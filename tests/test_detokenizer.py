@@ -1,4 +1,4 @@
-"""Streaming detokenization: multi-byte characters across tokens, stop strings across tokens, hold-back."""
+"""Streaming detokenization: multi-byte characters and stop strings across tokens, hold-back."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""Static checks of the Dockerfile's promises (no Docker engine here to build it): CUDA base, the README's
-install command, a non-root user, the HF cache volume, the port, a health check on /health, the entrypoint."""
+"""Static checks of the Dockerfile's promises (no Docker engine here to build it).
+
+CUDA base, the README's install command, a non-root user, the HF cache volume, the port, a health
+check on /health, the entrypoint.
+"""
 
 from __future__ import annotations
 
@@ -37,11 +40,11 @@ def instructions() -> list[tuple[str, str]]:
 
 
 def args_of(name: str) -> list[str]:
-    return [a for n, a in instructions() if n == name]
+    return [args for instruction, args in instructions() if instruction == name]
 
 
 def normalized_pip_install(command: str) -> list[str] | None:
-    """`python -m pip install ".[x]"` -> ["pip", "install", ".[x]"]; None when it is not a pip install."""
+    """`python -m pip install ".[x]"` -> ["pip", "install", ".[x]"]; None if not a pip install."""
     words = shlex.split(command)
     while words and words[0] in ("$", "python", "python3", "-m", "sudo"):
         words = words[1:]
@@ -86,16 +89,15 @@ def test_install_command_equals_the_readme():
         if line.strip().startswith("```"):
             in_code = not in_code
         elif in_code and "pip install" in line:
-            for part in line.split(
-                "&&"
-            ):  # `pip install ... && gemma4serve --demo`: each command on its own
+            # `pip install ... && gemma4serve --demo`: each command on its own.
+            for part in line.split("&&"):
                 words = normalized_pip_install(part.strip())
                 if words:
                     readme_installs.append(words)
     assert readme_installs, "README.md shows no `pip install` command in a code block"
     assert dockerfile_package_install() in readme_installs, (
-        f"the Dockerfile installs with {shlex.join(dockerfile_package_install())!r}; the README says "
-        f"{[shlex.join(w) for w in readme_installs]}"
+        f"the Dockerfile installs with {shlex.join(dockerfile_package_install())!r}; "
+        f"the README says {[shlex.join(w) for w in readme_installs]}"
     )
 
 
@@ -143,9 +145,10 @@ def test_dockerignore_keeps_what_the_build_copies():
     for copy in args_of("COPY"):
         *sources, _dest = shlex.split(copy)
         for source in sources:
-            assert not any(fnmatch.fnmatch(source, p) for p in patterns), (
+            assert not any(fnmatch.fnmatch(source, pattern) for pattern in patterns), (
                 f".dockerignore drops COPY source {source}"
             )
             if source == "README.md" and not README.exists():
-                continue  # written by the docs; test_install_command_equals_the_readme skips meanwhile
+                # test_install_command_equals_the_readme skips while there is no README.
+                continue
             assert (ROOT / source).exists(), f"COPY source {source} is missing"
