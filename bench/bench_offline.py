@@ -432,7 +432,7 @@ def device_name(device: torch.device) -> str:
 
 
 def build_tiny(variant: str) -> tuple[str, str]:
-    from gemma4serve.tiny import write_tiny_assistant, write_tiny_checkpoint
+    from gemma4serve.demo.checkpoints import write_tiny_assistant, write_tiny_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="g4s-bench-"))
     return str(write_tiny_checkpoint(root / "target", variant)), str(

@@ -17,14 +17,14 @@ torch.set_num_threads(1)
 
 
 class TinyCheckpoints:
-    """Builds each tiny checkpoint once per test session (gemma4serve.tiny), on first use."""
+    """Each tiny checkpoint (gemma4serve.demo.checkpoints), built once per session on first use."""
 
     def __init__(self, root: Path):
         self.root = root
         self._built: dict[tuple, Path] = {}
 
     def get(self, variant: str, release_format: bool = True, shards: int = 1) -> Path:
-        from gemma4serve.tiny import write_tiny_checkpoint
+        from gemma4serve.demo.checkpoints import write_tiny_checkpoint
 
         key = ("target", variant, release_format, shards)
         if key not in self._built:
@@ -35,7 +35,7 @@ class TinyCheckpoints:
         return self._built[key]
 
     def get_assistant(self, variant: str) -> Path:
-        from gemma4serve.tiny import write_tiny_assistant
+        from gemma4serve.demo.checkpoints import write_tiny_assistant
 
         key = ("assistant", variant)
         if key not in self._built:

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from gemma4serve.config import load_config, parse_config
-from gemma4serve.tiny import LAYER_NORMS
+from gemma4serve.demo.checkpoints import LAYER_NORMS
 from gemma4serve.weights.dummy import init_dummy_weights
 from gemma4serve.weights.hub import CheckpointNotFoundError, resolve_checkpoint
 from gemma4serve.weights.loader import WeightLoadError, checkpoint_files, load_weights

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gemma4serve.config import FULL, SLIDING, AssistantConfig, TextConfig, load_config
-from gemma4serve.tiny import (
+from gemma4serve.demo.checkpoints import (
     VARIANTS,
     ensure_demo_model,
     write_tiny_assistant,

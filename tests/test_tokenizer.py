@@ -8,7 +8,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from gemma4serve.tiny_tokenizer import SPECIAL_TOKENS
+from gemma4serve.demo.tokenizer import SPECIAL_TOKENS
 from gemma4serve.tokenizer import Tokenizer
 
 # The chat template published with gemma-4-31B-it (verbatim copy), so the parity test runs everywhere.

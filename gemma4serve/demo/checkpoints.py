@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from gemma4serve.config import FULL, SLIDING, parse_text_config
-from gemma4serve.tiny_tokenizer import MULTIMODAL_TOKEN_IDS, SPECIAL_TOKENS, build_tiny_tokenizer
+from gemma4serve.demo.tokenizer import MULTIMODAL_TOKEN_IDS, SPECIAL_TOKENS, build_tiny_tokenizer
 
 LAYER_NORMS = (
     "input_layernorm",
@@ -41,7 +41,7 @@ LAYER_NORMS = (
 
 VARIANTS = ("dense", "moe", "ple")
 VOCAB_SIZE = 512
-DEMO_TEMPLATE = Path(__file__).parent / "demo" / "chat_template.jinja"
+DEMO_TEMPLATE = Path(__file__).parent / "chat_template.jinja"
 DEMO_VERSION = "demo-v1"  # bump when the demo model changes, so stale caches are not reused
 
 S, F = SLIDING, FULL
