@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# Triton picks interpreter or compiled mode when the kernels are first imported: without a GPU, every test
-# that touches them must see the interpreter.
+# Triton picks interpreter or compiled mode when the kernels are first imported: without a GPU,
+# every test that touches them must see the interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # The tiny models are far too small for intra-op threads to pay; with two cores they only contend.

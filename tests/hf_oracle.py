@@ -1,4 +1,7 @@
-"""transformers 5.17 as the oracle (test dependency only): load the tiny checkpoints strictly, in fp32 eager."""
+"""transformers 5.17 as the oracle (a test dependency only).
+
+It loads the tiny checkpoints strictly, in fp32 eager.
+"""
 
 from __future__ import annotations
 
@@ -37,20 +40,20 @@ def text_model(hf):
 
 @torch.no_grad()
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    dev = next(hf.parameters()).device
-    return hf(torch.tensor([ids], device=dev)).logits[0].float()
+    device = next(hf.parameters()).device
+    return hf(torch.tensor([ids], device=device)).logits[0].float()
 
 
 @torch.no_grad()
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    dev = next(hf.parameters()).device
+    device = next(hf.parameters()).device
     from transformers import GenerationConfig
 
-    # No EOS: the engine runs with ignore_eos, and min_new_tokens would instead *suppress* the EOS logits.
-    gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # No EOS: the engine runs with ignore_eos; min_new_tokens would instead *suppress* EOS logits.
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     saved, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None
     try:
-        out = hf.generate(torch.tensor([ids], device=dev), generation_config=gc)
+        out = hf.generate(torch.tensor([ids], device=device), generation_config=config)
     finally:
         hf.generation_config.eos_token_id = saved
     return out[0, len(ids) :].tolist()

@@ -16,7 +16,7 @@ from gemma4serve.weights.dummy import init_dummy_weights
 from gemma4serve.weights.hub import CheckpointNotFoundError, resolve_checkpoint
 from gemma4serve.weights.loader import WeightLoadError, checkpoint_files, load_weights
 
-# ---- a module with HF's parameter names (prefix stripped), built from our parsed config ------------------
+# ---- a module with HF's parameter names (prefix stripped), built from our parsed config ----------
 
 
 def linear(n_out, n_in):
@@ -24,9 +24,9 @@ def linear(n_out, n_in):
 
 
 def norm(n):
-    m = nn.Module()
-    m.weight = nn.Parameter(torch.empty(n))
-    return m
+    module = nn.Module()
+    module.weight = nn.Parameter(torch.empty(n))
+    return module
 
 
 class Layer(nn.Module):
@@ -54,14 +54,14 @@ class Layer(nn.Module):
             self.per_layer_projection = linear(H, cfg.ple_dim)
             self.post_per_layer_input_norm = norm(H)
         if cfg.moe:
-            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            E, intermediate = cfg.num_experts, cfg.moe_intermediate_size
             self.router = nn.Module()
             self.router.proj = linear(E, H)
             self.router.scale = nn.Parameter(torch.empty(H))
             self.router.per_expert_scale = nn.Parameter(torch.empty(E))
             self.experts = nn.Module()
-            self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
-            self.experts.down_proj = nn.Parameter(torch.empty(E, H, I))
+            self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * intermediate, H))
+            self.experts.down_proj = nn.Parameter(torch.empty(E, H, intermediate))
             for name in (
                 "pre_feedforward_layernorm_2",
                 "post_feedforward_layernorm_1",
@@ -71,7 +71,7 @@ class Layer(nn.Module):
 
 
 class TextWeights(nn.Module):
-    """`embed_tokens`, `layers.{i}...`, `norm`: the decoder's names as in the checkpoint minus its prefix."""
+    """The decoder's checkpoint names minus the prefix: `embed_tokens`, `layers.{i}...`, `norm`."""
 
     def __init__(self, cfg, *, with_kv=True):
         super().__init__()
@@ -105,14 +105,14 @@ class AssistantWeights(nn.Module):
 
 def text_param_name(prefix: str, cfg):
     """The checkpoint -> module mapping a model module supplies: strip the prefix, skip the rest."""
-    shared = {l.index for l in cfg.layers if l.kv_shared}
+    shared = {layer.index for layer in cfg.layers if layer.kv_shared}
 
     def to_param_name(name: str) -> str | None:
         if not name.startswith(prefix):
             return None  # vision / audio towers
         name = name[len(prefix) :]
-        m = re.match(r"layers\.(\d+)\.self_attn\.(k_proj|k_norm|v_proj)\.", name)
-        if m and int(m.group(1)) in shared:
+        match = re.match(r"layers\.(\d+)\.self_attn\.(k_proj|k_norm|v_proj)\.", name)
+        if match and int(match.group(1)) in shared:
             return None  # dead k/v weights of KV-shared layers
         return name
 
@@ -202,19 +202,22 @@ def test_checkpoint_without_a_weight_the_module_needs(tiny_checkpoints):
     ckpt = tiny_checkpoints.get("moe", True)
     cfg = load_config(ckpt)
     skip = text_param_name("model.language_model.", cfg)
+
+    def without_expert_scale(name):
+        return None if name.endswith("layers.2.router.per_expert_scale") else skip(name)
+
     with pytest.raises(WeightLoadError, match=r"layers\.2\.router\.per_expert_scale"):
         load_weights(
             TextWeights(cfg), ckpt, device="cpu", dtype=None, progress=False,
-            to_param_name=lambda n: None if n.endswith("layers.2.router.per_expert_scale") else skip(n),
+            to_param_name=without_expert_scale,
         )  # fmt: skip
 
 
 def test_shape_mismatch_is_named(tiny_checkpoints):
     ckpt = tiny_checkpoints.get("dense", True)
     module = TextWeights(load_config(ckpt))
-    module.layers[2].self_attn.k_proj = linear(
-        64, 48
-    )  # a full k_eq_v layer has 1 KV head of 32: [32, 48]
+    # A full k_eq_v layer has 1 KV head of 32: [32, 48].
+    module.layers[2].self_attn.k_proj = linear(64, 48)
     with torch.no_grad():
         module.norm.weight.fill_(7.0)
     with pytest.raises(WeightLoadError) as e:
@@ -223,28 +226,32 @@ def test_shape_mismatch_is_named(tiny_checkpoints):
         "model.language_model.layers.2.self_attn.k_proj.weight: checkpoint [32, 48], "
         "module layers.2.self_attn.k_proj.weight expects [64, 48]"
     ) in str(e.value)
-    assert (
-        module.norm.weight == 7.0
-    ).all()  # nothing was copied: every check runs on the headers first
+    # Nothing was copied: every check runs on the headers first.
+    assert (module.norm.weight == 7.0).all()
 
 
 def test_unknown_and_duplicate_targets_are_named(tiny_checkpoints):
     ckpt = tiny_checkpoints.get("dense", True)
     cfg = load_config(ckpt)
     strip = text_param_name("model.language_model.", cfg)
+
+    def keep_vision(name):
+        return name.removeprefix("model.") if "vision" in name else strip(name)
+
     with pytest.raises(
         WeightLoadError, match=r"model\.vision_tower\.std_bias -> vision_tower\.std_bias"
     ):
         load_weights(TextWeights(cfg), ckpt, device="cpu", dtype=None, progress=False,
-                     to_param_name=lambda n: n.removeprefix("model.") if "vision" in n else strip(n))  # fmt: skip
+                     to_param_name=keep_vision)  # fmt: skip
     dup = "model.language_model.layers.0.input_layernorm.weight"
     twice = r"loaded from two checkpoint tensors:\n  norm\.weight <- model\.language_model\."
     with pytest.raises(WeightLoadError, match=twice) as e:
         load_weights(TextWeights(cfg), ckpt, device="cpu", dtype=None, progress=False,
                      to_param_name=lambda n: "norm.weight" if n == dup else strip(n))  # fmt: skip
-    assert dup in str(
-        e.value
-    ) and "missing from the checkpoint:\n  layers.0.input_layernorm.weight" in str(e.value)
+    message = str(e.value)
+    assert dup in message and (
+        "missing from the checkpoint:\n  layers.0.input_layernorm.weight" in message
+    )
 
 
 def test_meta_module_is_refused(tiny_checkpoints):
@@ -260,7 +267,7 @@ def test_no_weights_file(tmp_path):
         load_weights(nn.Linear(2, 2), tmp_path, to_param_name=lambda n: n, device="cpu", dtype=None)
 
 
-# ---- dummy weights ----------------------------------------------------------------------------------------
+# ---- dummy weights -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -269,30 +276,30 @@ def test_dummy_weights(tiny_checkpoints, dtype):
     module = AssistantWeights(acfg).to(dtype)
     init_dummy_weights(module, seed=3)
     state = module.state_dict()
-    for name, t in state.items():
-        if t.is_floating_point():
-            assert torch.isfinite(t).all(), name
+    for name, tensor in state.items():
+        if tensor.is_floating_point():
+            assert torch.isfinite(tensor).all(), name
     norms = torch.cat(
         [
-            t.float()
-            for n, t in state.items()
-            if n.endswith("norm.weight") or n.endswith("layer_scalar")
+            tensor.float()
+            for name, tensor in state.items()
+            if name.endswith("norm.weight") or name.endswith("layer_scalar")
         ]
     )
     assert ((norms > 0.85) & (norms < 1.15)).all()
-    w = module.pre_projection.weight.float()
-    assert 0.015 < w.std() < 0.025
+    weight = module.pre_projection.weight.float()
+    assert 0.015 < weight.std() < 0.025
     order = module.masked_embedding.token_ordering
     assert torch.equal(order.sort().values, torch.arange(acfg.text.vocab_size))
     assert module.model.lm_head.weight is module.model.embed_tokens.weight  # tied: filled once
     again = AssistantWeights(acfg).to(dtype)
     init_dummy_weights(again, seed=3)
-    assert all(torch.equal(again.state_dict()[n], t) for n, t in state.items())
+    assert all(torch.equal(again.state_dict()[name], tensor) for name, tensor in state.items())
     init_dummy_weights(again, seed=4)
     assert not torch.equal(again.pre_projection.weight, module.pre_projection.weight)
 
 
-# ---- resolve_checkpoint -----------------------------------------------------------------------------------
+# ---- resolve_checkpoint --------------------------------------------------------------------------
 
 
 def test_resolve_local_dir(tiny_checkpoints, tmp_path):

@@ -1,4 +1,7 @@
-"""The target decoder against transformers 5.17 on tiny random checkpoints of every variant (fp32, CPU)."""
+"""The target decoder against transformers 5.17 on tiny random checkpoints (fp32, CPU).
+
+Every variant: dense, MoE and PLE, each in the release and the text-only config format.
+"""
 
 from __future__ import annotations
 
@@ -14,25 +17,26 @@ VARIANTS = ["dense", "moe", "ple"]
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(110, 500, (n,), generator=g).tolist()  # ordinary (non-special) tokens
+    """`n` ordinary (non-special) token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(110, 500, (n,), generator=generator).tolist()
 
 
 @torch.inference_mode()
 def engine_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
-    """All-position logits of one prompt run through the engine's own step preparation, in chunks."""
-    eng = llm.engine
+    """All-position logits of one prompt, run in chunks through the engine's step preparation."""
+    engine = llm.engine
     seq = Sequence("parity", 0, list(prompt), len(prompt), SamplingParams(), 0, 0, len(prompt))
     out = []
     try:
         for start in range(0, len(prompt), chunk):
             length = min(chunk, len(prompt) - start)
-            eng.kv.grow(seq.pages, start, start + length)
+            engine.kv.grow(seq.pages, start, start + length)
             batch = scheduled_batch([ScheduledChunk(seq, start, length, [])])
-            hidden = eng.runner.forward(batch, greedy=False).hidden
-            out.append(eng.state.target.logits(hidden).float())
+            hidden = engine.runner.forward(batch, greedy=False).hidden
+            out.append(engine.state.target.logits(hidden).float())
     finally:
-        eng.kv.free(seq.pages)
+        engine.kv.free(seq.pages)
     return torch.cat(out)
 
 
@@ -76,11 +80,11 @@ def test_greedy_matches_hf_generate(pair):
 
 def test_mixed_batch_equals_each_alone(pair):
     variant, llm, _ = pair
-    eng = llm.engine
-    free0 = eng.kv_pool_free()
+    engine = llm.engine
+    free0 = engine.kv_pool_free()
     prompts = [prompt_of(n, seed=100 + n) for n in (1, 7, 30, 45)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     together = [o.token_ids for o in llm.generate(prompts, sp)]  # prefill chunks mixed with decodes
     alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
     assert together == alone
-    assert eng.kv_pool_free() == free0
+    assert engine.kv_pool_free() == free0

@@ -1,4 +1,4 @@
-"""GPU-only tests (bf16 at the real shapes, CUDA graphs). Everything in this folder skips without CUDA.
+"""GPU-only tests (bf16 at the real shapes, CUDA graphs); everything here skips without CUDA.
 
 Run on a CUDA machine with:  pytest tests/gpu -q
 """

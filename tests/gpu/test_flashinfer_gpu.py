@@ -1,5 +1,8 @@
-"""The FlashInfer backend (only where the `flashinfer` extra is installed): its prefill path against the Triton
-kernel on a mixed eager step, and the steps it must leave to Triton."""
+"""The FlashInfer backend, where the `flashinfer` extra is installed.
+
+Its prefill path against the Triton kernel on a mixed eager step, and the steps it must leave to
+Triton.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +27,11 @@ def backend():
 
 
 def mixed_step(kind: str, free_old_pages: bool):
-    """A prefill chunk after a cached prefix (positions 60..139), a whole short prompt (0..31) and one decode
-    row (position 150): one eager step, page tables as the engine builds them."""
+    """One eager step, page tables as the engine builds them, of three groups.
+
+    A prefill chunk after a cached prefix (positions 60..139), a whole short prompt (0..31) and one
+    decode row (position 150).
+    """
     nh, nkv, hd = LAYOUTS[kind]
     g = torch.Generator("cuda").manual_seed(0)
     groups = [(60, 80), (0, 32), (150, 1)]  # (first position, new tokens)
@@ -79,7 +85,11 @@ def test_prefill_matches_triton(backend, kind):
 
 @pytest.mark.parametrize("kind", [SLIDING, FULL])
 def test_steps_without_host_layout_stay_on_triton(backend, kind):
-    """Graph-captured and drafter steps carry no host layout; decode-only steps have one query per group."""
+    """Steps without a host layout stay on Triton.
+
+    Graph-captured and drafter steps carry no host layout; decode-only steps have one query per
+    group.
+    """
     q, k, v, meta = mixed_step(kind, free_old_pages=False)
     meta.host = None
     assert torch.equal(
@@ -88,5 +98,5 @@ def test_steps_without_host_layout_stay_on_triton(backend, kind):
 
 
 def test_sliding_head_dim_runs_on_flashinfer(backend):
-    """The reason the backend exists: the 31B's sliding layers (head_dim 256) take FlashInfer's prefill."""
+    """The backend's reason to exist: the 31B's sliding layers (head_dim 256) take its prefill."""
     assert SLIDING in backend.wrappers
