@@ -1,4 +1,5 @@
-"""The tiny checkpoint writer: transformers 5.17 (the oracle) must load every file strictly, with our values."""
+"""The tiny checkpoint writer: transformers 5.17 (the oracle) must load every file strictly, with
+our values."""
 
 from __future__ import annotations
 
@@ -38,11 +39,14 @@ def assert_strict_hf_load(cls, ckpt, *, ignored=()):
 def dead_kv_names(ckpt) -> set[str]:
     """k/v weights of KV-shared layers: in the release files, ignored by HF (and by us)."""
     cfg = load_config(ckpt)
-    shared = [l.index for l in cfg.layers if l.kv_shared]
+    shared = [layer.index for layer in cfg.layers if layer.kv_shared]
     return {
-        n for n in file_tensors(ckpt)
-        if any(f".layers.{i}.self_attn.{w}" in n for i in shared for w in ("k_proj", "k_norm", "v_proj"))
-    }  # fmt: skip
+        name
+        for name in file_tensors(ckpt)
+        for index in shared
+        for weight in ("k_proj", "k_norm", "v_proj")
+        if f".layers.{index}.self_attn.{weight}" in name
+    }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -111,7 +115,9 @@ def test_variant_shapes_and_configs(tiny_checkpoints):
     assert (
         ple.ple_dim > 0 and ple.num_kv_shared_layers > 0 and ple.double_wide_mlp and not ple.k_eq_v
     )
-    assert {l.mlp_width for l in ple.layers if l.kv_shared} == {2 * ple.intermediate_size}
+    assert {layer.mlp_width for layer in ple.layers if layer.kv_shared} == {
+        2 * ple.intermediate_size
+    }
 
 
 def test_weights_are_randomized(tiny_checkpoints):

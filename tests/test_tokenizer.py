@@ -1,4 +1,5 @@
-"""Tokenizer: byte-fallback round trips, Gemma's special ids, and chat templates rendered like transformers."""
+"""Tokenizer: byte-fallback round trips, Gemma's special ids, and chat templates rendered like
+transformers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from gemma4serve.demo.tokenizer import SPECIAL_TOKENS
 from gemma4serve.tokenizer import Tokenizer
 
-# The chat template published with gemma-4-31B-it (verbatim copy), so the parity test runs everywhere.
+# The chat template published with gemma-4-31B-it (verbatim copy), so the parity test runs
+# everywhere.
 REFERENCE_TEMPLATE = Path(__file__).parent / "data" / "chat_template.gemma-4-31B-it.jinja"
 
 TEXTS = [
@@ -65,7 +67,7 @@ def test_encoding_matches_transformers(tiny_checkpoints, tok):
         assert hf.decode(ids, skip_special_tokens=True) == tok.decode(ids)
 
 
-# ---- chat templates ---------------------------------------------------------------------------------------
+# ---- chat templates -----------------------------------------------------------------------------
 
 WEATHER_TOOL = {
     "type": "function",
@@ -175,8 +177,8 @@ def test_demo_template(tok):
     assert with_tools.startswith("<bos><|turn>system\n<|tool>declaration:get_weather{")
     assert '<|tool_call>call:get_weather{"city": "Paris"}<tool_call|>' in with_tools
     assert (
-        '<|turn>tool\n<|tool_response>response:get_weather{value:<|"|>21 C<|"|>}<tool_response|><turn|>\n'
-        in with_tools
+        '<|turn>tool\n<|tool_response>response:get_weather{value:<|"|>21 C<|"|>}'
+        "<tool_response|><turn|>\n" in with_tools
     )
     with pytest.raises(jinja2.TemplateError, match="system message"):
         tok.apply_chat_template(
@@ -186,8 +188,10 @@ def test_demo_template(tok):
 
 def test_template_environment(tok):
     template = (
-        "{{ bos_token }}{{ eos_token }}{{ pad_token }}|{{ messages | tojson }}|{{ strftime_now('%Y') | length }}"
-        "{% generation %}G{% endgeneration %}{% for m in messages %}{% if loop.index > 0 %}{% break %}{% endif %}{% endfor %}"
+        "{{ bos_token }}{{ eos_token }}{{ pad_token }}|{{ messages | tojson }}|"
+        "{{ strftime_now('%Y') | length }}"
+        "{% generation %}G{% endgeneration %}"
+        "{% for m in messages %}{% if loop.index > 0 %}{% break %}{% endif %}{% endfor %}"
     )
     out = tok.apply_chat_template([{"role": "user", "content": "<é>"}], chat_template=template)
     assert (
