@@ -1,21 +1,26 @@
 #!/usr/bin/env python
-"""Offline throughput of the engine, stepped directly: random prompts, exactly --output-len greedy tokens each.
+"""Offline throughput of the engine, stepped directly.
 
-At each --concurrency level it keeps that many requests in flight (a new one is added as soon as one finishes)
-and timestamps every step. Per request: TTFT (add -> first token), TPOT (mean time per output token after the
-first), and ITL (the gap between two deliveries of a request, spread over the tokens delivered together: with
-MTP several tokens land at once). Next to the measured TPOT it prints the decode-step bandwidth roofline
-(DESIGN §6): the bytes one verify step must read (target weights, k drafter passes, KV) over the memory
-bandwidth, divided by the measured tokens per step.
+Random prompts, exactly --output-len greedy tokens each. At each --concurrency level it keeps that
+many requests in flight (a new one is added as soon as one finishes) and timestamps every step. Per
+request: TTFT (add -> first token), TPOT (mean time per output token after the first), and ITL (the
+gap between two deliveries of a request, spread over the tokens delivered together: with MTP several
+tokens land at once). Next to the measured TPOT it prints the decode-step bandwidth roofline
+(docs/architecture.md, "Performance model: the bandwidth roofline"): the bytes one verify step must
+read (target weights, k drafter passes, KV) over the memory bandwidth, divided by the measured
+tokens per step.
 
     # CPU, seconds: a tiny random checkpoint
-    python bench/bench_offline.py --tiny --input-len 64 --output-len 32 --concurrency 1 4 --hf-baseline
+    python bench/bench_offline.py --tiny --input-len 64 --output-len 32 --concurrency 1 4 \\
+        --hf-baseline
     # GPU: the real 31B shapes with random weights
-    python bench/bench_offline.py --model configs/gemma-4-31B-it --draft configs/gemma-4-31B-it-assistant \\
-        --load-format dummy --input-len 1000 --output-len 256 --concurrency 1 8 32 --forced-acceptance 3.1
+    python bench/bench_offline.py --model configs/gemma-4-31B-it \\
+        --draft configs/gemma-4-31B-it-assistant --load-format dummy \\
+        --input-len 1000 --output-len 256 --concurrency 1 8 32 --forced-acceptance 3.1
 
---hf-baseline also times transformers' `generate` (concurrency 1, with and without the assistant) on the very
-same weights: our modules' tensors are handed to the HF modules (their state-dict names match), not copied.
+--hf-baseline also times transformers' `generate` (concurrency 1, with and without the assistant)
+on the very same weights: our modules' tensors are handed to the HF modules (their state-dict names
+match), not copied.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="?",
         const="dense",
         metavar="VARIANT",
-        help="build and use a tiny random checkpoint (dense | moe | ple; default dense) and its assistant",
+        help="build and use a tiny random checkpoint (dense | moe | ple; default dense) "
+        "and its assistant",
     )
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--device", default="auto")
@@ -76,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--forced-acceptance",
         type=float,
         nargs="+",
-        help="benchmark mode: mean tokens per verify step (e.g. 3.1) or per-position acceptance rates",
+        help="benchmark mode: mean tokens per verify step (e.g. 3.1) "
+        "or per-position acceptance rates",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
@@ -104,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ---- measuring ---------------------------------------------------------------------------------------------
+# ---- measuring -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -208,7 +215,7 @@ def run_level(
     )  # fmt: skip
 
 
-# ---- the roofline --------------------------------------------------------------------------------------------
+# ---- the roofline --------------------------------------------------------------------------------
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -216,27 +223,33 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def weight_bytes_per_step(module: torch.nn.Module, tokens: int, skip=(), cfg=None) -> float:
-    """Bytes of `module`'s weights one forward over `tokens` tokens reads. Tables that are only gathered from
-    (`skip`) do not count; MoE experts count for the expected number of distinct experts the tokens route to
-    (uniform routing: E * (1 - (1 - top_k / E) ** tokens))."""
+    """Bytes of `module`'s weights that one forward over `tokens` tokens reads.
+
+    Tables that are only gathered from (`skip`) do not count; MoE experts count for the expected
+    number of distinct experts the tokens route to (uniform routing:
+    E * (1 - (1 - top_k / E) ** tokens)).
+    """
     total, seen = 0.0, set()
-    for name, t in module.named_parameters():
-        if id(t) in seen or any(s in name for s in skip):
+    for name, param in module.named_parameters():
+        if id(param) in seen or any(pattern in name for pattern in skip):
             continue
-        seen.add(id(t))
+        seen.add(id(param))
         if cfg is not None and cfg.moe and ".experts." in name:
             E, top = cfg.num_experts, cfg.top_k_experts
-            total += _nbytes(t) * (1 - (1 - top / E) ** tokens)
+            total += _nbytes(param) * (1 - (1 - top / E) ** tokens)
         else:
-            total += _nbytes(t)
+            total += _nbytes(param)
     return total
 
 
 def kv_bytes_per_token_row(layers, elt: int) -> dict:
-    """KV bytes per cached row that one pass over `layers` reads, per attention type (K and V, every layer)."""
+    """KV bytes per cached row that one pass over `layers` reads, per attention type.
+
+    K and V of every layer count.
+    """
     out = {SLIDING: 0, FULL: 0}
-    for l in layers:
-        out[l.kind] += 2 * l.num_kv_heads * l.head_dim * elt
+    for layer in layers:
+        out[layer.kind] += 2 * layer.num_kv_heads * layer.head_dim * elt
     return out
 
 
@@ -262,34 +275,39 @@ class Roofline:
 
 
 def roofline(engine: LLMEngine, concurrency: int, context: int, bandwidth: float) -> Roofline:
-    """One decode step of `concurrency` sequences at `context` cached tokens: a k+1-token verify over the
-    target, then k drafter passes (each reading the target's last sliding and full layer KV)."""
-    s, k = engine.state, engine.num_draft_tokens
-    cfg = s.target.cfg
-    elt = torch.finfo(s.dtype).bits // 8
+    """The roofline of one decode step of `concurrency` sequences at `context` cached tokens.
+
+    The step is a k+1-token verify over the target, then k drafter passes (each reading the
+    target's last sliding and full layer KV).
+    """
+    state, k = engine.state, engine.num_draft_tokens
+    cfg = state.target.cfg
+    elt = torch.finfo(state.dtype).bits // 8
     target = weight_bytes_per_step(
-        s.target, concurrency * (k + 1), skip=("embed_tokens_per_layer",), cfg=cfg
+        state.target, concurrency * (k + 1), skip=("embed_tokens_per_layer",), cfg=cfg
     )
     rows = {FULL: context, SLIDING: min(context, cfg.sliding_window)}
     per_row = kv_bytes_per_token_row(cfg.layers, elt)
     kv = concurrency * sum(per_row[kind] * rows[kind] for kind in rows)
     draft = 0.0
-    if s.draft is not None and k:
-        d = s.draft
-        if (
-            d.masked_embedding is not None
-        ):  # centroid head: only the selected clusters' rows of the table
-            V, C = cfg.vocab_size, d.cfg.num_centroids
-            rows_read = min(V, concurrency * d.cfg.centroid_top_k * V // C)
-            head = rows_read * d.cfg.text.hidden_size * elt
-            draft_w = weight_bytes_per_step(d, concurrency, skip=("model.embed_tokens",)) + head
+    if state.draft is not None and k:
+        drafter = state.draft
+        # Centroid head: only the selected clusters' rows of the table.
+        if drafter.masked_embedding is not None:
+            V, C = cfg.vocab_size, drafter.cfg.num_centroids
+            rows_read = min(V, concurrency * drafter.cfg.centroid_top_k * V // C)
+            head = rows_read * drafter.cfg.text.hidden_size * elt
+            body = weight_bytes_per_step(drafter, concurrency, skip=("model.embed_tokens",))
+            draft_w = body + head
         else:
-            draft_w = weight_bytes_per_step(d, concurrency)
-        d_rows = {FULL: context, SLIDING: min(context, d.window)}
-        d_per_row = kv_bytes_per_token_row(d.cfg.text.layers, elt)
+            draft_w = weight_bytes_per_step(drafter, concurrency)
+        d_rows = {FULL: context, SLIDING: min(context, drafter.window)}
+        d_per_row = kv_bytes_per_token_row(drafter.cfg.text.layers, elt)
         d_kv = concurrency * sum(d_per_row[kind] * d_rows[kind] for kind in d_rows)
         draft = k * (draft_w + d_kv)
-    decode = weight_bytes_per_step(s.target, concurrency, skip=("embed_tokens_per_layer",), cfg=cfg)
+    decode = weight_bytes_per_step(
+        state.target, concurrency, skip=("embed_tokens_per_layer",), cfg=cfg
+    )
     return Roofline(target, draft, kv, bandwidth, decode)
 
 
@@ -312,14 +330,15 @@ def measure_bandwidth(device: torch.device) -> float:
     return 2 * n * 4 * reps / dt
 
 
-# ---- the transformers baseline ----------------------------------------------------------------------------------
+# ---- the transformers baseline -------------------------------------------------------------------
 
 
 def to_hf(module: torch.nn.Module, cls, config, prefix: str, device: torch.device):
-    """An HF model whose parameters *are* our module's tensors (no copy: two 31Bs would not fit on an 80 GB GPU).
+    """An HF model whose parameters *are* our module's tensors.
 
-    Built on the meta device; load_state_dict(assign=True) adopts our tensors. Buffers HF computes in __init__
-    (RoPE inverse frequencies, the embedding scale) are not in any state dict: rebuild those on the device.
+    No copy: two 31Bs would not fit on an 80 GB GPU. Built on the meta device;
+    load_state_dict(assign=True) adopts our tensors. Buffers HF computes in __init__ (RoPE inverse
+    frequencies, the embedding scale) are not in any state dict: rebuild those on the device.
     """
     with torch.device("meta"):
         hf = cls(config)
@@ -327,7 +346,8 @@ def to_hf(module: torch.nn.Module, cls, config, prefix: str, device: torch.devic
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(
-            f"state dict names differ from {cls.__name__}: missing {missing}, unexpected {unexpected}"
+            f"state dict names differ from {cls.__name__}: "
+            f"missing {missing}, unexpected {unexpected}"
         )
     if "lm_head.weight" in missing:  # tied to the input embedding
         hf.lm_head.weight = hf.get_input_embeddings().weight
@@ -350,7 +370,10 @@ def to_hf(module: torch.nn.Module, cls, config, prefix: str, device: torch.devic
 def hf_generate_timed(
     hf, prompt: list[int], n: int, assistant=None, device=None
 ) -> tuple[float, float, list[int]]:
-    """(TTFT, TPOT, tokens) of HF greedy generate: TTFT from a 1-token run, TPOT from the n-token run."""
+    """(TTFT, TPOT, tokens) of HF greedy generate.
+
+    TTFT comes from a 1-token run, TPOT from the n-token run.
+    """
     from transformers import GenerationConfig
 
     ids = torch.tensor([prompt], device=device)
@@ -384,13 +407,15 @@ def hf_baseline(
     engine: LLMEngine, prompt: list[int], output_len: int
 ) -> list[tuple[str, float, float, list[int]]]:
     """transformers 5.17 generate on our weights, concurrency 1, without and with the assistant.
-    It consumes the engine: the KV pool is freed for HF's own cache."""
+
+    It consumes the engine: the KV pool is freed for HF's own cache.
+    """
     import transformers
     from transformers import AutoConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
-    s, k = engine.state, engine.num_draft_tokens
-    target_dir, draft_dir, device = s.target_dir, s.draft_dir, s.device
-    target, draft = s.target, s.draft
+    state, k = engine.state, engine.num_draft_tokens
+    target_dir, draft_dir, device = state.target_dir, state.draft_dir, state.device
+    target, draft = state.target, state.draft
     # Give the KV pool's memory back: HF keeps its own cache.
     engine.state = engine.runner = engine.scheduler = engine.kv = None
     gc.collect()
@@ -406,27 +431,30 @@ def hf_baseline(
         dcfg = AutoConfig.from_pretrained(draft_dir)
         dcfg._attn_implementation = "sdpa"
         dcfg.get_text_config()._attn_implementation = "sdpa"
-        asst = to_hf(draft, Gemma4AssistantForCausalLM, dcfg, "", device)
-        # generate(num_assistant_tokens=...) has no effect in 5.17: the assistant's own config decides, and its
-        # default schedule would adapt k; keep it fixed at ours.
-        asst.generation_config.num_assistant_tokens = k
-        asst.generation_config.num_assistant_tokens_schedule = "constant"
+        hf_assistant = to_hf(draft, Gemma4AssistantForCausalLM, dcfg, "", device)
+        # generate(num_assistant_tokens=...) has no effect in 5.17: the assistant's own config
+        # decides, and its default schedule would adapt k; keep it fixed at ours.
+        hf_assistant.generation_config.num_assistant_tokens = k
+        hf_assistant.generation_config.num_assistant_tokens_schedule = "constant"
         rows.append(
             (
                 f"  + assistant_model (k={k})",
-                *hf_generate_timed(hf, prompt, output_len, asst, device),
+                *hf_generate_timed(hf, prompt, output_len, hf_assistant, device),
             )
         )
     return rows
 
 
-# ---- main ------------------------------------------------------------------------------------------------------
+# ---- main ----------------------------------------------------------------------------------------
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        return f"{p.name} ({p.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}"
+        props = torch.cuda.get_device_properties(device)
+        return (
+            f"{props.name} ({props.total_memory / 2**30:.0f} GiB), "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+        )
     cpu = platform.processor() or platform.machine()
     return f"CPU {cpu} ({torch.get_num_threads()} threads), torch {torch.__version__}"
 
@@ -449,19 +477,23 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def table_row(lv: Level, rf: Roofline) -> str:
+def table_row(level: Level, roof: Roofline) -> str:
     def ms(xs, q):
         return percentile(xs, q) * 1e3
 
-    ttft = [r.ttft for r in lv.reqs]
-    tpot = [r.tpot for r in lv.reqs if r.tpot is not None]
-    itl = [x for r in lv.reqs for x in r.itls()]
-    # A drafting step serves every sequence acc-len tokens; with an adaptive draft length, some steps do not draft.
-    roof_tpot = lv.draft_share * rf.step_s / lv.accepted_len + (1 - lv.draft_share) * rf.decode_s
-    total = lv.input_tokens + lv.output_tokens
-    row = (lv.concurrency, len(lv.reqs), lv.output_tokens / lv.elapsed, total / lv.elapsed,
+    ttft = [r.ttft for r in level.reqs]
+    tpot = [r.tpot for r in level.reqs if r.tpot is not None]
+    itl = [x for r in level.reqs for x in r.itls()]
+    # A drafting step serves every sequence acc-len tokens; with an adaptive draft length, some
+    # steps do not draft.
+    share = level.draft_share
+    roof_tpot = share * roof.step_s / level.accepted_len + (1 - share) * roof.decode_s
+    total = level.input_tokens + level.output_tokens
+    row = (level.concurrency, len(level.reqs),
+           level.output_tokens / level.elapsed, total / level.elapsed,
            ms(ttft, 50), ms(ttft, 99), ms(tpot, 50), ms(tpot, 99), ms(itl, 50), ms(itl, 99),
-           lv.accepted_len, 100 * lv.draft_share, roof_tpot * 1e3, 100 * roof_tpot / mean(tpot))  # fmt: skip
+           level.accepted_len, 100 * share, roof_tpot * 1e3,
+           100 * roof_tpot / mean(tpot))  # fmt: skip
     return "  ".join(
         (f"{v:.2f}" if isinstance(v, float) else str(v)).rjust(w) for v, w in zip(row, WIDTHS)
     )
@@ -515,37 +547,45 @@ def main(argv=None) -> None:
     if forced is not None and len(forced) == 1:
         forced = forced[0]
     k = args.num_draft_tokens if draft else 0
+    batched = args.max_num_batched_tokens
     engine = LLMEngine(EngineArgs(
-        model=model, draft=draft if k else None, device=args.device, dtype=args.dtype, load_format=args.load_format,
-        max_model_len=args.input_len + args.output_len + 1, max_num_seqs=max(args.concurrency), num_draft_tokens=k,
-        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
+        model=model, draft=draft if k else None, device=args.device, dtype=args.dtype,
+        load_format=args.load_format, max_model_len=args.input_len + args.output_len + 1,
+        max_num_seqs=max(args.concurrency), num_draft_tokens=k,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         adaptive_draft_length=args.adaptive_draft_length, forced_acceptance=forced, seed=args.seed,
-        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
+        **({"max_num_batched_tokens": batched} if batched else {}),
     ))  # fmt: skip
-    st = engine.state
-    n_t = sum(p.numel() for p in st.target.parameters())
-    n_d = sum(p.numel() for p in st.draft.parameters()) if st.draft is not None else 0
-    print("device:", device_name(st.device))
-    print(f"model: {model} ({n_t / 1e9:.3f}B, {st.dtype}), draft: {draft if k else None} ({n_d / 1e9:.3f}B), k={k}, "
+    state = engine.state
+    target_params = sum(p.numel() for p in state.target.parameters())
+    draft_params = (
+        sum(p.numel() for p in state.draft.parameters()) if state.draft is not None else 0
+    )
+    print("device:", device_name(state.device))
+    print(f"model: {model} ({target_params / 1e9:.3f}B, {state.dtype}), "
+          f"draft: {draft if k else None} ({draft_params / 1e9:.3f}B), k={k}, "
           f"forced acceptance: {forced}, weights: {args.load_format}")  # fmt: skip
     print(
-        f"KV pool: {engine.kv.full.capacity} full + {engine.kv.sliding.capacity} sliding pages of {st.page_size}, "
-        f"max_model_len {engine.max_model_len}, max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}"
+        f"KV pool: {engine.kv.full.capacity} full + {engine.kv.sliding.capacity} sliding pages "
+        f"of {state.page_size}, max_model_len {engine.max_model_len}, "
+        f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}"
     )
     if args.bandwidth_gbps:
         bw, bw_src = args.bandwidth_gbps * 1e9, "given"
     else:
-        bw, bw_src = measure_bandwidth(st.device), "measured by a device copy"
+        bw, bw_src = measure_bandwidth(state.device), "measured by a device copy"
     print(f"bandwidth for the roofline: {bw / 1e9:.0f} GB/s ({bw_src})")
-    V = st.target.cfg.vocab_size
-    del st  # --hf-baseline frees the engine's KV pool: keep no reference to it
+    V = state.target.cfg.vocab_size
+    del state  # --hf-baseline frees the engine's KV pool: keep no reference to it
     trace_launches(engine.runner)
 
     rng = random.Random(args.seed)
     print(
-        f"\ninput {args.input_len} tokens, output {args.output_len} tokens (greedy, ignore_eos); times in ms; "
-        "acc len = tokens per verify step incl. bonus; draft % = share of steps that verified drafts; "
+        f"\ninput {args.input_len} tokens, output {args.output_len} tokens (greedy, ignore_eos); "
+        "times in ms; acc len = tokens per verify step incl. bonus; "
+        "draft % = share of steps that verified drafts; "
         "roof TPOT = roofline step time / acc len"
     )
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
@@ -553,43 +593,47 @@ def main(argv=None) -> None:
     for c in args.concurrency:
         n = args.num_prompts or max(8, 4 * c)
         prompts = [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(n)]
-        if (
-            not args.no_warmup
-        ):  # first-use costs (allocator, kernels, graphs) stay out of the numbers
+        # First-use costs (allocator, kernels, graphs) stay out of the numbers.
+        if not args.no_warmup:
             run_level(engine, prompts[:c], c, min(args.output_len, 4), f"warm{c}")
         compiled = triton_cache_entries()
-        lv = run_level(engine, prompts, c, args.output_len, f"c{c}")
+        level = run_level(engine, prompts, c, args.output_len, f"c{c}")
         compiled = triton_cache_entries() - compiled
-        rf = roofline(engine, c, args.input_len + args.output_len // 2, bw)
-        levels.append((lv, rf))
-        print(table_row(lv, rf), flush=True)
-        st = [t * 1e3 for t in lv.step_s]
+        roof = roofline(engine, c, args.input_len + args.output_len // 2, bw)
+        levels.append((level, roof))
+        print(table_row(level, roof), flush=True)
+        step_ms = [t * 1e3 for t in level.step_s]
         print(
-            f"      engine steps that delivered tokens: {len(st)}, ms p10 {percentile(st, 10):.2f} "
-            f"p50 {percentile(st, 50):.2f} p90 {percentile(st, 90):.2f} p99 {percentile(st, 99):.2f} "
-            f"max {max(st):.2f}",
+            f"      engine steps that delivered tokens: {len(step_ms)}, "
+            f"ms p10 {percentile(step_ms, 10):.2f} p50 {percentile(step_ms, 50):.2f} "
+            f"p90 {percentile(step_ms, 90):.2f} p99 {percentile(step_ms, 99):.2f} "
+            f"max {max(step_ms):.2f}",
             flush=True,
         )
-        for t, what in lv.slow_steps:  # tail-latency hunting: what the slowest steps ran
+        for t, what in level.slow_steps:  # tail-latency hunting: what the slowest steps ran
             print(f"      slow step {t * 1e3:.0f} ms, last launch: {what}", flush=True)
         if compiled:
             print(f"      Triton compiled during the measurement: {sorted(compiled)}", flush=True)
 
     print(
-        "\ndecode-step roofline (one verify of k+1 tokens + k drafter passes, context input + output/2):"
+        "\ndecode-step roofline "
+        "(one verify of k+1 tokens + k drafter passes, context input + output/2):"
     )
-    for lv, rf in levels:
+    for level, roof in levels:
         print(
-            f"  conc {lv.concurrency:>3}: {rf.total / 1e9:8.3f} GB/step = target {rf.target / 1e9:.3f} + drafter "
-            f"{rf.draft / 1e9:.3f} + KV {rf.kv / 1e9:.3f} -> {rf.step_s * 1e3:.3f} ms/step at {bw / 1e9:.0f} GB/s"
+            f"  conc {level.concurrency:>3}: {roof.total / 1e9:8.3f} GB/step = "
+            f"target {roof.target / 1e9:.3f} + drafter {roof.draft / 1e9:.3f} + "
+            f"KV {roof.kv / 1e9:.3f} -> {roof.step_s * 1e3:.3f} ms/step at {bw / 1e9:.0f} GB/s"
         )
 
     if args.hf_baseline:
         print(
-            "\nbaseline at concurrency 1 (same weights, same prompt, greedy, exactly output-len tokens):"
+            "\nbaseline at concurrency 1 "
+            "(same weights, same prompt, greedy, exactly output-len tokens):"
         )
         prompt = [rng.randrange(V) for _ in range(args.input_len)]
-        # Our tokens for the same prompt show that HF really runs the same weights (forced acceptance: not ours).
+        # Our tokens for the same prompt show that HF really runs the same weights; under forced
+        # acceptance they are not the model's, so there is nothing to compare.
         ref = greedy_tokens(engine, prompt, args.output_len) if forced is None else None
         print(f"  {'':42} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>8}  same tokens as ours")
         for name, ttft, tpot, tokens in hf_baseline(engine, prompt, args.output_len):
@@ -598,15 +642,15 @@ def main(argv=None) -> None:
             elif tokens == ref:
                 same = "yes"
             else:
-                same = f"first {next(i for i, (a, b) in enumerate(zip(tokens + [-1], ref)) if a != b)} of {len(ref)}"
+                first = next(i for i, (a, b) in enumerate(zip(tokens + [-1], ref)) if a != b)
+                same = f"first {first} of {len(ref)}"
             print(f"  {name:42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}  {same}")
-        ours = next((lv for lv, _ in levels if lv.concurrency == 1), None)
+        ours = next((level for level, _ in levels if level.concurrency == 1), None)
         if ours is not None:
             ttft = percentile([r.ttft for r in ours.reqs], 50)
             tpot = mean([r.tpot for r in ours.reqs if r.tpot is not None])
-            print(
-                f"  {'gemma4serve (this run, conc 1)':42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}"
-            )
+            label = "gemma4serve (this run, conc 1)"
+            print(f"  {label:42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}")
 
 
 if __name__ == "__main__":

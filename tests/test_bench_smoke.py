@@ -1,4 +1,4 @@
-"""bench/bench_offline.py end to end on a tiny checkpoint (CPU, seconds): it runs and prints its tables."""
+"""bench/bench_offline.py end to end on a tiny checkpoint (CPU, seconds): it prints its tables."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ COLUMNS = ["conc", "reqs", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TP
 
 def run_bench(*args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    bench = str(ROOT / "bench" / "bench_offline.py")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_offline.py"), "--tiny", "--device", "cpu", *args],
+        [sys.executable, bench, "--tiny", "--device", "cpu", *args],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -41,21 +42,24 @@ def table(out: str) -> dict[int, dict[str, float]]:
 
 
 def test_bench_prints_a_row_per_concurrency():
-    out = run_bench("--input-len", "24", "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
-                    "--num-draft-tokens", "3", "--forced-acceptance", "3.1", "--bandwidth-gbps", "50")  # fmt: skip
+    out = run_bench(
+        "--input-len", "24", "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
+        "--num-draft-tokens", "3", "--forced-acceptance", "3.1", "--bandwidth-gbps", "50",
+    )  # fmt: skip
     first = out.splitlines()[0]
     assert first.startswith("command: ") and "--forced-acceptance 3.1" in first
     assert "device: CPU" in out
     assert "bandwidth for the roofline: 50 GB/s (given)" in out
     rows = table(out)
     assert set(rows) == {1, 3}
-    for c, row in rows.items():
+    for row in rows.values():
         assert row["reqs"] == 3
         assert row["out tok/s"] > 0 and row["tot tok/s"] > row["out tok/s"]
         assert 0 < row["TTFT p50"] <= row["TTFT p99"]
         assert 0 < row["TPOT p50"] <= row["TPOT p99"]
         assert row["roof TPOT"] > 0
-        # Forced acceptance of 3.1 tokens per step; every step drafts but the one that ends each prompt.
+        # Forced acceptance of 3.1 tokens per step; every step drafts but the one that ends each
+        # prompt.
         assert 2.0 < row["acc len"] <= 4.0
         assert 50 < row["draft %"] < 100
     assert out.count("GB/step") == 2
@@ -63,8 +67,10 @@ def test_bench_prints_a_row_per_concurrency():
 
 def test_bench_hf_baseline_on_the_same_weights():
     pytest.importorskip("transformers")
-    out = run_bench("--input-len", "20", "--output-len", "8", "--concurrency", "1", "--num-prompts", "2",
-                    "--num-draft-tokens", "2", "--hf-baseline")  # fmt: skip
+    out = run_bench(
+        "--input-len", "20", "--output-len", "8", "--concurrency", "1", "--num-prompts", "2",
+        "--num-draft-tokens", "2", "--hf-baseline",
+    )  # fmt: skip
     assert set(table(out)) == {1}
     hf_rows = [
         line

@@ -1,4 +1,4 @@
-"""Frozen-KV MTP against transformers 5.17: the drafter's tokens, greedy equality, lossless sampling."""
+"""Frozen-KV MTP against transformers 5.17: drafter tokens, greedy equality, lossless sampling."""
 
 from __future__ import annotations
 
@@ -15,26 +15,30 @@ VARIANTS = ["dense", "moe", "ple"]
 
 
 @torch.no_grad()
-def hf_drafts(hf, asst, tokens: list[int], k: int) -> list[int]:
-    """k calls of HF's assistant forward for context tokens[:-1] and the token at P = len - 1, fed the clean
-    K/V slices of spec §12.2: full rows 0..P-1, sliding the last W_a + 1 of them."""
-    tm = text_model(hf)
+def hf_drafts(hf, hf_assistant, tokens: list[int], k: int) -> list[int]:
+    """k calls of HF's assistant forward for context tokens[:-1] and the token at P = len - 1.
+
+    The assistant is fed the clean K/V slices of docs/gemma4.md §12.2: full rows 0..P-1, sliding
+    the last W_a + 1 of them.
+    """
+    text = text_model(hf)
     P = len(tokens) - 1
-    out = tm(input_ids=torch.tensor([tokens[:P]]), return_shared_kv_states=True, use_cache=False)
-    w = asst.config.text_config.sliding_window + 1
+    out = text(input_ids=torch.tensor([tokens[:P]]), return_shared_kv_states=True, use_cache=False)
+    window = hf_assistant.config.text_config.sliding_window + 1
+    sliding = out.shared_kv_states["sliding_attention"]
     kv = {
         "full_attention": out.shared_kv_states["full_attention"],
-        "sliding_attention": tuple(t[:, :, -w:] for t in out.shared_kv_states["sliding_attention"]),
+        "sliding_attention": tuple(states[:, :, -window:] for states in sliding),
     }
     hidden = out.last_hidden_state[:, -1:]
-    tok = torch.tensor([[tokens[-1]]])
+    token = torch.tensor([[tokens[-1]]])
     drafts = []
     for _ in range(k):
-        x = torch.cat([tm.embed_tokens(tok), hidden], dim=-1)
-        step = asst(inputs_embeds=x, position_ids=torch.tensor([[P]]), shared_kv_states=kv)
-        tok = step.logits[:, -1:].argmax(-1)
+        x = torch.cat([text.embed_tokens(token), hidden], dim=-1)
+        step = hf_assistant(inputs_embeds=x, position_ids=torch.tensor([[P]]), shared_kv_states=kv)
+        token = step.logits[:, -1:].argmax(-1)
         hidden = step.last_hidden_state[:, -1:]
-        drafts.append(tok.item())
+        drafts.append(token.item())
     return drafts
 
 
@@ -47,19 +51,19 @@ def setup(request, tiny_checkpoints):
 
 
 def test_draft_tokens_match_hf_assistant(setup):
-    variant, target, assistant, hf, asst = setup
+    variant, target, assistant, hf, hf_assistant = setup
     k = 4
-    eng = LLMEngine_for(target, assistant, k)
-    w = max(eng.cfg.sliding_window, asst.config.text_config.sliding_window)
+    engine = LLMEngine_for(target, assistant, k)
+    w = max(engine.cfg.sliding_window, hf_assistant.config.text_config.sliding_window)
     prompt = prompt_of(2 * w + 7, seed=3)  # longer than both windows
-    eng.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     checked = 0
-    while eng.has_unfinished():
-        eng.step()
-        running = [s for s in eng.scheduler.running if s.request_id == "r"]
+    while engine.has_unfinished():
+        engine.step()
+        running = [s for s in engine.scheduler.running if s.request_id == "r"]
         if running and running[0].drafts:
             seq = running[0]
-            assert seq.drafts == hf_drafts(hf, asst, seq.token_ids, k), (
+            assert seq.drafts == hf_drafts(hf, hf_assistant, seq.token_ids, k), (
                 f"after {seq.num_tokens} tokens"
             )
             checked += 1
@@ -102,15 +106,17 @@ def test_greedy_with_drafter_equals_without_and_hf(setup, k):
     assert with_draft == without
     assert with_draft[2] == hf_greedy(hf, prompts[2], 33)
     assert spec.engine.kv_pool_free() == free0
-    st = spec.engine.snapshot()
-    assert st.spec_num_steps > 0 and st.spec_drafted_tokens > 0
+    stats = spec.engine.snapshot()
+    assert stats.spec_num_steps > 0 and stats.spec_drafted_tokens > 0
 
 
 def oracle_drafts(engine: LLMEngine, prompts, outputs, k: int, wrong_every: int):
-    """Replace the drafter's proposals with the known continuation, corrupting some positions, so that every
-    acceptance length 0..k occurs. Only the proposals change: verification and commit run as in production.
-    The engine must run with async_scheduling=False: a continued step takes its drafts from the device, not
-    from `seq.drafts`. Returns a function that restores the engine."""
+    """Replace the drafter's proposals with the known continuation, corrupting some positions.
+
+    Every acceptance length 0..k then occurs. Only the proposals change: verification and commit
+    run as in production. The engine must run with async_scheduling=False: a continued step takes
+    its drafts from the device, not from `seq.drafts`. Returns a function that restores the engine.
+    """
     original = engine._append_tokens
     reference = {tuple(p): o for p, o in zip(prompts, outputs)}
 
@@ -133,8 +139,10 @@ def oracle_drafts(engine: LLMEngine, prompts, outputs, k: int, wrong_every: int)
 
 @pytest.mark.parametrize("k", [3, 6])
 def test_greedy_with_accepted_drafts(setup, k):
-    """Greedy output stays exact when drafts are (partly) accepted: multi-token commits, sliding pages freed
-    across them, rejected rows overwritten."""
+    """Greedy output stays exact when drafts are (partly) accepted.
+
+    This covers multi-token commits, sliding pages freed across them, rejected rows overwritten.
+    """
     variant, target, assistant, _, _ = setup
     plain = LLM(str(target), device="cpu", dtype="float32")
     spec = LLM(
@@ -149,25 +157,27 @@ def test_greedy_with_accepted_drafts(setup, k):
     prompts = [prompt_of(n, seed=50 + n) for n in (3, 25, 40)]
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
-    eng = spec.engine
-    oracle_drafts(eng, prompts, ref, k, wrong_every=k + 2)
-    free0 = eng.kv_pool_free()
+    engine = spec.engine
+    oracle_drafts(engine, prompts, ref, k, wrong_every=k + 2)
+    free0 = engine.kv_pool_free()
     got = [o.token_ids for o in spec.generate(prompts, sp)]
     assert got == ref
-    st = eng.snapshot()
+    stats = engine.snapshot()
     assert (
-        st.spec_accepted_tokens > st.spec_num_steps
+        stats.spec_accepted_tokens > stats.spec_num_steps
     )  # more than one accepted draft per step on average
-    assert st.spec_accepted_per_position[k - 1] > 0  # full acceptance happened
+    assert stats.spec_accepted_per_position[k - 1] > 0  # full acceptance happened
     assert (
-        st.spec_accepted_per_position[0] < st.spec_num_steps
+        stats.spec_accepted_per_position[0] < stats.spec_num_steps
     )  # and so did rejection at the first draft
-    assert eng.kv_pool_free() == free0
+    assert engine.kv_pool_free() == free0
 
 
 def test_seeded_sampling_is_identical_with_and_without_drafts(setup):
-    """Verification chooses each token as the sample keyed by (seed, position), so accepting drafts never
-    changes what a seeded request emits."""
+    """Accepting drafts never changes what a seeded request emits.
+
+    Verification chooses each token as the sample keyed by (seed, position).
+    """
     variant, target, assistant, _, _ = setup
     plain = LLM(str(target), device="cpu", dtype="float32")
     spec = LLM(
@@ -213,8 +223,11 @@ def _chi2_pvalue(observed: list[int], expected: list[float]) -> float:
 
 @pytest.mark.parametrize("setting", ["temperature", "top_k", "top_p"])
 def test_sampling_with_drafter_has_the_target_distribution(tiny_checkpoints, setting):
-    """Chi-square: the first three tokens sampled with MTP (drafts partly accepted) follow the target's own
-    distribution p(t1) p(t2|t1) p(t3|t1,t2), computed from HF's logits with the same processing."""
+    """Chi-square: the first three tokens sampled with MTP follow the target's own distribution.
+
+    Drafts are partly accepted; the distribution p(t1) p(t2|t1) p(t3|t1,t2) is computed from HF's
+    logits with the same processing.
+    """
     target = tiny_checkpoints.get("dense")
     assistant = tiny_checkpoints.get_assistant("dense")
     hf = load_hf_target(target)
@@ -261,15 +274,15 @@ def test_sampling_with_drafter_has_the_target_distribution(tiny_checkpoints, set
     )
     # Drafts: the target's greedy path, so that they are often but not always accepted.
     greedy = hf_greedy(hf, prompt, 3)
-    eng = spec.engine
-    orig = eng._commit
+    engine = spec.engine
+    orig = engine._commit
 
     def commit(req, seq, drafts, result):
         orig(req, seq, drafts, result)
         done = len(seq.output_ids)
         seq.drafts = (greedy[done:] + [greedy[-1]] * 2)[:2]
 
-    eng._commit = commit
+    engine._commit = commit
     out = spec.generate(
         [prompt], SamplingParams(n=N, max_tokens=3, seed=2024, ignore_eos=True, **params)
     )[0]
@@ -286,7 +299,7 @@ def test_sampling_with_drafter_has_the_target_distribution(tiny_checkpoints, set
     if expected[-1] < 5:  # merge a negligible remainder into the last cell to keep the test valid
         expected[-2] += expected.pop()
         observed[-2] += observed.pop()
-    assert eng.snapshot().spec_accepted_tokens > 0
+    assert engine.snapshot().spec_accepted_tokens > 0
     assert _chi2_pvalue(observed, expected) > 1e-3, (observed, [round(e) for e in expected])
 
 
