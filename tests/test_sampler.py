@@ -10,7 +10,8 @@ import pytest
 import torch
 from scipy import stats
 
-from gemma4serve.engine.sampler import SamplingBatch, accept, process_logits, uniform
+from gemma4serve.engine.random_streams import uniform
+from gemma4serve.engine.sampler import SamplingBatch, accept, process_logits
 from gemma4serve.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")

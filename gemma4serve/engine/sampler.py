@@ -1,6 +1,6 @@
 """Device-side sampling and speculative verification (spec GEMMA4.md §12.4 / §12.5).
 
-Everything in the step functions (`uniform`, `process_logits`, `accept`) is batched tensor arithmetic with
+Everything in the step functions (`process_logits`, `choose`, `accept`) is batched tensor arithmetic with
 static shapes: no host synchronisation and no per-row Python, so the engine can capture them in CUDA graphs.
 Host-side decisions (which code paths a batch needs) are plain Python values fixed when the batch is built.
 
@@ -22,17 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from gemma4serve.engine.random_streams import Stream, row_keys, uniform_from_keys
 from gemma4serve.sampling_params import SamplingParams
-
-# Stream ids keep independent uses of the same (seed, position) apart.
-STREAM_SAMPLE = 0
 
 # On CUDA the noise + race + argmax runs as one torch.compile'd kernel: eagerly, the ~30 integer ops of the
 # hash each make a pass over [R, V] (7 ms instead of 0.3 ms for 256 rows of a 262k vocabulary on an H200).
 # The engine must call accept() once before capturing it in a CUDA graph, so compilation happens outside.
 COMPILE_RACE = True
-
-_M32 = 0xFFFFFFFF
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -136,58 +132,6 @@ def _pad(rows: list[list[int]], device) -> torch.Tensor:
     return torch.tensor(
         [r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device
     ).view(len(rows), width)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Counter-based randomness
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """(h * c) mod 2^32 for h in [0, 2^32), without int64 overflow: multiply by c's 16-bit halves."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (h * lo + (((h * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser: a bijection on [0, 2^32) with full avalanche."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _row_keys(
-    seed: torch.Tensor, position: torch.Tensor, stream: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two 32-bit keys per row from (seed, position, stream), chained through the finaliser."""
-    k = _fmix32((seed & _M32) ^ 0x9E3779B9)
-    k = _fmix32(k ^ ((seed >> 32) & _M32))  # arithmetic shift + mask = the seed's high word
-    k = _fmix32(k ^ (position & _M32))
-    k1 = _fmix32(k ^ (((stream + 1) * 0x27D4EB2F) & _M32))
-    k2 = _fmix32(k1 ^ 0x165667B1)
-    return k1, k2
-
-
-def uniform(
-    seed: torch.Tensor, position: torch.Tensor, stream: int, cols: int | torch.Tensor
-) -> torch.Tensor:
-    """Uniform fp32 in (0, 1), a pure function of (seed, position, stream, column).
-
-    seed, position: [N] int64. cols: an int C (columns 0..C-1) or an int64 tensor of column ids, [C] or [N, C].
-    Returns [N, C] f32. Values lie on the grid (i + 0.5) / 2^23, so never 0 or 1 (-log stays finite).
-    """
-    col = torch.arange(cols, device=seed.device) if isinstance(cols, int) else cols
-    return _uniform_from_keys(*_row_keys(seed, position, stream), col)
-
-
-def _uniform_from_keys(k1: torch.Tensor, k2: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    # The column counter is scrambled by both keys (add, then xor) so rows are not shifted copies of each other.
-    col_mix = _mul32(col & _M32, 0x9E3779B1)
-    h = _fmix32(((col_mix + k1[:, None]) & _M32) ^ k2[:, None])
-    # 23 random bits + 0.5 are exact in fp32, so u is never 0 or 1.
-    return ((h >> 9).float() + 0.5) * (2.0**-23)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -322,7 +266,7 @@ def choose(
     """
     if sb.all_greedy:
         return processed.argmax(-1)
-    k1, k2 = _row_keys(sb.seed[row_seq], position, STREAM_SAMPLE)
+    k1, k2 = row_keys(sb.seed[row_seq], position, Stream.SAMPLE)
     sampled = sb.temperature[row_seq] > 0
     race = _compiled_race() if processed.is_cuda and COMPILE_RACE else _race
     return race(processed, k1, k2, sampled)
@@ -333,7 +277,7 @@ def _race(
 ) -> torch.Tensor:
     """Sampled rows: the exponential race argmax(p / E), E = -log(u) ~ Exp(1), in log space as
     argmax(logit - log E) (the softmax normaliser does not move the argmax). Other rows: plain argmax."""
-    u = _uniform_from_keys(k1, k2, torch.arange(processed.shape[-1], device=processed.device))
+    u = uniform_from_keys(k1, k2, torch.arange(processed.shape[-1], device=processed.device))
     return torch.where(sampled[:, None], processed - torch.log(-torch.log(u)), processed).argmax(-1)
 
 

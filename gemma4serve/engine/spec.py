@@ -9,7 +9,7 @@ import torch
 
 from gemma4serve.attention.metadata import AttentionMetadata
 from gemma4serve.config import FULL, SLIDING
-from gemma4serve.engine.sampler import uniform
+from gemma4serve.engine.random_streams import Stream, uniform
 from gemma4serve.model.gemma4 import ForwardContext
 
 
@@ -102,9 +102,6 @@ class DraftLength:
         return self.k if self._off % self.probe_every == 0 else 0
 
 
-STREAM_FORCED = 7
-
-
 class ForcedAcceptance:
     """Benchmark only: overrides how many drafts a verify step accepts, after the real verification ran.
 
@@ -128,7 +125,7 @@ class ForcedAcceptance:
 
     def apply(self, tokens, num_emitted, drafts, num_drafts, first_position):
         B, K = drafts.shape
-        u = uniform(torch.zeros_like(first_position), first_position, STREAM_FORCED, 1).view(B, 1)
+        u = uniform(torch.zeros_like(first_position), first_position, Stream.FORCED_ACCEPTANCE, 1).view(B, 1)
         n = (u < self.probs[None, :K]).sum(1)
         n = torch.minimum(n, num_drafts)
         j = torch.arange(K + 1, device=drafts.device)
