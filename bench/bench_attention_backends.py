@@ -1,11 +1,13 @@
-"""Paged attention, our Triton kernel against FlashInfer (when installed), on the 31B's layer shapes.
+"""Paged attention, our Triton kernel against FlashInfer (if installed), on the 31B's layer shapes.
 
-Prefill chunks (causal, with and without a cached prefix) through each backend's `forward`, exactly as the
-model calls it, and decode batches through FlashInfer's decode wrapper for comparison (the backend keeps
-decode on Triton). Eager launches, median of 20 after warm-up; `plan()` is host time per step, reported apart.
-The roofline is max(bytes / copy bandwidth, FLOPs / measured bf16 matmul rate).
+Prefill chunks (causal, with and without a cached prefix) run through each backend's `forward`,
+exactly as the model calls it, and decode batches through FlashInfer's decode wrapper for comparison
+(the backend keeps decode on Triton). Eager launches, median of 20 after warm-up; `plan()` is host
+time per step, reported apart. The roofline is max(bytes / copy bandwidth, FLOPs / measured bf16
+matmul rate).
 
-  pip install flashinfer-python  # the `flashinfer` extra; JIT-builds its kernels on first use (needs nvcc)
+  # The `flashinfer` extra; it JIT-builds its kernels on first use (needs nvcc).
+  pip install flashinfer-python
   python bench/bench_attention_backends.py
 """
 
@@ -41,7 +43,7 @@ def matmul_rate() -> float:
 
 
 def make_step(kind: str, seqs: int, q_len: int, ctx: int):
-    """seqs sequences, each with q_len new tokens ending at position ctx (the earlier keys are cached)."""
+    """`seqs` sequences, each with q_len new tokens ending at position ctx (earlier keys cached)."""
     nh, nkv, hd = LAYOUTS[kind]
     pages = -(-ctx // PAGE)
     k = torch.randn(seqs * pages + 1, PAGE, nkv, hd, dtype=torch.bfloat16, device="cuda")
@@ -72,15 +74,16 @@ def main() -> None:
     import flashinfer
 
     print(
-        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}"
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"flashinfer {flashinfer.__version__}"
     )
     bw, rate = copy_bandwidth(torch.device("cuda")), matmul_rate()
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     triton_attn = TritonAttention()
-    fi = FlashInferAttention(torch.device("cuda"), LAYOUTS, PAGE)
+    flashinfer_attn = FlashInferAttention(torch.device("cuda"), LAYOUTS, PAGE)
     print(
-        "\n| layer | sequences x new tokens @ context | roofline us | Triton us | FlashInfer us | plan() ms "
-        "| rel diff |"
+        "\n| layer | sequences x new tokens @ context | roofline us | Triton us | FlashInfer us "
+        "| plan() ms | rel diff |"
     )
     print("|---|---|---|---|---|---|---|")
     for kind in (SLIDING, FULL):
@@ -97,16 +100,15 @@ def main() -> None:
             t_triton = median_us(lambda: triton_attn.forward(q, k, v, meta, kind))
             nh, nkv, hd = LAYOUTS[kind]
             try:
-                if (
-                    q_len == 1
-                ):  # FlashInfer's decode wrapper (the backend itself keeps decode on Triton)
-                    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                # FlashInfer's decode wrapper (the backend itself keeps decode on Triton).
+                if q_len == 1:
+                    decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                         torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
                         "NHD",
                         use_tensor_cores=True,
                     )
                     t0 = time.perf_counter()
-                    w.plan(
+                    decode_wrapper.plan(
                         *paged_kv(meta.host, kind, PAGE),
                         nh,
                         nkv,
@@ -118,13 +120,14 @@ def main() -> None:
                         kv_data_type=torch.bfloat16,
                     )
                     plan_ms = (time.perf_counter() - t0) * 1e3
-                    run = lambda: w.run(q, (k, v))  # noqa: E731
-                elif kind in fi.wrappers:
+                    run = lambda: decode_wrapper.run(q, (k, v))  # noqa: E731
+                elif kind in flashinfer_attn.wrappers:
                     t0 = time.perf_counter()
-                    plan(fi.wrappers[kind], meta, kind, nh, nkv, hd, PAGE, torch.bfloat16)
+                    wrapper = flashinfer_attn.wrappers[kind]
+                    plan(wrapper, meta, kind, nh, nkv, hd, PAGE, torch.bfloat16)
                     plan_ms = (time.perf_counter() - t0) * 1e3
-                    fi.planned[kind] = meta.host
-                    run = lambda: fi.forward(q, k, v, meta, kind)  # noqa: E731
+                    flashinfer_attn.planned[kind] = meta.host
+                    run = lambda: flashinfer_attn.forward(q, k, v, meta, kind)  # noqa: E731
                 else:
                     raise RuntimeError("no FlashInfer prefill kernel for this head_dim")
                 out = run()
@@ -133,9 +136,9 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 cells = f"– ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
             fi_cols = f"{cells} | – | –" if cells else f"{t_fi:.1f} | {plan_ms:.2f} | {diff:.1e}"
+            shape = f"{seqs} x {q_len} @ {ctx}"
             print(
-                f"| {kind} hd{hd} | {seqs} x {q_len} @ {ctx} | {roof:.1f} | {t_triton:.1f} | {fi_cols} |",
-                flush=True,
+                f"| {kind} hd{hd} | {shape} | {roof:.1f} | {t_triton:.1f} | {fi_cols} |", flush=True
             )
 
 

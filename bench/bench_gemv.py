@@ -1,11 +1,12 @@
-"""Skinny GEMMs of a decode step: cuBLAS against kernels/gemv.py, inside a CUDA graph as the engine runs them.
+"""Skinny GEMMs of a decode step: cuBLAS against kernels/gemv.py, in a CUDA graph like the engine.
 
-The 31B's 60 layers of projections (sliding-layer shapes) as one dependent chain per step: qkv -> o_proj ->
-gate_up + gelu·up (the GEMV's epilogue; cuBLAS then the activation kernel) -> down -> next layer, weights
-57.5 GB, captured once and replayed. Timing the chain, not single kernels, counts what matters at batch 1:
-the ramp and drain between consecutive GEMMs, which programmatic dependent launch (PDL) overlaps. First a
-tile sweep per shape, then the MLP pair as two GEMVs against gemv_mlp (down awaiting gate_up's flags) with a
-sweep of down's split-K tiles, then the chains.
+The 31B's 60 layers of projections (sliding-layer shapes) as one dependent chain per step: qkv ->
+o_proj -> gate_up + gelu·up (the GEMV's epilogue; cuBLAS then the activation kernel) -> down ->
+next layer, weights 57.5 GB, captured once and replayed. Timing the chain, not single kernels,
+counts what matters at batch 1: the ramp and drain between consecutive GEMMs, which programmatic
+dependent launch (PDL) overlaps. First a tile sweep per shape, then the MLP pair as two GEMVs
+against gemv_mlp (down awaiting gate_up's flags) with a sweep of down's split-K tiles, then the
+chains.
 
   python bench/bench_gemv.py [--rows 1 5 8 16] [--skip-shapes]
 """
@@ -28,8 +29,13 @@ from gemma4serve_kernels.gemv import gemv, gemv_mlp, mlp_down_config, splits_for
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import copy_bandwidth, time_it  # noqa: E402
 
-LAYERS, H, Q, I = 60, 5376, 8192, 21504
-SHAPES = {"qkv": (2 * Q, H), "o_proj": (H, Q), "gate_up": (2 * I, H), "down": (H, I)}
+LAYERS, H, Q, INTERMEDIATE = 60, 5376, 8192, 21504
+SHAPES = {
+    "qkv": (2 * Q, H),
+    "o_proj": (H, Q),
+    "gate_up": (2 * INTERMEDIATE, H),
+    "down": (H, INTERMEDIATE),
+}
 SWEEP_ONLY = {  # the LM head, and the 31B drafter's projections (H 1024, I 8192) and tied head
     "lm_head": (262144, H),
     "draft pre": (1024, 2 * H),
@@ -45,7 +51,7 @@ MLP_DOWN_CONFIGS = list(itertools.product((32, 64, 128), (256,), (4,), (3, 4), (
 
 
 def replay_ms(fn, iters: int = 10) -> float:
-    """Median ms of one replay of a CUDA graph that runs `fn` once (captured after one eager run)."""
+    """Median ms of one replay of a CUDA graph that runs `fn` once (captured after an eager run)."""
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -54,8 +60,10 @@ def replay_ms(fn, iters: int = 10) -> float:
 
 
 def mlp_table(hidden: int, inter: int, M: int, bw: float) -> None:
-    """The MLP pair over 60 layers' weights (gate_up + GELU·up, then down) as two GEMVs, and as gemv_mlp with its
-    default and each swept down tile."""
+    """The MLP pair over 60 layers' weights (gate_up + GELU·up, then down), timed three ways.
+
+    As two GEMVs, and as gemv_mlp with its default and with each swept down tile.
+    """
     ws = [
         (
             torch.empty(2 * inter, hidden, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02),
@@ -68,14 +76,12 @@ def mlp_table(hidden: int, inter: int, M: int, bw: float) -> None:
     us = lambda ms: ms * 1e3 / LAYERS  # noqa: E731
 
     def row(label, ms):
-        print(
-            f"| {label} | {us(ms):.1f} | {nbytes / ms / 1e9:.2f} | {100 * nbytes / bw / (ms / 1e3):.1f}% |",
-            flush=True,
-        )
+        share = 100 * nbytes / bw / (ms / 1e3)
+        print(f"| {label} | {us(ms):.1f} | {nbytes / ms / 1e9:.2f} | {share:.1f}% |", flush=True)
 
     print(
-        f"\nMLP pair H {hidden}, I {inter} (gate_up with GELU·up, then down), M = {M}, µs per layer; roofline "
-        f"{us(nbytes / bw * 1e3):.1f} µs"
+        f"\nMLP pair H {hidden}, I {inter} (gate_up with GELU·up, then down), M = {M}, "
+        f"µs per layer; roofline {us(nbytes / bw * 1e3):.1f} µs"
     )
     print("| impl (down: BN, BK, warps, stages, splits) | µs | TB/s | % of roofline |")
     print("|---|---|---|---|")
@@ -97,16 +103,16 @@ def mlp_table(hidden: int, inter: int, M: int, bw: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 16])
-    ap.add_argument("--sweep-rows", type=int, default=1)
-    ap.add_argument("--skip-shapes", action="store_true", help="no per-shape tile sweep")
-    args = ap.parse_args()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 16])
+    parser.add_argument("--sweep-rows", type=int, default=1)
+    parser.add_argument("--skip-shapes", action="store_true", help="no per-shape tile sweep")
+    args = parser.parse_args()
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s")
-    w = {
+    weights = {
         name: [
             torch.empty(n, k, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
             for _ in range(LAYERS)
@@ -118,15 +124,15 @@ def main() -> None:
     # Tile sweep: each shape's GEMV over the 60 layers' weights, PDL on (as in the engine).
     M = args.sweep_rows
     print(
-        "\n| shape | M | cuBLAS µs | cuBLAS TB/s | gemv µs (gemv_config) | gemv TB/s | best µs | best TB/s | "
-        "best (BN, BK, warps, stages, splits) |"
+        "\n| shape | M | cuBLAS µs | cuBLAS TB/s | gemv µs (gemv_config) | gemv TB/s "
+        "| best µs | best TB/s | best (BN, BK, warps, stages, splits) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (n, k) in ({} if args.skip_shapes else {**SHAPES, **SWEEP_ONLY}).items():
         # Enough copies of the weight (>= 3 GB in all, or the 60 layers) that no read comes from L2.
         ws = (
-            w[name]
-            if name in w
+            weights[name]
+            if name in weights
             else [
                 torch.empty(n, k, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
                 for _ in range(max(2, min(LAYERS, -(-3 * 10**9 // (n * k * 2)))))
@@ -152,12 +158,13 @@ def main() -> None:
         us = lambda ms: ms * 1e3 / len(ws)  # noqa: E731
         tb = lambda ms: n * k * 2 * len(ws) / ms / 1e9  # noqa: E731
         print(
-            f"| {name} | {M} | {us(t_cublas):.1f} | {tb(t_cublas):.2f} | {us(t_default):.1f} | {tb(t_default):.2f} "
+            f"| {name} | {M} | {us(t_cublas):.1f} | {tb(t_cublas):.2f} "
+            f"| {us(t_default):.1f} | {tb(t_default):.2f} "
             f"| {us(t):.1f} | {tb(t):.2f} | {cfg} |",
             flush=True,
         )
 
-    for hidden, inter in ((H, I), (1024, 8192)):  # the 31B's MLP, its drafter's
+    for hidden, inter in ((H, INTERMEDIATE), (1024, 8192)):  # the 31B's MLP, its drafter's
         mlp_table(hidden, inter, M, bw)
 
     def chain(impl: str, x0: torch.Tensor):
@@ -170,12 +177,12 @@ def main() -> None:
             _common.PDL_ENABLED = impl.endswith("PDL")
             h = x0
             for i in range(LAYERS):
-                qkv = lin(h, w["qkv"][i])
-                o = lin(qkv[:, :Q], w["o_proj"][i])
+                qkv = lin(h, weights["qkv"][i])
+                o = lin(qkv[:, :Q], weights["o_proj"][i])
                 if impl == "gemv_mlp + PDL":
-                    h = gemv_mlp(o, w["gate_up"][i], w["down"][i])
+                    h = gemv_mlp(o, weights["gate_up"][i], weights["down"][i])
                 else:
-                    h = lin(gate_up(o, w["gate_up"][i]), w["down"][i])
+                    h = lin(gate_up(o, weights["gate_up"][i]), weights["down"][i])
             return h
 
         return run
@@ -191,10 +198,8 @@ def main() -> None:
         x0 = torch.randn(M, H, dtype=torch.bfloat16, device="cuda") * 0.1
         for impl in ("cuBLAS", "gemv", "gemv + PDL", "gemv_mlp + PDL"):
             t = replay_ms(chain(impl, x0))
-            print(
-                f"| {M} | {impl} | {t:.2f} | {nbytes / t / 1e9:.2f} | {100 * nbytes / bw / (t / 1e3):.1f}% |",
-                flush=True,
-            )
+            share = 100 * nbytes / bw / (t / 1e3)
+            print(f"| {M} | {impl} | {t:.2f} | {nbytes / t / 1e9:.2f} | {share:.1f}% |", flush=True)
     _common.PDL_ENABLED = True
 
 

@@ -1,10 +1,11 @@
-"""The greedy LM head against the full one (GEMV + softcap + argmax), at the head shapes of the 31B, its drafter,
-the 26B-A4B and the E2B.
+"""The greedy LM head against the full one (GEMV + softcap + argmax).
 
-Both are timed as CUDA-graph replays with PDL, as the engine runs them; the roofline of the full head is its bf16
-bytes, of the greedy head its int8 copy's bytes (the few candidate rows it re-reads in bf16 are left out), over
-the measured copy bandwidth. Then each kernel of the greedy head alone (PDL off, torch profiler), and a sweep of
-the screen's tiles and of the exact kernel's rows per program and pipeline stages.
+Measured at the head shapes of the 31B, its drafter, the 26B-A4B and the E2B. Both are timed as
+CUDA-graph replays with PDL, as the engine runs them; the roofline of the full head is its bf16
+bytes, of the greedy head its int8 copy's bytes (the few candidate rows it re-reads in bf16 are
+left out), over the measured copy bandwidth. Then each kernel of the greedy head alone (PDL off,
+torch profiler), and a sweep of the screen's tiles and of the exact kernel's rows per program and
+pipeline stages.
 
   python bench/bench_greedy_head.py [--rows 1 5 16] [--sweep]
 """
@@ -61,24 +62,25 @@ def per_kernel_us(fn) -> str:
     finally:
         _common.PDL_ENABLED = True
     return ", ".join(
-        f"{e.key.split('_kernel')[0].lstrip('_')} {e.device_time_total / 10:.1f}"
-        for e in prof.key_averages()
-        if e.device_time_total > 0
+        f"{event.key.split('_kernel')[0].lstrip('_')} {event.device_time_total / 10:.1f}"
+        for event in prof.key_averages()
+        if event.device_time_total > 0
     )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16])
-    ap.add_argument(
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16])
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="screen tiles and exact-kernel shapes (31B head, M 1 and 5)",
     )
-    args = ap.parse_args()
+    args = parser.parse_args()
     bw = copy_bandwidth("cuda")
     print(
-        f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s; times in us (graph replay, PDL)\n"
+        f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s; "
+        "times in us (graph replay, PDL)\n"
     )
     print(
         "| head | M | full head | full roofline | greedy head | greedy roofline | greedy / full | "
@@ -96,31 +98,33 @@ def main() -> None:
             full = replay_ms(lambda: softcap(gemv(x, w)).argmax(-1)) * 1e3
             fast = replay_ms(lambda: greedy_head(x, w, q, scale, lut)) * 1e3
             assert torch.equal(greedy_head(x, w, q, scale, lut), softcap(gemv(x, w)).argmax(-1))
+            full_roof, greedy_roof = N * K * 2 / bw * 1e6, N * K / bw * 1e6
+            kernels = per_kernel_us(lambda: greedy_head(x, w, q, scale, lut))
             print(
-                f"| {name} | {M} | {full:.1f} | {N * K * 2 / bw * 1e6:.1f} | {fast:.1f} | {N * K / bw * 1e6:.1f} | "
-                f"{fast / full:.2f} | {per_kernel_us(lambda: greedy_head(x, w, q, scale, lut))} |",
+                f"| {name} | {M} | {full:.1f} | {full_roof:.1f} | {fast:.1f} | {greedy_roof:.1f} | "
+                f"{fast / full:.2f} | {kernels} |",
                 flush=True,
             )
     if not args.sweep:
         return
     w, q, scale, lut = weights["31B"]
     print(
-        "\n31B head, greedy head us by screen tile (BN, BK, warps, stages) and exact kernel (rows per program, stages):"
+        "\n31B head, greedy head us by screen tile (BN, BK, warps, stages) "
+        "and exact kernel (rows per program, stages):"
     )
     print("| screen | exact | M = 1 | M = 5 |\n|---|---|---|---|")
     default = (head_module.ROWS_PER_PROGRAM, head_module.EXACT_STAGES)
-    runs = [(s, default) for s in SCREENS] + [(SCREENS[0], e) for e in EXACTS if e != default]
-    xs = {
-        M: torch.randn(M, w.shape[1], device="cuda").to(torch.bfloat16) for M in (1, 5)
-    }  # the same for all
+    runs = [(tile, default) for tile in SCREENS]
+    runs += [(SCREENS[0], exact) for exact in EXACTS if exact != default]
+    # The same inputs for all runs.
+    xs = {M: torch.randn(M, w.shape[1], device="cuda").to(torch.bfloat16) for M in (1, 5)}
     for screen, (rows, stages) in runs:
         head_module.ROWS_PER_PROGRAM, head_module.EXACT_STAGES = rows, stages
         times = []
-        for M, x in xs.items():
+        for x in xs.values():
             try:
-                times.append(
-                    f"{replay_ms(lambda: greedy_head(x, w, q, scale, lut, screen=screen)) * 1e3:.1f}"
-                )
+                replay = replay_ms(lambda: greedy_head(x, w, q, scale, lut, screen=screen))
+                times.append(f"{replay * 1e3:.1f}")
             except Exception as e:  # a tile that does not fit shared memory
                 times.append(type(e).__name__)
         print(f"| {screen} | {rows}, {stages} | {' | '.join(times)} |", flush=True)

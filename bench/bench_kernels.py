@@ -1,14 +1,18 @@
-"""Paged-attention bandwidth on the GPU: decode, 5-row verify and 1024-token prefill chunks at the 31B shapes.
+"""Paged-attention bandwidth on the GPU at the 31B shapes.
+
+Decode, 5-row verify and 1024-token prefill chunks.
 
     python bench/bench_kernels.py            # the table
-    python bench/bench_kernels.py --sweep --layers full --batches 1   # also search configs (slow: limit it)
+    # Also search configs (slow: limit it).
+    python bench/bench_kernels.py --sweep --layers full --batches 1
 
-Decode and verify are memory-bound, so the figure of merit is bytes moved / time against the copy bandwidth
-this script measures on the same GPU (a large device-to-device copy: read + write bytes). Bytes moved = the
-K and V rows the queries can see (window-limited for sliding layers) + q read + output written; the split-K
-partials are overhead and are not counted. Times come from triton.testing.do_bench, which flushes L2 before
-every run, so small working sets are not served from cache; "graph" is the same launch replayed from a CUDA
-graph (what the engine does), which removes the host launch cost.
+Decode and verify are memory-bound, so the figure of merit is bytes moved / time against the copy
+bandwidth this script measures on the same GPU (a large device-to-device copy: read + write bytes).
+Bytes moved = the K and V rows the queries can see (window-limited for sliding layers) + q read +
+output written; the split-K partials are overhead and are not counted. Times come from
+triton.testing.do_bench, which flushes L2 before every run, so small working sets are not served
+from cache; "graph" is the same launch replayed from a CUDA graph (what the engine does), which
+removes the host launch cost.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ PHASE_ROWS = {
 
 
 def build(shape: dict, batch: int, ctx: int, rows: int):
-    """Every sequence has `ctx` committed positions; its `rows` query rows are the last positions."""
+    """Every sequence has `ctx` committed positions; its `rows` query rows are the last ones."""
     nh, nkv, hd, window = shape["nh"], shape["nkv"], shape["hd"], shape["window"]
     pages_per = triton.cdiv(ctx, PAGE)
     num_pages = 1 + batch * pages_per
@@ -83,7 +87,10 @@ DEFAULT_SPLITS = (
 
 
 def parse_splits(text: str) -> tuple[dict, ...]:
-    """ "8:64,16:32" -> ({num_splits: 8, min_split_keys: 64}, ...); "default" is the engine's own choice."""
+    """Parse "8:64,16:32" -> ({num_splits: 8, min_split_keys: 64}, ...).
+
+    "default" stands for the engine's own choice.
+    """
     out = []
     for item in text.split(","):
         if item == "default":
@@ -105,12 +112,14 @@ def sweep(
     split_opts=DEFAULT_SPLITS,
     block_t_opts=None,
 ):
-    """Tile configs and split counts around the defaults; returns [(ms, settings)], fastest first. Warps and
-    stages not given stay the engine's default for the case.
+    """Time tile configs and split counts around the defaults, fastest first: [(ms, settings)].
 
-    The K/V loads are indirect (through the page table), so the software pipeliner spends one stage on the
-    page ids: with triton 3.6, num_stages 2-4 keep one K/V tile in flight ahead of the math and 5 keeps two
-    (more shared memory, fewer resident programs); check on the GPU's triton."""
+    Warps and stages not given stay the engine's default for the case.
+
+    The K/V loads are indirect (through the page table), so the software pipeliner spends one stage
+    on the page ids: with triton 3.6, num_stages 2-4 keep one K/V tile in flight ahead of the math
+    and 5 keeps two (more shared memory, fewer resident programs); check on the GPU's triton.
+    """
     base = attention_config(hd, group, rows)
     warps_opts = warps_opts or (base["num_warps"],)
     stages_opts = stages_opts or (base["num_stages"],)
@@ -134,7 +143,8 @@ def sweep(
             fn()
         except Exception:  # out of shared memory / registers for this combination
             continue
-        # Replayed from a CUDA graph, as the engine runs it: at batch 1 a launch costs more than the kernel.
+        # Replayed from a CUDA graph, as the engine runs it: at batch 1 a launch costs more than
+        # the kernel.
         ms = do_bench_cudagraph(fn, rep=20)
         results.append(
             (
@@ -173,47 +183,48 @@ def main():
     parser.add_argument(
         "--splits", help='split settings of the sweep, "num_splits:min_split_keys,..." or "default"'
     )
-    a = parser.parse_args()
-    options = dict(block_n_opts=tuple(map(int, a.block_n.split(","))))
-    if not a.splits_only:
+    cli = parser.parse_args()
+    options = dict(block_n_opts=tuple(map(int, cli.block_n.split(","))))
+    if not cli.splits_only:
         options.update(
-            warps_opts=tuple(map(int, a.warps.split(","))),
-            stages_opts=tuple(map(int, a.stages.split(","))),
+            warps_opts=tuple(map(int, cli.warps.split(","))),
+            stages_opts=tuple(map(int, cli.stages.split(","))),
         )
-    if a.splits:
-        options.update(split_opts=parse_splits(a.splits))
-    if a.block_t:
-        options.update(block_t_opts=tuple(map(int, a.block_t.split(","))))
+    if cli.splits:
+        options.update(split_opts=parse_splits(cli.splits))
+    if cli.block_t:
+        options.update(block_t_opts=tuple(map(int, cli.block_t.split(","))))
 
     torch.manual_seed(0)
     bw = copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s
     print(f"device: {torch.cuda.get_device_name()}   measured copy bandwidth: {bw:,.0f} GB/s\n")
     head = (
-        f"{'layer':8s} {'phase':7s} {'batch':>5s} {'ctx':>6s} {'MB moved':>9s} {'us':>8s} {'GB/s':>7s} "
-        f"{'% copy':>7s} {'graph us':>9s}"
+        f"{'layer':8s} {'phase':7s} {'batch':>5s} {'ctx':>6s} {'MB moved':>9s} {'us':>8s} "
+        f"{'GB/s':>7s} {'% copy':>7s} {'graph us':>9s}"
     )
-    print(head + ("   best (sweep, graph us)" if a.sweep else ""))
+    print(head + ("   best (sweep, graph us)" if cli.sweep else ""))
     print("-" * len(head))
-    for name in a.layers.split(","):
+    for name in cli.layers.split(","):
         shape = SHAPES[name]
-        for phase in a.phases.split(","):
+        for phase in cli.phases.split(","):
             rows = PHASE_ROWS[phase]
-            for batch in map(int, a.batches.split(",")):
-                for ctx in map(int, a.contexts.split(",")):
+            for batch in map(int, cli.batches.split(",")):
+                for ctx in map(int, cli.contexts.split(",")):
                     args, nbytes = build(shape, batch, ctx, rows)
                     ms, graph_ms = time_case(args)
                     gbs = nbytes / (ms * 1e-3) / 1e9
                     line = (
-                        f"{name:8s} {phase:7s} {batch:5d} {ctx:6d} {nbytes / 1e6:9.1f} {ms * 1e3:8.1f} "
-                        f"{gbs:7.0f} {100 * gbs / bw:6.1f}% {graph_ms * 1e3:9.1f}"
+                        f"{name:8s} {phase:7s} {batch:5d} {ctx:6d} {nbytes / 1e6:9.1f} "
+                        f"{ms * 1e3:8.1f} {gbs:7.0f} {100 * gbs / bw:6.1f}% {graph_ms * 1e3:9.1f}"
                     )
-                    if a.sweep:
+                    if cli.sweep:
                         ranked = sweep(
                             args, shape["hd"], shape["nh"] // shape["nkv"], rows, **options
                         )
                         line += "".join(
-                            f"\n      {ms * 1e3:6.1f} us ({100 * nbytes / (ms * 1e-3) / 1e9 / bw:3.0f}%) {cfg}"
-                            for ms, cfg in ranked[: a.top]
+                            f"\n      {ms * 1e3:6.1f} us "
+                            f"({100 * nbytes / (ms * 1e-3) / 1e9 / bw:3.0f}%) {cfg}"
+                            for ms, cfg in ranked[: cli.top]
                         )
                     print(line, flush=True)
                     del args

@@ -1,9 +1,10 @@
 """Decode-step cost against the HBM bandwidth roofline, verify cost vs k, and draft-loop cost vs k.
 
-Every number is a CUDA-graph replay of the engine's own captured step (the path the server runs), timed with
-CUDA events over many replays, on dummy weights of the real shapes. The roofline is the bytes a step must read
-(weights, counting only the MoE experts a batch activates and only the gathered rows of embedding tables,
-plus the KV rows every layer attends to) divided by the measured device copy bandwidth.
+Every number is a CUDA-graph replay of the engine's own captured step (the path the server runs),
+timed with CUDA events over many replays, on dummy weights of the real shapes. The roofline is the
+bytes a step must read (weights, counting only the MoE experts a batch activates and only the
+gathered rows of embedding tables, plus the KV rows every layer attends to) divided by the measured
+device copy bandwidth.
 
   python bench/bench_step.py --model configs/gemma-4-31B-it --draft configs/gemma-4-31B-it-assistant
 """
@@ -47,39 +48,41 @@ def time_it(fn, iters: int = 50) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    for s, e in zip(start, end):
-        s.record()
+    for begin, finish in zip(start, end):
+        begin.record()
         fn()
-        e.record()
+        finish.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end)) / 1e3
+    return statistics.median(begin.elapsed_time(finish) for begin, finish in zip(start, end)) / 1e3
 
 
 def weight_bytes_read(model, batch_tokens: int) -> float:
     """Bytes of weights one forward over `batch_tokens` rows reads from HBM."""
     cfg = getattr(model, "cfg", None)
     total = 0.0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * param.element_size()
         if name.endswith("embed_tokens_per_layer.weight"):  # PLE table: only the gathered rows
-            nbytes = batch_tokens * p.shape[1] * p.element_size()
+            nbytes = batch_tokens * param.shape[1] * param.element_size()
         elif ".experts." in name and cfg is not None and cfg.moe:
             E, k = cfg.num_experts, cfg.top_k_experts
-            active = E * (
-                1 - (1 - k / E) ** batch_tokens
-            )  # expected distinct experts the batch routes to
+            # The expected number of distinct experts the batch routes to.
+            active = E * (1 - (1 - k / E) ** batch_tokens)
             nbytes *= active / E
         total += nbytes
     return total
 
 
 def kv_bytes_read(cfg, contexts: list[int], dtype_bytes: int, window: dict) -> float:
-    """KV bytes attention reads: each layer (shared layers re-read their store layer) over its visible rows."""
+    """KV bytes attention reads: each layer over its visible rows.
+
+    Shared layers re-read their store layer.
+    """
     total = 0.0
     for layer in cfg.layers:
-        w = window[layer.kind]
+        limit = window[layer.kind]
         for n in contexts:
-            rows = min(n, w) if w else n
+            rows = min(n, limit) if limit else n
             total += rows * layer.num_kv_heads * layer.head_dim * 2 * dtype_bytes
     return total
 
@@ -88,9 +91,9 @@ def fake_decoding_sequences(
     engine: LLMEngine, batch: int, context: int, k: int
 ) -> list[ScheduledChunk]:
     chunks = []
-    g = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
     for i in range(batch):
-        ids = torch.randint(100, engine.cfg.vocab_size, (context,), generator=g).tolist()
+        ids = torch.randint(100, engine.cfg.vocab_size, (context,), generator=generator).tolist()
         seq = Sequence(f"b{i}", 0, ids, context - 1, SamplingParams(), 0, i, context + k + 1)
         seq.num_computed = context - 1
         engine.kv.grow(seq.pages, context - 1, context + k)
@@ -99,7 +102,7 @@ def fake_decoding_sequences(
 
 
 def replay_target(graphs: CudaGraphs, chunks: list[ScheduledChunk], greedy: bool = False):
-    """What the runner does for a graphed decode/verify step: pack the inputs on the host, copy, replay."""
+    """The runner's graphed decode/verify step: pack the inputs on the host, copy, replay."""
     batch = scheduled_batch(chunks)
     return graphs.run_target(
         batch.token_ids,
@@ -119,24 +122,25 @@ def time_greedy(graphs: CudaGraphs, chunks: list[ScheduledChunk]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default="configs/gemma-4-31B-it")
-    ap.add_argument("--draft", default="configs/gemma-4-31B-it-assistant")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument(
+    parser.add_argument("--model", default="configs/gemma-4-31B-it")
+    parser.add_argument("--draft", default="configs/gemma-4-31B-it-assistant")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
         "--context", type=int, default=1128, help="tokens in context at the measured step"
     )
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
-    ap.add_argument("--attention-backend", default="auto")
-    args = ap.parse_args()
-    dev = torch.device("cuda")
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args()
+    device = torch.device("cuda")
     print(f"# {' '.join(sys.argv)}")
     print(
-        f"# {torch.cuda.get_device_name(dev)}, {datetime.date.today()}, torch {torch.__version__}"
+        f"# {torch.cuda.get_device_name(device)}, {datetime.date.today()}, "
+        f"torch {torch.__version__}"
     )
-    bw = copy_bandwidth(dev)
+    bw = copy_bandwidth(device)
     print(f"# measured copy bandwidth: {bw / 1e9:.0f} GB/s")
 
     max_b, max_k = max(args.batch), max(args.ks)
@@ -155,38 +159,44 @@ def main() -> None:
             attention_backend=args.attention_backend,
         )
     )
-    s = engine.state
-    cfg = s.target.cfg
+    state = engine.state
+    cfg = state.target.cfg
     window = {SLIDING: cfg.sliding_window, FULL: 0}
+    target_params = sum(p.numel() for p in state.target.parameters())
+    draft_params = sum(p.numel() for p in state.draft.parameters())
     print(
-        f"# target {args.model}: {sum(p.numel() for p in s.target.parameters()) / 1e9:.2f}B params; "
-        f"draft {args.draft}: {sum(p.numel() for p in s.draft.parameters()) / 1e6:.0f}M params"
+        f"# target {args.model}: {target_params / 1e9:.2f}B params; "
+        f"draft {args.draft}: {draft_params / 1e6:.0f}M params"
     )
 
-    # The greedy variant reads the tied head as int8 (half its bytes) plus its few candidate rows in bf16.
-    head_bytes = s.target.embed_tokens.weight.numel() * s.target.embed_tokens.weight.element_size()
+    # The greedy variant reads the tied head as int8 (half its bytes) plus its few candidate rows
+    # in bf16.
+    head = state.target.embed_tokens.weight
+    head_bytes = head.numel() * head.element_size()
     print(
-        "\n## decode step (1 token per sequence) vs roofline; greedy: the variant that ends in the greedy head"
+        "\n## decode step (1 token per sequence) vs roofline; "
+        "greedy: the variant that ends in the greedy head"
     )
     print(
-        "| batch | context | step ms | roofline ms | % of roofline | greedy step ms | greedy roofline ms | "
-        "weights GB | KV GB |"
+        "| batch | context | step ms | roofline ms | % of roofline | greedy step ms "
+        "| greedy roofline ms | weights GB | KV GB |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     decode_ms = {}
     for B in args.batch:
         chunks = fake_decoding_sequences(engine, B, args.context, 0)
-        graphs = CudaGraphs(s, B, engine.max_model_len, 0)
+        graphs = CudaGraphs(state, B, engine.max_model_len, 0)
         graphs.buckets = [B]
         graphs.capture()
         t = time_it(lambda: replay_target(graphs, chunks))
-        wb = weight_bytes_read(s.target, B)
+        wb = weight_bytes_read(state.target, B)
         kvb = kv_bytes_read(cfg, [args.context] * B, 2, window)
         roof = (wb + kvb) / bw
         decode_ms[B] = t * 1e3
+        greedy_roof = (wb + kvb - head_bytes / 2) / bw
         print(
             f"| {B} | {args.context} | {t * 1e3:.2f} | {roof * 1e3:.2f} | {100 * roof / t:.1f}% | "
-            f"{time_greedy(graphs, chunks)} | {(wb + kvb - head_bytes / 2) / bw * 1e3:.2f} | {wb / 1e9:.1f} | "
+            f"{time_greedy(graphs, chunks)} | {greedy_roof * 1e3:.2f} | {wb / 1e9:.1f} | "
             f"{kvb / 1e9:.2f} |"
         )
         for ch in chunks:
@@ -195,29 +205,31 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     print(
-        "\n## verify step (k+1 tokens per sequence) and draft loop (k drafter steps), vs the decode step"
+        "\n## verify step (k+1 tokens per sequence) and draft loop (k drafter steps), "
+        "vs the decode step"
     )
     print(
-        "| batch | k | verify ms | verify / decode | greedy verify ms | draft loop ms | draft / decode |"
+        "| batch | k | verify ms | verify / decode | greedy verify ms | draft loop ms "
+        "| draft / decode |"
     )
     print("|---|---|---|---|---|---|---|")
     for B in args.batch:
         for k in args.ks:
             chunks = fake_decoding_sequences(engine, B, args.context, k)
-            graphs = CudaGraphs(s, B, engine.max_model_len, k)
+            graphs = CudaGraphs(state, B, engine.max_model_len, k)
             graphs.buckets = [B]
             graphs.q_lens = [k + 1]
             graphs.capture()
             tv = time_it(lambda: replay_target(graphs, chunks))
-            tok = torch.zeros(B, dtype=torch.int64, device=dev)
-            hid = torch.zeros(B, cfg.hidden_size, dtype=s.dtype, device=dev)
-            P = torch.full((B,), args.context, dtype=torch.int64, device=dev)
-            rows = torch.arange(B, dtype=torch.int32, device=dev)
-            td = time_it(lambda: graphs.run_draft(tok, hid, P, rows))
-            d = decode_ms[B]
+            tokens = torch.zeros(B, dtype=torch.int64, device=device)
+            hidden = torch.zeros(B, cfg.hidden_size, dtype=state.dtype, device=device)
+            P = torch.full((B,), args.context, dtype=torch.int64, device=device)
+            rows = torch.arange(B, dtype=torch.int32, device=device)
+            td = time_it(lambda: graphs.run_draft(tokens, hidden, P, rows))
+            decode = decode_ms[B]
             print(
-                f"| {B} | {k} | {tv * 1e3:.2f} | {tv * 1e3 / d:.2f}x | {time_greedy(graphs, chunks)} | "
-                f"{td * 1e3:.2f} | {100 * td * 1e3 / d:.1f}% |"
+                f"| {B} | {k} | {tv * 1e3:.2f} | {tv * 1e3 / decode:.2f}x | "
+                f"{time_greedy(graphs, chunks)} | {td * 1e3:.2f} | {100 * td * 1e3 / decode:.1f}% |"
             )
             for ch in chunks:
                 engine.kv.free(ch.seq.pages)
