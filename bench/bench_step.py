@@ -96,7 +96,7 @@ def fake_decoding_sequences(
         ids = torch.randint(100, engine.cfg.vocab_size, (context,), generator=generator).tolist()
         seq = Sequence(f"b{i}", 0, ids, context - 1, SamplingParams(), 0, i, context + k + 1)
         seq.num_computed = context - 1
-        engine.kv.grow(seq.pages, context - 1, context + k)
+        engine.kv.grow(seq, context - 1, context + k)
         chunks.append(ScheduledChunk(seq, context - 1, 1, ids[:k]))
     return chunks
 
@@ -200,7 +200,7 @@ def main() -> None:
             f"{kvb / 1e9:.2f} |"
         )
         for ch in chunks:
-            engine.kv.free(ch.seq.pages)
+            engine.kv.free(ch.seq, committed=0)
         graphs = None  # free its memory pool before the next capture
         torch.cuda.empty_cache()
 
@@ -232,7 +232,7 @@ def main() -> None:
                 f"{time_greedy(graphs, chunks)} | {td * 1e3:.2f} | {100 * td * 1e3 / decode:.1f}% |"
             )
             for ch in chunks:
-                engine.kv.free(ch.seq.pages)
+                engine.kv.free(ch.seq, committed=0)
             graphs = None  # free its memory pool before the next capture
             torch.cuda.empty_cache()
 

@@ -177,7 +177,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             report(prof, f"draft loop (k={args.k})", 5)
         for ch in chunks:
-            engine.kv.free(ch.seq.pages)
+            engine.kv.free(ch.seq, committed=0)
 
 
 if __name__ == "__main__":

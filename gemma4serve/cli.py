@@ -148,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the config's, capped by the KV pool).",
     )
     engine.add_argument(
-        "--max-num-seqs", type=int, default=64, help="Most sequences in the running batch."
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="Most sequences in the running batch (a cap: KV pages are drawn on demand).",
     )
     engine.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="Token budget of one engine step."
@@ -164,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_byte_size,
         help="Bytes for KV pages, e.g. 20GiB; overrides --gpu-memory-utilization.",
     )
-    # Test knob: the full pool's size in tokens.
+    # Test knob: an arena that holds this many positions.
     engine.add_argument("--kv-cache-tokens", type=int, help=argparse.SUPPRESS)
     engine.add_argument(
         "--page-size",
@@ -172,7 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="page_size",
         type=int,
         default=16,
-        help="Tokens per KV page (vLLM calls a page a block).",
+        help="Positions per KV page of the sliding layers (vLLM calls a page a block); full-layer "
+        "pages hold as many positions as fit the same bytes.",
+    )
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Reuse the KV of earlier requests' prefixes (default: on).",
     )
     engine.add_argument(
         "--num-draft-tokens",
@@ -261,6 +271,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_tokens=ns.kv_cache_tokens,
         attention_backend=ns.attention_backend,
         enforce_eager=ns.enforce_eager,
+        enable_prefix_caching=ns.enable_prefix_caching,
         async_scheduling=ns.async_scheduling,
         seed=ns.seed,
         forced_acceptance=ns.forced_acceptance,

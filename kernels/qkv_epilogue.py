@@ -49,8 +49,10 @@ def _qkv_epilogue_kernel(
     stride_ct,
     stride_st,
     stride_qt,
+    stride_cpage,
     stride_cslot,
     eps,
+    PAGE: tl.constexpr,
     NH: tl.constexpr,
     NKV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -82,7 +84,7 @@ def _qkv_epilogue_kernel(
         v_row = k_row if K_EQ_V else row + (NH + NKV + kh) * HEAD_DIM
         v = round_to(_normed(v_row, 1.0, d, eps, HEAD_DIM), DT)
         if slot >= 0:
-            dst = slot * stride_cslot + kh * HEAD_DIM + d
+            dst = (slot // PAGE) * stride_cpage + (slot % PAGE) * stride_cslot + kh * HEAD_DIM + d
             tl.store(kc_ptr + dst, k.to(DT))
             tl.store(vc_ptr + dst, v.to(DT))
 
@@ -102,13 +104,18 @@ def qkv_epilogue(
     k_eq_v: bool,
 ) -> torch.Tensor:
     """qkv [T, (nh + nkv (+ nkv)) * hd] (q, k, then v unless k_eq_v) -> q [T, nh, hd]; K/V go to the caches
-    [num_pages, page_size, nkv, hd] at `slots` [T] (-1 = no write)."""
+    [num_pages, page_tokens, nkv, hd] (pages at any stride) at `slots` [T] (-1 = no write)."""
     T = qkv.shape[0]
     hd = k_cache.shape[-1]
     assert (
         hd & (hd - 1) == 0 and qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
     )
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2] == num_kv_heads
+    assert k_cache.stride() == v_cache.stride() and k_cache.shape[-2] == num_kv_heads
+    assert (
+        k_cache.stride(-1) == 1
+        and k_cache.stride(-2) == hd
+        and k_cache.stride(1) == num_kv_heads * hd
+    )
     q = torch.empty(T, num_heads, hd, dtype=qkv.dtype, device=qkv.device)
     if T:
         _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
@@ -125,8 +132,10 @@ def qkv_epilogue(
             cos.stride(0),
             sin.stride(0),
             q.stride(0),
-            num_kv_heads * hd,
+            k_cache.stride(0),
+            k_cache.stride(1),
             eps,
+            PAGE=k_cache.shape[1],
             NH=num_heads,
             NKV=num_kv_heads,
             HEAD_DIM=hd,

@@ -82,22 +82,22 @@ def _write_slots_kernel(
     slot_a_ptr,
     slot_b_ptr,
     T,
-    PAGE: tl.constexpr,
+    PAGE_A: tl.constexpr,
+    PAGE_B: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = t < T
     pos = tl.load(pos_ptr + t, mask=ok, other=0).to(tl.int64)
     row = tl.load(token_seq_ptr + t, mask=ok, other=0).to(tl.int64)
-    page, in_page = pos // PAGE, pos % PAGE
-    page_a = tl.load(table_a_ptr + row * stride_a + page, mask=ok, other=0).to(tl.int64)
-    page_b = tl.load(table_b_ptr + row * stride_b + page, mask=ok, other=0).to(tl.int64)
-    tl.store(slot_a_ptr + t, page_a * PAGE + in_page, mask=ok)
-    tl.store(slot_b_ptr + t, page_b * PAGE + in_page, mask=ok)
+    page_a = tl.load(table_a_ptr + row * stride_a + pos // PAGE_A, mask=ok, other=0).to(tl.int64)
+    page_b = tl.load(table_b_ptr + row * stride_b + pos // PAGE_B, mask=ok, other=0).to(tl.int64)
+    tl.store(slot_a_ptr + t, page_a * PAGE_A + pos % PAGE_A, mask=ok)
+    tl.store(slot_b_ptr + t, page_b * PAGE_B + pos % PAGE_B, mask=ok)
     tl.store(kv_end_ptr + t, (pos + 1).to(tl.int32), mask=ok)
 
 
-def write_slots(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, page_size: int):
+def write_slots(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, page_tokens: dict):
     """(kv_end [T] int32 = pos + 1, {kind: slot [T] int64}): the cache slot each token's K/V goes to, through
     its sequence's row of each of the two page tables, as attention.metadata.causal_metadata."""
     (kind_a, table_a), (kind_b, table_b) = tables.items()
@@ -124,7 +124,8 @@ def write_slots(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, page_s
             slot_a,
             slot_b,
             T,
-            PAGE=page_size,
+            PAGE_A=page_tokens[kind_a],
+            PAGE_B=page_tokens[kind_b],
             BLOCK=block,
             num_warps=4,
         )

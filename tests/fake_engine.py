@@ -136,7 +136,7 @@ class FakeEngine:
             str, tuple[int, int]
         ] = {}  # request id -> (full pages, sliding pages) held
         self._abort_requested: set[str] = set()
-        self._stats = EngineStats(full_pages_total=full_pages, sliding_pages_total=sliding_pages)
+        self._stats = EngineStats(kv_pages_total=full_pages + sliding_pages)
         self._lock = threading.Lock()
 
     # ---- interface ------------------------------------------------------------------------------------------
@@ -167,8 +167,8 @@ class FakeEngine:
             s = self._stats
             return EngineStats(
                 num_running=s.num_running, num_waiting=s.num_waiting,
-                full_pages_total=self.full_pages, full_pages_free=free["full"],
-                sliding_pages_total=self.sliding_pages, sliding_pages_free=free["sliding"],
+                kv_pages_total=self.full_pages + self.sliding_pages,
+                kv_pages_free=free["full"] + free["sliding"],
                 num_preemptions=0, prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
                 requests_finished=dict(s.requests_finished), spec_num_steps=s.spec_num_steps,
                 spec_drafted_tokens=s.spec_drafted_tokens, spec_accepted_tokens=s.spec_accepted_tokens,

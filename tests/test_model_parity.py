@@ -31,12 +31,12 @@ def engine_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
     try:
         for start in range(0, len(prompt), chunk):
             length = min(chunk, len(prompt) - start)
-            engine.kv.grow(seq.pages, start, start + length)
+            engine.kv.grow(seq, start, start + length)
             batch = scheduled_batch([ScheduledChunk(seq, start, length, [])])
             hidden = engine.runner.forward(batch, greedy=False).hidden
             out.append(engine.state.target.logits(hidden).float())
     finally:
-        engine.kv.free(seq.pages)
+        engine.kv.free(seq, committed=0)
     return torch.cat(out)
 
 

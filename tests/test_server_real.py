@@ -52,15 +52,12 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def free_pages(server) -> dict[str, float]:
+def free_pages(server) -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {
-        pool: metric(text, "gemma4serve:kv_cache_free_pages", pool=pool)
-        for pool in ("full", "sliding")
-    }
+    return metric(text, "gemma4serve:kv_cache_free_pages")
 
 
-def wait_for_free_pages(server, expected: dict, timeout: float = 60) -> None:
+def wait_for_free_pages(server, expected: float, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while (now := free_pages(server)) != expected:
         assert time.monotonic() < deadline, f"KV pages not returned: {now} != {expected}"
@@ -165,7 +162,7 @@ def test_disconnect_mid_stream_returns_kv_pages(server):
         for _ in range(10):
             next(lines)
         held = free_pages(server)
-        assert held["full"] < baseline["full"], "the stream should hold KV pages while it runs"
+        assert held < baseline, "the stream should hold KV pages while it runs"
     wait_for_free_pages(server, baseline)
 
 
@@ -241,3 +238,31 @@ def test_demo_flag_and_sigterm_exits_0(demo_root):
         assert payloads[-1] == "[DONE]"
         assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(60) == 0
+
+
+def test_prefix_cache_hit_is_reported(server, client):
+    """The same conversation twice: the second is served from the prefix cache, says so in
+    usage.prompt_tokens_details.cached_tokens and the prefix-cache counters, and answers alike."""
+    messages = [
+        {"role": "system", "content": "You are a careful assistant. " * 30},
+        {"role": "user", "content": "Name three colours of the sea."},
+    ]
+    before = httpx.get(server.url + "/metrics").text
+    first, second = (
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0.0
+        )
+        for _ in range(2)
+    )
+    after = httpx.get(server.url + "/metrics").text
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    hits = metric(after, "gemma4serve:prefix_cache_hits_total") - metric(
+        before, "gemma4serve:prefix_cache_hits_total"
+    )
+    assert hits == second.usage.prompt_tokens_details.cached_tokens
+    queries = metric(after, "gemma4serve:prefix_cache_queries_total") - metric(
+        before, "gemma4serve:prefix_cache_queries_total"
+    )
+    assert queries == 2 * second.usage.prompt_tokens

@@ -28,11 +28,12 @@ HEAD_DIMS = (64, 128, 256)  # FlashInfer's prefill head dims on Hopper
 class FlashInferAttention(TritonAttention):
     name = "flashinfer"
 
-    def __init__(self, device: torch.device, layouts: dict, page_size: int):
-        """layouts: kind -> (num_q_heads, num_kv_heads, head_dim) of the model's layer types."""
+    def __init__(self, device: torch.device, layouts: dict, page_tokens: dict):
+        """layouts: kind -> (num_q_heads, num_kv_heads, head_dim) of the model's layer types;
+        page_tokens: kind -> positions per KV page."""
         import flashinfer
 
-        self.page_size = page_size
+        self.page_tokens = page_tokens
         self.wrappers = {}  # kind -> a prefill wrapper, for the kinds whose head_dim FlashInfer runs
         self.planned = {}  # kind -> the HostBatch the wrapper was last planned for
         for kind, (nh, nkv, hd) in layouts.items():
@@ -42,7 +43,7 @@ class FlashInferAttention(TritonAttention):
                 torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD"
             )
             try:  # builds (JIT, once per machine) or loads the kernel now, not in the middle of serving
-                _warm_up(w, device, nh, nkv, hd, page_size)
+                _warm_up(w, device, nh, nkv, hd, page_tokens[kind])
             except Exception as e:  # noqa: BLE001 - any build or launch failure means: Triton serves it
                 log.warning(
                     "FlashInfer prefill for %s layers (head_dim %d) unavailable, Triton serves them: %s",
@@ -69,7 +70,8 @@ class FlashInferAttention(TritonAttention):
         if w is None or meta.host is None or meta.max_q_len == 1 or q.dtype != torch.bfloat16:
             return super().forward(q, k_cache, v_cache, meta, kind)
         if self.planned.get(kind) is not meta.host:  # once per step and kind, not per layer
-            plan(w, meta, kind, q.shape[1], k_cache.shape[2], q.shape[2], self.page_size, q.dtype)
+            page = self.page_tokens[kind]
+            plan(w, meta, kind, q.shape[1], k_cache.shape[2], q.shape[2], page, q.dtype)
             self.planned[kind] = meta.host
         return w.run(q, (k_cache, v_cache))
 

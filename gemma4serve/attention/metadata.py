@@ -1,19 +1,19 @@
 """What every attention backend sees: one packed batch of query tokens over the paged KV pools.
 
 Layout (shared by the torch and Triton backends):
-- KV of one layer type lives in `KVCache.k[kind]` / `.v[kind]`, each
-  [num_producer_layers_of_kind, num_pages, page_size, num_kv_heads, head_dim]. Physical page 0 of
-  every pool is a never-allocated null page: page-table entries that map nothing point there.
-- A sequence has one page table per kind, indexed by *logical* page = position // page_size over
-  the whole sequence. Sliding pages that no reader can reach are freed and their entries reset to
+- A layer's K and V are views [num_pages, page_tokens[kind], num_kv_heads, head_dim] into one
+  arena of equal-byte pages (`KVCache`), with a page stride of a whole page. Physical page 0 is
+  a never-allocated null page: page-table entries that map nothing point there.
+- A sequence has one page table per kind, indexed by *logical* page = position //
+  page_tokens[kind] over the whole sequence. Sliding pages that no reader can reach are freed and their entries reset to
   0; kernels only read entries inside the visible window.
 - Query token t (of sequence `token_seq[t]`) sees the keys at positions
   [kv_end[t] - window, kv_end[t]) ∩ [0, ∞), where window is the kind's visible-key count
   (0 = unlimited). The target is causal: kv_end = pos + 1 and window = W (a query at p sees
   p-W+1 … p). The drafter reads the committed rows only: kv_end = P and window = W_a + 1
   (docs/gemma4.md §12.2).
-- Writes: the K/V of query token t go to slot `write_slot[kind][t]` (= page * page_size + offset)
-  of the writing layer, before attention reads; -1 means no write (the drafter never writes).
+- Writes: the K/V of query token t go to slot `write_slot[kind][t]` (= page * page_tokens[kind] +
+  offset) of the writing layer, before attention reads; -1 means no write (the drafter never writes).
 """
 
 from __future__ import annotations
@@ -90,25 +90,26 @@ def causal_metadata(
     window: dict,
     cu_seqlens_q: torch.Tensor,
     max_q_len: int,
-    page_size: int,
+    page_tokens: dict[str, int],
     host: HostBatch | None = None,
 ) -> AttentionMetadata:
     """Metadata of a target pass, derived on the device: each token sees keys up to its own
-    position and writes its K/V to the slot its page table maps its position to."""
+    position and writes its K/V to the slot its page table maps its position to
+    (page * page_tokens[kind] + offset)."""
+    kernels = fused.on(pos)
     if (
-        (k := fused.on(pos)) is not None
+        kernels is not None
         and len(tables) == 2
         and token_seq.is_contiguous()
         and pos.is_contiguous()
     ):
-        kv_end, write_slot = k.write_slots(
-            token_seq, pos, tables, page_size
-        )  # one launch instead of about 14
+        kv_end, write_slot = kernels.write_slots(token_seq, pos, tables, page_tokens)  # one launch
     else:
         rows = token_seq.long()
         kv_end = (pos + 1).to(torch.int32)
         write_slot = {
-            kind: t[rows, pos // page_size].long() * page_size + pos % page_size
+            kind: t[rows, pos // page_tokens[kind]].long() * page_tokens[kind]
+            + pos % page_tokens[kind]
             for kind, t in tables.items()
         }
     return AttentionMetadata(

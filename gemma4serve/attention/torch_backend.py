@@ -18,10 +18,12 @@ def write_kv(
     v: torch.Tensor,
     slots: torch.Tensor,
 ):
-    """Store the new rows' K/V [T, nkv, hd] in their physical slots."""
-    nkv, hd = k_cache.shape[-2:]
-    k_cache.view(-1, nkv, hd).index_copy_(0, slots, k)
-    v_cache.view(-1, nkv, hd).index_copy_(0, slots, v)
+    """Store the new rows' K/V [T, nkv, hd] in their slots (page * page_tokens + offset) of the
+    caches [num_pages, page_tokens, nkv, hd], whose pages may lie at any stride."""
+    page_tokens = k_cache.shape[1]
+    pages, offsets = slots // page_tokens, slots % page_tokens
+    k_cache[pages, offsets] = k
+    v_cache[pages, offsets] = v
 
 
 class TorchAttention:
@@ -51,9 +53,8 @@ class TorchAttention:
         visible = pos < end[:, None]
         pos = torch.where(visible, pos, lo[:, None])  # keep the gather in bounds
         pages = meta.page_table[kind][meta.token_seq.long()[:, None], pos // page_size].long()
-        slots = pages * page_size + pos % page_size
-        keys = k_cache.view(-1, nkv, hd)[slots]  # [T, S, nkv, hd]
-        vals = v_cache.view(-1, nkv, hd)[slots]
+        keys = k_cache[pages, pos % page_size]  # [T, S, nkv, hd]
+        vals = v_cache[pages, pos % page_size]
         qg = q.view(T, nkv, nh // nkv, hd)  # GQA: query head j reads KV head j // group
         scores = torch.einsum(
             "tkgd,tskd->tkgs", qg, keys

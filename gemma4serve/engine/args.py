@@ -18,7 +18,7 @@ class EngineArgs:
     max_model_len: int | None = (
         None  # default: the config's max_position_embeddings, capped by the KV pool
     )
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256  # a cap on the running batch; nothing is reserved per sequence
     max_num_batched_tokens: int = 2048
     page_size: int = 16
     num_draft_tokens: int = 4  # k; 0 = no speculation (also when no draft model is given)
@@ -29,10 +29,11 @@ class EngineArgs:
         0.90  # fraction of total GPU memory the engine may use (weights + KV)
     )
     kv_cache_memory: int | None = None  # bytes for KV pages; overrides gpu_memory_utilization
-    kv_cache_tokens: int | None = None  # test knob: the full pool's capacity in tokens
+    kv_cache_tokens: int | None = None  # test knob: an arena that holds this many positions
     # auto: triton on CUDA (prefill through flashinfer when that extra is installed), torch
     # elsewhere
     attention_backend: str = "auto"  # | torch | triton | flashinfer
+    enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = (
         True  # queue the next decode step before reading the current one's tokens

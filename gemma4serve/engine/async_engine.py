@@ -87,9 +87,8 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def kv_pool_free(self) -> dict:
-        st = self._stats
-        return {"full": st.full_pages_free, "sliding": st.sliding_pages_free}
+    def kv_pool_free(self) -> int:
+        return self._stats.kv_pages_free
 
     def num_unfinished(self) -> int:
         st = self._stats

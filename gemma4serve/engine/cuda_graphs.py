@@ -42,20 +42,17 @@ class CudaGraphs:
         self.buckets = batch_buckets(max_batch)
         self.q_lens = sorted({1, num_draft_tokens + 1})
         B, T = self.buckets[-1], self.buckets[-1] * max(self.q_lens)
-        dev, ps = state.device, state.page_size
+        dev, page_tokens = state.device, state.kv.page_tokens
         # Page-table columns: a step queued behind another writes up to 2(k+1) rows past a
         # sequence's end.
-        width = -(-(max_model_len + 2 * (num_draft_tokens + 1)) // ps) + 1
+        rows = max_model_len + 2 * (num_draft_tokens + 1)
+        self.width = {kind: -(-rows // n) + 1 for kind, n in page_tokens.items()}
         self.dummy_row = B  # a page-table row of null pages for padding
         i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
         self.ids = torch.zeros(T, **i64)
         self.pos = torch.zeros(T, **i64)
         self.token_seq = torch.full((T,), B, **i32)
-        self.tables = {
-            FULL: torch.zeros(B + 1, width, **i32),
-            SLIDING: torch.zeros(B + 1, width, **i32),
-        }
-        self.width = width
+        self.tables = {kind: torch.zeros(B + 1, n, **i32) for kind, n in self.width.items()}
         # What run_target last wrote into token_seq and the tables: an unchanged input is not copied
         # again (at batch 1 each copy is a launch between two steps, and a page table changes once
         # per page of tokens).
@@ -89,7 +86,7 @@ class CudaGraphs:
                 {SLIDING: s.target.cfg.sliding_window, FULL: 0},
                 self.cu_seqlens[Q][: B + 1],
                 Q,
-                s.page_size,
+                s.kv.page_tokens,
             )
             hidden = s.target(self.ids[:T], self.pos[:T], ForwardContext(meta, s.kv, s.attn))
             return hidden, (s.target.greedy(hidden) if greedy else s.target.logits(hidden))
@@ -172,9 +169,10 @@ class CudaGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def fits(self, n: int, Q: int, max_pages: int) -> bool:
-        """Whether n sequences of Q query rows each, holding <= max_pages pages, have a graph."""
-        return Q in self.q_lens and self.bucket(n) is not None and max_pages < self.width
+    def fits(self, n: int, Q: int, tables: dict) -> bool:
+        """Whether n sequences of Q query rows each, with these host page tables, have a graph."""
+        wide = any(t.shape[1] >= self.width[kind] for kind, t in tables.items())
+        return Q in self.q_lens and self.bucket(n) is not None and not wide
 
     def run_target(
         self, ids: torch.Tensor, pos: torch.Tensor, Q: int, tables: dict, greedy: bool = False

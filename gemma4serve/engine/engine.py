@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gemma4serve.config import FULL, SLIDING
 from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.cuda_graphs import CudaGraphs
@@ -32,6 +33,7 @@ from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepRe
 from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
 from gemma4serve.kv.manager import KVManager
 from gemma4serve.kv.pool import PagePool
+from gemma4serve.kv.prefix_cache import PrefixCache
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.tokenizer import Tokenizer
 from gemma4serve.validation import (
@@ -45,6 +47,9 @@ from gemma4serve.validation import (
 log = logging.getLogger("gemma4serve")
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # choices of one request get well-separated seeds
+# Prefix-cache windows inside long sequences: one every this many tokens (besides the prompt's
+# and the sequence's last boundary), so a long shared prefix is a hit wherever it ends.
+PREFIX_WINDOW_INTERVAL = 2048
 
 
 # generation_config.json fields that become the server's sampling defaults (vLLM's behaviour): the
@@ -117,13 +122,18 @@ class LLMEngine:
         self.default_sampling_params = generation_defaults(self.state.target_dir)
         plan = self.state.kv_plan
         self.max_model_len = plan.max_model_len
-        page_size = args.page_size
-        self.kv = KVManager(
-            PagePool(plan.full_pages, page_size, "full"),
-            PagePool(plan.sliding_pages, page_size, "sliding"),
-            page_size,
-            plan.sliding_keep,
-        )
+        pool = PagePool(plan.num_pages)
+        cache = None
+        if args.enable_prefix_caching:
+            cache = PrefixCache(
+                pool,
+                full_page_tokens=plan.page_tokens[FULL],
+                sliding_page_tokens=plan.page_tokens[SLIDING],
+                sliding_keep=plan.sliding_keep,
+                salt=f"{self.state.target_dir.resolve()}|{self.state.dtype}|{args.load_format}",
+                window_interval=PREFIX_WINDOW_INTERVAL,
+            )
+        self.kv = KVManager(pool, plan.page_tokens, plan.sliding_keep, cache)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         k = args.num_draft_tokens if self.state.draft is not None else 0
         self.num_draft_tokens = k
@@ -196,12 +206,12 @@ class LLMEngine:
                 arrival=0,
                 max_len=n + 1,
             )
-            self.kv.grow(seq.pages, 0, n)
+            self.kv.grow(seq, 0, n)
             try:
                 chunk = ScheduledChunk(seq, 0, n, [])
                 self.runner.launch([chunk], self.num_draft_tokens).results()
             finally:
-                self.kv.free(seq.pages)
+                self.kv.free(seq, committed=0)
         log.info("warmed up eager steps in %.1fs", time.monotonic() - t0)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -220,10 +230,11 @@ class LLMEngine:
         check_token_ids(prompt, self.cfg.vocab_size)
         max_tokens = check_context_length(len(prompt), params.max_tokens, self.max_model_len)
         max_len = len(prompt) + max_tokens
-        if self.kv.pages_for(max_len + self.num_draft_tokens + 1) > self.kv.full.capacity:
+        capacity = self.state.kv_plan.sequence_capacity
+        if max_len > capacity:
             raise RequestError(
-                f"the request needs up to {max_len} tokens of KV cache; the pool holds "
-                f"{self.kv.full.capacity * self.kv.page_size}"
+                f"the request needs up to {max_len} tokens of KV cache; the cache holds "
+                f"{capacity} for one sequence"
             )
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         choices = []
@@ -325,7 +336,7 @@ class LLMEngine:
             return None
         # `previous` may emit rows_before tokens, then the next step writes rows_next rows (past a
         # sequence's end too: the rows of a sequence that ends in `previous` are dropped).
-        spans = [(s.pages, s.num_computed, s.num_computed + rows_before + rows_next) for s in seqs]
+        spans = [(s, s.num_computed, s.num_computed + rows_before + rows_next) for s in seqs]
         if not self.kv.grow_all(spans):
             return None
         self.num_continued_steps += 1
@@ -376,6 +387,7 @@ class LLMEngine:
             reason, stop = self._push_token(choice, token)
             if reason is not None:
                 seq.finish_reason, seq.stop_reason = reason, stop
+                seq.num_computed = seq.num_tokens - 1  # rows with final KV, for the prefix cache
                 if choice.detokenizer is not None:
                     choice.new_text += choice.detokenizer.flush()
                 self._end(seq, reason)
@@ -413,7 +425,10 @@ class LLMEngine:
         outputs = [choice.take_output(with_logprobs) for choice in req.choices]
         if req.finished:
             req.metrics.finished_time = time.monotonic()
-        return RequestOutput(req.request_id, req.prompt_ids, outputs, req.finished, req.metrics)
+        cached = req.choices[0].sequence.num_cached_tokens or 0
+        return RequestOutput(
+            req.request_id, req.prompt_ids, outputs, req.finished, req.metrics, cached
+        )
 
     # ---- introspection --------------------------------------------------------------------------
 
@@ -422,10 +437,11 @@ class LLMEngine:
         stats = self.stats
         stats.num_running = len(self.scheduler.running)
         stats.num_waiting = len(self.scheduler.waiting)
-        stats.full_pages_total = self.kv.full.capacity
-        stats.full_pages_free = self.kv.full.num_free
-        stats.sliding_pages_total = self.kv.sliding.capacity
-        stats.sliding_pages_free = self.kv.sliding.num_free
+        stats.kv_pages_total = self.kv.pool.capacity
+        stats.kv_pages_free = self.kv.pool.num_free
+        if self.kv.cache is not None:
+            stats.prefix_cache_queries = self.kv.cache.num_queried_tokens
+            stats.prefix_cache_hits = self.kv.cache.num_hit_tokens
         stats.num_preemptions = self.scheduler.num_preemptions
         return dataclasses.replace(
             stats,
@@ -433,5 +449,10 @@ class LLMEngine:
             spec_accepted_per_position=list(stats.spec_accepted_per_position),
         )
 
-    def kv_pool_free(self) -> dict:
-        return {"full": self.kv.full.num_free, "sliding": self.kv.sliding.num_free}
+    def kv_pool_free(self) -> int:
+        """Arena pages no sequence holds (free, or idle in the prefix cache)."""
+        return self.kv.pool.num_free
+
+    def reset_prefix_cache(self) -> None:
+        if self.kv.cache is not None:
+            self.kv.cache.clear()

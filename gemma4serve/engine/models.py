@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from gemma4serve.attention.metadata import causal_metadata
 from gemma4serve.config import FULL, SLIDING, AssistantConfig, ConfigError, TextConfig, load_config
 from gemma4serve.engine.args import EngineArgs
-from gemma4serve.kv.cache import KVCache
+from gemma4serve.kv.cache import KVCache, page_tokens
 from gemma4serve.kv.sizing import KVPlan, plan_kv
 from gemma4serve.model.assistant import Gemma4Assistant
-from gemma4serve.model.gemma4 import Gemma4Model
+from gemma4serve.model.gemma4 import ForwardContext, Gemma4Model
 from gemma4serve.weights.dummy import init_dummy_weights
 from gemma4serve.weights.hub import resolve_checkpoint
 from gemma4serve.weights.loader import load_weights
@@ -34,7 +36,6 @@ class ModelState:
     attn: object
     device: torch.device
     dtype: torch.dtype
-    page_size: int
     target_dir: Path
     draft_dir: Path | None
 
@@ -78,13 +79,13 @@ def _load(module, path: Path | None, args: EngineArgs, device, dtype, what: str)
 
 
 def make_attention_backend(
-    name: str, device: torch.device, cfg=None, page_size: int = 16, dtype=None
+    name: str, device: torch.device, cfg=None, dtype=None, tokens: dict | None = None
 ):
+    """`tokens`: positions per KV page of each attention type (FlashInfer plans with them)."""
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
-    if (
-        name == "auto"
-    ):  # the Triton kernels are the fast path on CUDA (with FlashInfer's prefill when it is
-        # installed: measured faster, docs/performance.md); torch is the reference everywhere
+    if name == "auto":
+        # The Triton kernels are the fast path on CUDA (with FlashInfer's prefill when it is
+        # installed: measured faster, docs/performance.md); torch is the reference everywhere.
         name = "triton" if device.type == "cuda" else "torch"
         if name == "triton" and dtype == torch.bfloat16 and has_flashinfer:
             name = "flashinfer"
@@ -108,22 +109,59 @@ def make_attention_backend(
         for kind in (SLIDING, FULL):
             hd, nkv = cfg.kind_spec(kind)
             layouts[kind] = (cfg.num_heads, nkv, hd)
-        return FlashInferAttention(device, layouts, page_size)
+        return FlashInferAttention(device, layouts, tokens)
     raise ConfigError(
         f"attention backend {name!r} is not supported (auto, torch, triton, flashinfer)"
     )
 
 
-def _kv_budget(args: EngineArgs, device: torch.device) -> int | None:
+def _kv_budget(args: EngineArgs, device: torch.device, activations: int) -> int:
+    """Bytes for the KV arena: the --kv-cache-memory given, or what --gpu-memory-utilization of
+    the device leaves after what is in use (the allocator's cache emptied first) and the
+    measured activation reserve."""
     if args.kv_cache_memory is not None:
         return int(args.kv_cache_memory)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        # Leave room for activations, logits of a full token budget and CUDA graph pools.
-        reserve = 2 * 2**30
-        return max(0, int(total * args.gpu_memory_utilization) - used - reserve)
-    return 512 * 2**20  # CPU: tiny models only
+    if device.type != "cuda":
+        return 512 * 2**20  # CPU: tiny models only
+    torch.cuda.empty_cache()  # cached free blocks of the load are not in use
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total * args.gpu_memory_utilization) - (total - free) - activations)
+
+
+@torch.inference_mode()
+def _measure_activations(target, attn, cfg, args: EngineArgs, dtype, device) -> int:
+    """Bytes a step needs besides weights and KV, measured: an eager forward of the largest
+    prefill chunk and the logits of the most sampled rows (in fp32, as the sampler makes them),
+    twice over, since the CUDA graphs' pool and eager steps hold theirs at once."""
+    if device.type != "cuda":
+        return 0
+    chunk = min(args.max_num_batched_tokens, cfg.max_position_embeddings)
+    rows = min(args.max_num_batched_tokens, args.max_num_seqs * (args.num_draft_tokens + 1))
+    tokens = page_tokens(cfg, args.page_size)
+    num_pages = sum(-(-chunk // n) for n in tokens.values()) + 1
+    probe = KVCache(cfg, num_pages, tokens, dtype, device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(chunk, dtype=torch.int64, device=device)
+    positions = torch.arange(chunk, device=device)
+    tables = {
+        kind: torch.arange(1, 1 + -(-chunk // n), dtype=torch.int32, device=device)[None]
+        + (0 if kind == SLIDING else -(-chunk // tokens[SLIDING]))
+        for kind, n in tokens.items()
+    }
+    window = {SLIDING: cfg.sliding_window, FULL: 0}
+    token_group = torch.zeros(chunk, dtype=torch.int32, device=device)
+    starts = torch.tensor([0, chunk], dtype=torch.int32, device=device)
+    meta = causal_metadata(token_group, positions, tables, window, starts, chunk, tokens)
+    hidden = target(ids, positions, ForwardContext(meta, probe, attn))
+    logits = target.logits(hidden[:1].expand(rows, -1).contiguous()).float()
+    del logits, hidden
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del probe
+    torch.cuda.empty_cache()
+    return 2 * peak + 2**29
 
 
 def _checkpoint_dir(name: str, args: EngineArgs) -> Path:
@@ -166,31 +204,41 @@ def load_models(args: EngineArgs) -> ModelState:
         draft.bind(cfg, device)
 
     k = args.num_draft_tokens if draft is not None else 0
+    tokens = page_tokens(cfg, args.page_size)
+    attn = make_attention_backend(args.attention_backend, device, cfg, dtype, tokens)
+    activations = 0
+    if args.kv_cache_tokens is None and args.kv_cache_memory is None:
+        activations = _measure_activations(target, attn, cfg, args, dtype, device)
     plan = plan_kv(
         cfg,
         page_size=args.page_size,
         dtype=dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         num_draft_tokens=k,
         draft_window=draft.cfg.text.sliding_window if draft is not None else None,
-        kv_bytes=None if args.kv_cache_tokens is not None else _kv_budget(args, device),
+        cache_boundary_rows=math.lcm(*tokens.values()) if args.enable_prefix_caching else 0,
+        kv_bytes=None
+        if args.kv_cache_tokens is not None
+        else _kv_budget(args, device, activations),
         kv_tokens=args.kv_cache_tokens,
         max_model_len=args.max_model_len,
     )
-    kv = KVCache(
-        cfg, {FULL: plan.full_pages, SLIDING: plan.sliding_pages}, args.page_size, dtype, device
-    )
+    kv = KVCache(cfg, plan.num_pages, plan.page_tokens, dtype, device)
+    window_rows = plan.sliding_keep + 2 * (k + 1)
     log.info(
-        "KV cache: %.2f GiB, full pool %d pages (%d tokens), sliding pool %d pages, "
-        "max_model_len %d",
+        "KV cache: %.2f GiB (activation reserve %.2f GiB), %d pages of %.2f MiB: %d positions "
+        "per page for full layers, %d for sliding layers; capacity %d tokens for one sequence; "
+        "max_model_len %d; max concurrency for %d-token requests: %.1fx",
         plan.bytes / 2**30,
-        plan.full_pages - 1,
-        (plan.full_pages - 1) * args.page_size,
-        plan.sliding_pages - 1,
+        activations / 2**30,
+        plan.num_pages - 1,
+        plan.page_bytes / 2**20,
+        plan.page_tokens[FULL],
+        plan.page_tokens[SLIDING],
+        (plan.num_pages - 1 - plan.request_pages(0, window_rows)) * plan.page_tokens[FULL],
         plan.max_model_len,
+        plan.max_model_len,
+        plan.max_concurrency(plan.max_model_len, window_rows),
     )
-    attn = make_attention_backend(args.attention_backend, device, cfg, args.page_size, dtype)
     return ModelState(
         target=target,
         draft=draft,
@@ -199,7 +247,6 @@ def load_models(args: EngineArgs) -> ModelState:
         attn=attn,
         device=device,
         dtype=dtype,
-        page_size=args.page_size,
         target_dir=target_dir,
         draft_dir=draft_dir,
     )

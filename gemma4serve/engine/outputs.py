@@ -56,10 +56,10 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
-    full_pages_total: int = 0
-    full_pages_free: int = 0
-    sliding_pages_total: int = 0
-    sliding_pages_free: int = 0
+    kv_pages_total: int = 0  # the arena's pages
+    kv_pages_free: int = 0  # pages no sequence holds (idle prefix-cache pages included)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from it
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0

@@ -274,8 +274,11 @@ class ModelRunner:
         that chooses). `greedy`: only each row's argmax is needed (a greedy graph may run)."""
         graphs = self.graphs
         Q = batch.decode_query_len
-        widest = batch.page_tables[FULL].shape[1]
-        if graphs is not None and Q is not None and graphs.fits(batch.num_groups, Q, widest):
+        if (
+            graphs is not None
+            and Q is not None
+            and graphs.fits(batch.num_groups, Q, batch.page_tables)
+        ):
             hidden, logits, tokens = graphs.run_target(
                 batch.token_ids, batch.positions, Q, batch.page_tables, greedy=greedy
             )
@@ -303,7 +306,7 @@ class ModelRunner:
                 self.window,
                 to_device(batch.group_starts, device),
                 int(sizes.max()),
-                self.state.page_size,
+                self.state.kv.page_tokens,
                 host,
             )
         Q = batch.decode_query_len
@@ -312,7 +315,7 @@ class ModelRunner:
         token_group = torch.div(torch.arange(T, **i32), Q, rounding_mode="floor")
         group_starts = torch.arange(0, T + 1, Q, **i32)
         return causal_metadata(
-            token_group, positions, tables, self.window, group_starts, Q, self.state.page_size
+            token_group, positions, tables, self.window, group_starts, Q, self.state.kv.page_tokens
         )
 
     def _accept(

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import deque
 
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status
-from gemma4serve.kv.manager import KVManager
+from gemma4serve.kv.manager import KVManager, SeqPages
+from gemma4serve.kv.prefix_cache import CacheHit
 
 
 class Scheduler:
@@ -30,17 +31,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence wherever it is and return its pages."""
+        """Drop a finished or aborted sequence wherever it is and return its pages (its final rows
+        go to the prefix cache)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq.pages)
+        self.kv.free(seq, committed=seq.num_computed)
         seq.status = Status.FINISHED
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.free(seq.pages)
+        self.kv.free(seq, committed=seq.num_computed)  # cached: its recompute may start from there
         seq.num_computed = 0
         seq.drafts = []
         seq.status = Status.WAITING
@@ -55,28 +57,34 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            chunk = self._chunk(seq, budget)
-            end = chunk.start + chunk.num_query
-            while not self.kv.can_grow(seq.pages, chunk.start, end):
+            chunk = self._chunk(seq, budget, seq.pages, seq.num_computed, self.kv.pool.num_free)
+            while not self.kv.can_grow(seq, chunk.start, chunk.start + chunk.num_query):
                 victim = self.running[-1]  # the most recently admitted one
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            self.kv.grow(seq.pages, chunk.start, end)
+            self.kv.grow(seq, chunk.start, chunk.start + chunk.num_query)
             chunks.append(chunk)
             budget -= chunk.num_query
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            chunk = self._chunk(seq, budget)
-            if not self._fits(chunk, alone=not self.running and not chunks):
+            hit = self.kv.lookup(seq)
+            chunk = self._admissible_chunk(seq, budget, hit, alone=not self.running and not chunks)
+            if chunk is None:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self.kv.grow(seq.pages, chunk.start, chunk.start + chunk.num_query)
+            if seq.num_cached_tokens is None:  # reported once, at the first admission
+                seq.num_cached_tokens = hit.tokens if hit is not None else 0
+                self.kv.record_lookup(seq, hit)
+            if hit is not None:
+                self.kv.adopt(seq, hit)
+                seq.num_computed = hit.tokens
+            self.kv.grow(seq, chunk.start, chunk.start + chunk.num_query)
             chunks.append(chunk)
             budget -= chunk.num_query
         return chunks
@@ -86,25 +94,49 @@ class Scheduler:
         `budget` tokens left after them."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return False
-        return self._fits(self._chunk(self.waiting[0], budget), alone=not self.running)
+        seq = self.waiting[0]
+        hit = self.kv.lookup(seq)
+        return self._admissible_chunk(seq, budget, hit, alone=not self.running) is not None
 
-    def _fits(self, chunk: ScheduledChunk, alone: bool) -> bool:
-        end = chunk.start + chunk.num_query
-        # Keep a page of headroom per running sequence so admissions do not force immediate
-        # preemptions; with nothing else running, nothing could ever free pages: admit what fits.
+    def _admissible_chunk(self, seq: Sequence, budget: int, hit: CacheHit | None, alone: bool):
+        """The chunk a waiting sequence would start with (from its cache hit), or None when no
+        chunk of it fits. Keeps a page of headroom per running sequence so admissions do not force
+        immediate preemptions; with nothing else running, nothing could ever free pages."""
         headroom = 0 if alone else len(self.running)
-        return self.kv.full_pages_needed(
-            chunk.seq.pages, end
-        ) + headroom <= self.kv.full.num_free and self.kv.can_grow(
-            chunk.seq.pages, chunk.start, end
-        )
+        pages = self.kv.hit_pages(hit) if hit is not None else seq.pages
+        start = hit.tokens if hit is not None else seq.num_computed
+        # The hit's idle pages stop counting as free once the sequence holds them.
+        available = self.kv.pool.num_free - self.kv.idle_pages(hit) - headroom
+        chunk = self._chunk(seq, budget, pages, start, available)
+        fits = self.kv.pages_needed(pages, chunk.start, chunk.start + chunk.num_query) <= available
+        return chunk if fits else None
 
-    def _chunk(self, seq: Sequence, budget: int) -> ScheduledChunk:
-        remaining = seq.num_tokens - seq.num_computed
+    def _chunk(
+        self, seq: Sequence, budget: int, pages: SeqPages, start: int, available: int
+    ) -> ScheduledChunk:
+        """The next chunk of `seq` from `start` within the token budget; a prefill chunk is
+        shortened to fit `available` pages when it would not (a budget smaller than one full
+        prefill chunk still serves)."""
+        remaining = seq.num_tokens - start
         length = min(remaining, budget)
+        chunk = self._with_drafts(seq, start, length, remaining, budget)
+
+        def fits(n: int) -> bool:
+            return self.kv.pages_needed(pages, start, start + n) <= available
+
+        if length <= 1 or fits(chunk.num_query):
+            return chunk
+        low, high = 1, length - 1  # the longest prefill prefix that fits (drafts need the end)
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        return ScheduledChunk(seq, start, low, [])
+
+    @staticmethod
+    def _with_drafts(seq: Sequence, start: int, length: int, remaining: int, budget: int):
         drafts = []
         if length == remaining:
             # All k drafts even near the request's end (the commit cuts what runs past it): steps
             # with equal draft counts replay one CUDA graph and can be continued on the device.
             drafts = seq.drafts[: max(0, budget - length)]
-        return ScheduledChunk(seq, seq.num_computed, length, drafts)
+        return ScheduledChunk(seq, start, length, drafts)

@@ -32,6 +32,9 @@ class Sequence:
     pages: SeqPages = field(default_factory=SeqPages)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int | None = (
+        None  # prompt tokens served by the prefix cache (first admission)
+    )
 
     @property
     def num_tokens(self) -> int:

@@ -125,7 +125,9 @@ class ForcedAcceptance:
 
     def apply(self, tokens, num_emitted, drafts, num_drafts, first_position):
         B, K = drafts.shape
-        u = uniform(torch.zeros_like(first_position), first_position, Stream.FORCED_ACCEPTANCE, 1).view(B, 1)
+        u = uniform(
+            torch.zeros_like(first_position), first_position, Stream.FORCED_ACCEPTANCE, 1
+        ).view(B, 1)
         n = (u < self.probs[None, :K]).sum(1)
         n = torch.minimum(n, num_drafts)
         j = torch.arange(K + 1, device=drafts.device)

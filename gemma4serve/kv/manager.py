@@ -1,96 +1,179 @@
-"""Which pages each sequence holds in the full and the sliding pool.
+"""Which arena pages each sequence holds, for its full and its sliding layers.
 
-See docs/architecture.md ("KV cache: two pools, window-aware") and docs/gemma4.md §12.3.
+See docs/architecture.md ("KV cache: one arena, pages on demand") and docs/gemma4.md §12.3.
 
-A sequence maps logical page i (positions i*page_size …) to a physical page, one list per pool.
-Full pages are kept for the life of the sequence. Sliding pages are kept only while some reader can
-still reach them: the target reads W-1 rows back from its next query, the drafter W_a+1 rows back
-from P; everything older goes back to the free list (its table entry becomes the null page 0).
+Both layer types draw equal-byte pages from one arena when a sequence needs them; a page holds
+`page_tokens[kind]` positions of its type. A sequence maps logical page i of a type (positions
+i * page_tokens[kind] ...) to a physical page. Full pages are kept for the life of the sequence.
+Sliding pages are kept only while some reader can still reach them: the target reads W-1 rows back
+from its next query, the drafter W_a+1 rows back from P; older ones go back to the arena (their
+table entry becomes the null page 0). With prefix caching, pages may be shared: they are held by
+reference, and a hit maps a cached prefix's pages into a new sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from gemma4serve.config import FULL, SLIDING
 from gemma4serve.kv.pool import PagePool
+from gemma4serve.kv.prefix_cache import CacheHit, PrefixCache
 
 
 @dataclass
 class SeqPages:
     full: list[int] = field(default_factory=list)
     sliding: list[int] = field(default_factory=list)  # 0 = released (or never needed)
+    hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain hashes of full pages
+    num_cached_full: int = 0  # full pages offered to the prefix cache
+    windows_done: int = 0  # positions whose cache windows were offered
+
+
+class PagedSequence(Protocol):
+    """What the manager reads of a sequence."""
+
+    pages: SeqPages
+    token_ids: list[int]
+    num_prompt: int
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class KVManager:
-    def __init__(self, full: PagePool, sliding: PagePool, page_size: int, sliding_keep: int):
-        self.full = full
-        self.sliding = sliding
-        self.page_size = page_size
-        self.sliding_keep = (
-            sliding_keep  # rows before the next query position that a reader may still read
-        )
+    def __init__(
+        self,
+        pool: PagePool,
+        page_tokens: dict[str, int],
+        sliding_keep: int,
+        cache: PrefixCache | None = None,
+    ):
+        self.pool = pool
+        self.page_tokens = page_tokens
+        self.sliding_keep = sliding_keep  # rows before the next query that a reader may read
+        self.cache = cache
 
-    def pages_for(self, end: int) -> int:
-        return -(-end // self.page_size)
-
-    def full_pages_needed(self, pages: SeqPages, end: int) -> int:
-        return max(0, self.pages_for(end) - len(pages.full))
+    def pages_for(self, end: int, kind: str) -> int:
+        return -(-end // self.page_tokens[kind])
 
     def _first_sliding_page(self, start: int) -> int:
-        """The lowest logical page anyone still reads when the next write is at `start`."""
-        return max(0, start - self.sliding_keep) // self.page_size
+        """The lowest logical page anyone still reads when the next write is at `start` (with
+        prefix caching, also the window of the last cacheable boundary, offered when the
+        sequence ends)."""
+        lowest = start - self.sliding_keep
+        if self.cache is not None:
+            lowest = min(lowest, self.cache.last_boundary(start) - self.sliding_keep)
+        return max(0, lowest) // self.page_tokens[SLIDING]
 
     def _missing_sliding(self, pages: SeqPages, start: int, end: int) -> list[int]:
         """Logical pages of [start - keep, end) that hold no sliding page yet."""
         return [
             i
-            for i in range(self._first_sliding_page(start), self.pages_for(end))
+            for i in range(self._first_sliding_page(start), self.pages_for(end, SLIDING))
             if i >= len(pages.sliding) or pages.sliding[i] == 0
         ]
 
-    def sliding_pages_needed(self, pages: SeqPages, start: int, end: int) -> int:
-        return len(self._missing_sliding(pages, start, end))
+    def pages_needed(self, pages: SeqPages, start: int, end: int) -> int:
+        """New arena pages to map positions < end (full) and [start - keep, end) (sliding)."""
+        full = max(0, self.pages_for(end, FULL) - len(pages.full))
+        return full + len(self._missing_sliding(pages, start, end))
 
-    def can_grow(self, pages: SeqPages, start: int, end: int) -> bool:
-        return (
-            self.full_pages_needed(pages, end) <= self.full.num_free
-            and self.sliding_pages_needed(pages, start, end) <= self.sliding.num_free
-        )
+    def request_pages(self, length: int, chunk: int) -> int:
+        """The most pages one sequence of `length` tokens holds, prefilled in chunks of `chunk`."""
+        keep = self.sliding_keep + (self.cache.boundary if self.cache is not None else 0)
+        sliding_rows = min(length, keep + chunk)
+        return self.pages_for(length, FULL) + self.pages_for(sliding_rows, SLIDING) + 1
 
-    def grow(self, pages: SeqPages, start: int, end: int) -> None:
-        """Map positions < end in the full pool and [start - keep, end) in the sliding pool.
+    def can_grow(self, seq: PagedSequence, start: int, end: int) -> bool:
+        return self.pages_needed(seq.pages, start, end) <= self.pool.num_free
 
-        `start` is the first position this step writes. Sliding pages below that range are
-        released first.
-        """
-        self.release_unreachable(pages, start)
-        pages.full.extend(self.full.allocate(self.full_pages_needed(pages, end)))
+    def grow(self, seq: PagedSequence, start: int, end: int) -> None:
+        """Map positions < end (full) and [start - keep, end) (sliding), where `start` is the first
+        position this step writes: every row below it is final. Sliding pages below that range
+        are released first (cache windows below `start` are offered before)."""
+        pages = seq.pages
+        self._offer_to_cache(seq, start)
+        self._release_unreachable(pages, start)
+        full = max(0, self.pages_for(end, FULL) - len(pages.full))
+        pages.full.extend(self.pool.allocate(full))
         missing = self._missing_sliding(pages, start, end)
-        n = self.pages_for(end)
+        n = self.pages_for(end, SLIDING)
         if len(pages.sliding) < n:
             pages.sliding.extend([0] * (n - len(pages.sliding)))
-        for i, p in zip(missing, self.sliding.allocate(len(missing))):
-            pages.sliding[i] = p
+        for i, page in zip(missing, self.pool.allocate(len(missing))):
+            pages.sliding[i] = page
 
-    def grow_all(self, spans: list[tuple[SeqPages, int, int]]) -> bool:
-        """`grow` every (pages, start, end) if all of them fit together; else change nothing."""
-        full = sum(self.full_pages_needed(p, end) for p, _, end in spans)
-        sliding = sum(self.sliding_pages_needed(p, start, end) for p, start, end in spans)
-        if full > self.full.num_free or sliding > self.sliding.num_free:
+    def grow_all(self, spans: list[tuple[PagedSequence, int, int]]) -> bool:
+        """`grow` every (sequence, start, end) if all fit together; else change nothing."""
+        needed = sum(self.pages_needed(seq.pages, start, end) for seq, start, end in spans)
+        if needed > self.pool.num_free:
             return False
-        for p, start, end in spans:
-            self.grow(p, start, end)
+        for seq, start, end in spans:
+            self.grow(seq, start, end)
         return True
 
-    def release_unreachable(self, pages: SeqPages, start: int) -> None:
+    def _release_unreachable(self, pages: SeqPages, start: int) -> None:
         dead = self._first_sliding_page(start)  # pages wholly below the lowest row anyone reads
-        freed = [p for p in pages.sliding[:dead] if p]
-        if freed:
-            self.sliding.free(freed)
+        released = [page for page in reversed(pages.sliding[:dead]) if page]
+        if released:
+            self.pool.release(released)
             pages.sliding[:dead] = [0] * dead
 
-    def free(self, pages: SeqPages) -> None:
-        self.full.free(pages.full)
-        self.sliding.free([p for p in pages.sliding if p])
-        pages.full.clear()
-        pages.sliding.clear()
+    def free(self, seq: PagedSequence, committed: int) -> None:
+        """Release every page of the sequence; rows below `committed` are final and offered to the
+        prefix cache first (with a window at its last boundary)."""
+        pages = seq.pages
+        if self.cache is not None and committed > 0:
+            end = [self.cache.last_boundary(committed)]
+            self._offer_to_cache(seq, committed, extra_boundaries=end)
+        # Last pages first: the cache evicts the idle pages released earliest, so prefixes last.
+        self.pool.release([page for page in reversed(pages.sliding) if page])
+        self.pool.release(list(reversed(pages.full)))
+        seq.pages = SeqPages()
+
+    # ---- prefix caching ---------------------------------------------------------------------
+
+    def lookup(self, seq: PagedSequence) -> CacheHit | None:
+        """The cached prefix a new sequence can start from (at least its last token is computed)."""
+        if self.cache is None or seq.pages.full:
+            return None
+        return self.cache.lookup(seq.token_ids, seq.num_tokens - 1)
+
+    def record_lookup(self, seq: PagedSequence, hit: CacheHit | None) -> None:
+        if self.cache is not None:
+            self.cache.num_queried_tokens += seq.num_tokens
+            self.cache.num_hit_tokens += hit.tokens if hit is not None else 0
+
+    @staticmethod
+    def hit_pages(hit: CacheHit) -> SeqPages:
+        """The page tables a sequence starting from `hit` would have (nothing is held)."""
+        return SeqPages(
+            full=list(hit.full_pages), sliding=[0] * hit.sliding_first + hit.sliding_pages
+        )
+
+    def idle_pages(self, hit: CacheHit | None) -> int:
+        """The hit's pages that no sequence holds (they count as free until held)."""
+        if hit is None:
+            return 0
+        return len({p for p in hit.full_pages + hit.sliding_pages if self.pool.refs[p] == 0})
+
+    def adopt(self, seq: PagedSequence, hit: CacheHit) -> None:
+        """Map a cache hit's pages into a new sequence (it resumes at hit.tokens)."""
+        self.pool.hold(hit.full_pages + hit.sliding_pages)
+        seq.pages = SeqPages(
+            full=list(hit.full_pages),
+            sliding=[0] * hit.sliding_first + list(hit.sliding_pages),
+            hashes=list(hit.hashes),
+            num_cached_full=len(hit.full_pages),
+            windows_done=hit.tokens,
+        )
+
+    def _offer_to_cache(self, seq: PagedSequence, committed: int, extra_boundaries=()) -> None:
+        if self.cache is None:
+            return
+        pages = seq.pages
+        boundaries = self.cache.boundaries(pages.windows_done, committed, seq.num_prompt)
+        boundaries += [b for b in extra_boundaries if b not in boundaries]
+        self.cache.register(pages, seq.token_ids, committed, boundaries)
+        pages.windows_done = max(pages.windows_done, committed)

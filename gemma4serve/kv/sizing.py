@@ -1,8 +1,8 @@
-"""How many pages each pool gets (docs/architecture.md, "KV cache: two pools, window-aware").
+"""How many arena pages the KV budget buys, and the context length they allow.
 
-The sliding pool is sized from what the running sequences can ever hold at once — each keeps at
-most the rows a reader can still reach plus one step's queries — and the full pool gets every
-remaining byte. There is no swa:full ratio to tune.
+Nothing is reserved per sequence: a request of L tokens costs its full-layer pages for L positions
+plus the sliding pages of one window (and of the chunk it prefills), drawn when it needs them. The
+arena needs only to hold one `max_model_len` request.
 """
 
 from __future__ import annotations
@@ -12,20 +12,30 @@ from dataclasses import dataclass
 import torch
 
 from gemma4serve.config import FULL, SLIDING, ConfigError, TextConfig
-from gemma4serve.kv.cache import KVCache
+from gemma4serve.kv.cache import KVCache, page_tokens
 
 
 @dataclass
 class KVPlan:
-    full_pages: int
-    sliding_pages: int
-    sliding_keep: int
+    num_pages: int  # arena pages, the null page included
+    page_tokens: dict[str, int]  # positions per page of each attention type
+    page_bytes: int
+    sliding_keep: int  # rows before the next query that a reader may still read
     max_model_len: int
-    bytes: int
+    sequence_capacity: int = 0  # the longest sequence the arena holds alone
 
+    @property
+    def bytes(self) -> int:
+        return self.num_pages * self.page_bytes
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
+    def request_pages(self, length: int, sliding_rows: int) -> int:
+        """Pages one sequence of `length` tokens holds with `sliding_rows` sliding rows mapped."""
+        full = -(-length // self.page_tokens[FULL])
+        sliding = -(-min(length, sliding_rows) // self.page_tokens[SLIDING]) + 1
+        return full + sliding
+
+    def max_concurrency(self, length: int, sliding_rows: int) -> float:
+        return (self.num_pages - 1) / self.request_pages(length, sliding_rows)
 
 
 def plan_kv(
@@ -33,39 +43,34 @@ def plan_kv(
     *,
     page_size: int,
     dtype: torch.dtype,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
     num_draft_tokens: int,
     draft_window: int | None,
+    cache_boundary_rows: int,
     kv_bytes: int | None,
     kv_tokens: int | None,
     max_model_len: int | None,
 ) -> KVPlan:
-    # Rows before the next query that someone still reads (target: W-1, drafter: W_a+1) ...
+    """`cache_boundary_rows`: the extra sliding rows prefix caching keeps (0 without it)."""
+    # Rows before the next query that someone still reads (the target's W-1, the drafter's W_a+1).
     keep = max(cfg.sliding_window - 1, (draft_window + 1) if draft_window else 0)
-    # ... plus two steps' queries: with async scheduling a step is queued before the previous
-    # one is read.
-    per_seq = _ceil(keep + 2 * (num_draft_tokens + 1), page_size) + 2
-    sliding_pages = max_num_seqs * per_seq + _ceil(max_num_batched_tokens, page_size) + 1
-    sliding_page_bytes = KVCache.bytes_per_page(cfg, SLIDING, page_size, dtype)
-    full_page_bytes = KVCache.bytes_per_page(cfg, FULL, page_size, dtype)
-    if kv_tokens is not None:
-        full_pages = _ceil(kv_tokens, page_size) + 1
+    tokens = page_tokens(cfg, page_size)
+    page_bytes = KVCache.bytes_per_page(cfg, tokens, dtype)
+    plan = KVPlan(0, tokens, page_bytes, keep, 0)
+    # The sliding rows of a sequence at its smallest step: the window, the boundary rows kept for
+    # the cache, and two steps of queries (a step is queued before the one before it is read).
+    least_rows = keep + cache_boundary_rows + 2 * (num_draft_tokens + 1)
+    if kv_tokens is not None:  # test knob: room for one sequence of that many positions
+        plan.num_pages = plan.request_pages(kv_tokens, least_rows) + 1
     else:
         if kv_bytes is None:
             raise ConfigError("no KV cache memory budget given")
-        left = kv_bytes - sliding_pages * sliding_page_bytes
-        full_pages = left // full_page_bytes if full_page_bytes else 0
-        if full_pages < 2:
-            raise ConfigError(
-                f"KV cache budget of {kv_bytes / 2**30:.2f} GiB is too small: "
-                "the sliding pool alone needs "
-                f"{sliding_pages * sliding_page_bytes / 2**30:.2f} GiB "
-                f"for max_num_seqs={max_num_seqs}; "
-                "lower --max-num-seqs or raise --gpu-memory-utilization / --kv-cache-memory"
-            )
-    capacity = (full_pages - 1) * page_size - num_draft_tokens - 1
-    limit = min(cfg.max_position_embeddings, capacity)
+        plan.num_pages = kv_bytes // page_bytes
+    limit = cfg.max_position_embeddings
+    if plan.request_pages(limit, least_rows) > plan.num_pages - 1:
+        # The longest request one arena holds: full pages for the rest after one window.
+        spare = plan.num_pages - 1 - plan.request_pages(0, 0) - (-(-least_rows // tokens[SLIDING]))
+        limit = max(0, spare * tokens[FULL] - num_draft_tokens - 1)
+    plan.sequence_capacity = limit
     if max_model_len is None:
         max_model_len = limit
     elif max_model_len > cfg.max_position_embeddings:
@@ -73,10 +78,16 @@ def plan_kv(
             f"max_model_len {max_model_len} exceeds the model's "
             f"{cfg.max_position_embeddings} positions"
         )
-    elif max_model_len > capacity and kv_tokens is None:
+    elif max_model_len > limit and kv_tokens is None:
         raise ConfigError(
-            f"max_model_len {max_model_len} does not fit the KV cache ({capacity} tokens); "
+            f"max_model_len {max_model_len} does not fit the KV cache ({limit} tokens); "
             "lower --max-model-len or give the cache more memory"
         )
-    total = sliding_pages * sliding_page_bytes + full_pages * full_page_bytes
-    return KVPlan(full_pages, sliding_pages, keep, max_model_len, total)
+    if max_model_len < 2:
+        raise ConfigError(
+            f"the KV cache budget ({plan.bytes / 2**30:.2f} GiB, {plan.num_pages} pages of "
+            f"{page_bytes / 2**20:.1f} MiB) holds no request; raise --gpu-memory-utilization "
+            "or --kv-cache-memory"
+        )
+    plan.max_model_len = max_model_len
+    return plan

@@ -35,13 +35,15 @@ class ResponseFormat:
         self.echo_text = echo_text  # the prompt text `echo` puts first ("" without echo)
         self._finish_sent: set[int] = set()
         self.completion_tokens = 0  # totals of the latest output, summed over choices
+        self.cached_tokens = 0  # prompt tokens the prefix cache served
 
     def usage(self) -> dict:
-        return usage_body(self.prompt_len, self.completion_tokens)
+        return usage_body(self.prompt_len, self.completion_tokens, self.cached_tokens)
 
     def count(self, output: RequestOutput) -> None:
         """Keep the usage current: outputs carry each choice's totals."""
         self.completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        self.cached_tokens = output.num_cached_tokens
 
     def step(self, output: RequestOutput) -> list[dict]:
         self.count(output)

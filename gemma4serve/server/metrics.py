@@ -128,25 +128,22 @@ class EngineStatsCollector(Collector):
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
 
-        pools = {
-            "full": (s.full_pages_total, s.full_pages_free),
-            "sliding": (s.sliding_pages_total, s.sliding_pages_free),
-        }
-        per_pool = ["model_name", "pool"]
-        usage = GaugeMetricFamily(
-            PREFIX + "kv_cache_usage_perc", "KV page pool usage (1 = full).", labels=per_pool
+        used = s.kv_pages_total - s.kv_pages_free
+        yield gauge(
+            "kv_cache_usage_perc",
+            "KV arena pages held by running sequences (1 = full); idle prefix-cache pages are free.",
+            used / s.kv_pages_total if s.kv_pages_total else 0.0,
         )
-        free = GaugeMetricFamily(PREFIX + "kv_cache_free_pages", "Free KV pages.", labels=per_pool)
-        total = GaugeMetricFamily(
-            PREFIX + "kv_cache_total_pages", "KV pages in the pool.", labels=per_pool
+        yield gauge("kv_cache_free_pages", "KV arena pages no sequence holds.", s.kv_pages_free)
+        yield gauge("kv_cache_total_pages", "KV arena pages.", s.kv_pages_total)
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
         )
-        for pool, (n_total, n_free) in pools.items():
-            usage.add_metric([self._model, pool], (n_total - n_free) / n_total if n_total else 0.0)
-            free.add_metric([self._model, pool], n_free)
-            total.add_metric([self._model, pool], n_total)
-        yield usage
-        yield free
-        yield total
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits
+        )
 
         yield counter("num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions)
         yield counter("prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)

@@ -365,11 +365,12 @@ def parse_request(model: type[_Request], body: bytes) -> Any:
 # Responses
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
