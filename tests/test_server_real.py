@@ -266,3 +266,23 @@ def test_prefix_cache_hit_is_reported(server, client):
         before, "gemma4serve:prefix_cache_queries_total"
     )
     assert queries == 2 * second.usage.prompt_tokens
+
+
+def test_completion_returns_token_ids(server):
+    """vLLM's `return_token_ids`: the prompt's and the output's ids, streamed and not."""
+    body = {"model": MODEL, "prompt": [2, 300, 301, 302], "max_tokens": 6, "temperature": 0.0}
+    r = httpx.post(server.url + "/v1/completions", json={**body, "return_token_ids": True})
+    choice = r.json()["choices"][0]
+    assert choice["prompt_token_ids"] == [2, 300, 301, 302]
+    assert len(choice["token_ids"]) == r.json()["usage"]["completion_tokens"] > 0
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={**body, "return_token_ids": True, "stream": True},
+        timeout=60,
+    ) as s:
+        events = [json.loads(d) for d in sse_data(s.iter_lines()) if d != "[DONE]"]
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == choice["token_ids"]
+    plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+    assert "token_ids" not in plain

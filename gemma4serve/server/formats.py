@@ -49,7 +49,7 @@ class ResponseFormat:
         self.count(output)
         chunks = []
         for c in output.outputs:
-            if c.new_text or c.new_logprobs:
+            if self.has_delta(c):
                 chunks.append(self._chunk([self.delta_choice(c)]))
             if c.finish_reason is not None and c.index not in self._finish_sent:
                 self._finish_sent.add(c.index)
@@ -67,6 +67,9 @@ class ResponseFormat:
         if self.request.continuous_usage and not final:
             usage = self.usage()
         return self.envelope(choices, usage, with_usage=self.request.include_usage)
+
+    def has_delta(self, c: CompletionOutput) -> bool:
+        return bool(c.new_text or c.new_logprobs)
 
     # Per-endpoint parts
     def opening(self, n: int) -> list[dict]:
@@ -139,23 +142,32 @@ class CompletionFormat(ResponseFormat):
         self._offsets[index] = offset + sum(len(t) for t in body["tokens"])
         return body
 
+    def has_delta(self, c: CompletionOutput) -> bool:
+        return super().has_delta(c) or bool(self.request.return_token_ids and c.new_token_ids)
+
     def delta_choice(self, c: CompletionOutput) -> dict:
         logprobs = self._logprobs(c.index, c.new_logprobs) if c.new_logprobs is not None else None
-        return completion_choice(c.index, c.new_text, logprobs, None)
+        choice = completion_choice(c.index, c.new_text, logprobs, None)
+        if self.request.return_token_ids:
+            choice["token_ids"] = c.new_token_ids
+        return choice
 
     def finish_choice(self, c: CompletionOutput) -> dict:
         return completion_choice(c.index, "", None, c.finish_reason, c.stop_reason)
 
     def body(self, output, logprobs) -> dict:
         want = self.request.logprobs is not None
-        choices = [
-            completion_choice(
+        choices = []
+        for c in output.outputs:
+            choice = completion_choice(
                 c.index,
                 self.echo_text + c.text,
                 self._logprobs(c.index, logprobs.get(c.index, [])) if want else None,
                 c.finish_reason,
                 c.stop_reason,
             )
-            for c in output.outputs
-        ]
+            if self.request.return_token_ids:  # vLLM's extension: the ids without a tokenizer
+                choice["prompt_token_ids"] = output.prompt_token_ids
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         return self.header.completion(choices, self.usage())

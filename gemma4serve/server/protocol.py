@@ -295,6 +295,7 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM extension: prepend <bos> to a text prompt
+    return_token_ids: bool = False  # vLLM extension: prompt and output token ids in choices
 
     def check_supported(self) -> None:
         super().check_supported()

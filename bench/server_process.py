@@ -1,0 +1,59 @@
+"""Start the real server as a subprocess for a benchmark, and stop it cleanly afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def start_server(model: str, draft: str | None, load_format: str, extra: list[str]):
+    """Yields (base url, served model name) once the server says it is ready; its log lines are
+    printed with a `server:` prefix (start-up lines in full, later ones too)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "gemma4serve.cli", "--model", model, "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--load-format", load_format, *extra]
+    if draft:
+        cmd += ["--draft", draft]
+    print("server command:", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
+    )
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            print("server:", line, end="", flush=True)
+            if "gemma4serve ready" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    start = time.monotonic()
+    ready.wait()
+    if proc.poll() is not None:
+        raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+    print(f"server ready after {time.monotonic() - start:.1f}s", flush=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
