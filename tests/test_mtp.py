@@ -275,14 +275,15 @@ def test_sampling_with_drafter_has_the_target_distribution(tiny_checkpoints, set
     # Drafts: the target's greedy path, so that they are often but not always accepted.
     greedy = hf_greedy(hf, prompt, 3)
     engine = spec.engine
-    orig = engine._commit
+    original = engine._append_tokens
 
-    def commit(req, seq, drafts, result):
-        orig(req, seq, drafts, result)
+    def append_tokens(choice, result):
+        original(choice, result)
+        seq = choice.sequence
         done = len(seq.output_ids)
         seq.drafts = (greedy[done:] + [greedy[-1]] * 2)[:2]
 
-    engine._commit = commit
+    engine._append_tokens = append_tokens
     out = spec.generate(
         [prompt], SamplingParams(n=N, max_tokens=3, seed=2024, ignore_eos=True, **params)
     )[0]
