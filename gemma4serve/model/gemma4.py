@@ -269,7 +269,7 @@ class Gemma4Model(nn.Module):
             if name.startswith(prefix):
                 name = name[len(prefix) :]
                 break
-        m = _SHARED_KV_PARAM.match(name)
-        if m and self.cfg.layers[int(m.group(1))].kv_shared:
+        match = _SHARED_KV_PARAM.match(name)
+        if match and self.cfg.layers[int(match.group(1))].kv_shared:
             return None  # dead k/v weights some E2B/E4B checkpoints carry on KV-shared layers
         return name
