@@ -10,14 +10,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# Under TRITON_INTERPRET=1 (the CPU test path) bf16 arithmetic and bf16 tl.dot operate on raw bit patterns, and
-# fp32 -> bf16 casts truncate. Kernels therefore do all math in fp32 after loading, feed fp32 operands to tl.dot
-# when interpreting, and round with `round_to` below (bit exact RTNE on both paths).
+# Under TRITON_INTERPRET=1 (the CPU test path) bf16 arithmetic and bf16 tl.dot operate on raw bit
+# patterns, and fp32 -> bf16 casts truncate. Kernels therefore do all math in fp32 after loading,
+# feed fp32 operands to tl.dot when interpreting, and round with `round_to` below (bit exact RTNE on
+# both paths).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
-    """fp32 dot operands: always when interpreting; for fp32 tensors also on GPU (with ieee precision, no tf32)."""
+    """fp32 dot operands: always when interpreting; for fp32 tensors on GPU too (ieee precision,
+    no tf32)."""
     return INTERPRET or dtype == torch.float32
 
 
@@ -25,8 +27,9 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 def round_to(x, DTYPE: tl.constexpr):
     """Round fp32 `x` to DTYPE (round to nearest even) and keep it in fp32.
 
-    Emulates one rounding point of the torch reference (a bf16 op's output) inside an fp32 computation; bf16 is
-    done with integer ops because the interpreter's cast truncates. On GPU it is three integer ops.
+    Emulates one rounding point of the torch reference (a bf16 op's output) inside an fp32
+    computation. bf16 is rounded with integer ops (three on GPU) because the interpreter's cast
+    truncates.
     """
     if DTYPE == tl.bfloat16:
         u = x.to(tl.uint32, bitcast=True)
@@ -48,7 +51,8 @@ def _sm_count(index: int) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (a small stand-in on CPU, where only the interpreter runs)."""
+    """Streaming multiprocessors of `device` (a small stand-in on CPU, where only the interpreter
+    runs)."""
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -68,24 +72,29 @@ def _has_pdl(index: int) -> bool:
 
 
 def pdl_args(device: torch.device) -> dict:
-    """Launch arguments for programmatic dependent launch (Hopper and newer): the kernel may start while the
-    previous one drains and waits in `wait_for_producer` before touching anything that one wrote. The kernel
-    takes them as its `PDL` constexpr. GEMMA4SERVE_DISABLE_PDL=1 turns it off (for comparisons)."""
+    """Launch arguments for programmatic dependent launch (PDL, Hopper and newer).
+
+    The kernel may start while the previous one drains, and waits in `wait_for_producer` before
+    touching anything that one wrote. The kernel takes them as its `PDL` constexpr.
+    GEMMA4SERVE_DISABLE_PDL=1 turns PDL off (for comparisons).
+    """
     if INTERPRET or device.type != "cuda" or not PDL_ENABLED:
         return {"PDL": False}
-    on = _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"PDL": True, "launch_pdl": True} if _has_pdl(index) else {"PDL": False}
 
 
 @triton.jit
 def wait_for_producer(PDL: tl.constexpr):
-    """Under PDL: wait until the previous kernel has finished and its writes are visible, then let the next
-    kernel launch (its programs only get SM slots as this kernel's programs retire). Because every kernel
-    waits before it lets the next one launch, a kernel starts only after all kernels but the one just before
-    it have finished (and a kernel launched without PDL, a torch op, always finishes before the next starts).
-    So before this call a kernel may read anything except what its immediate predecessor may write: weights,
-    and the step's inputs and metadata (cos/sin, cache slots, page tables), but never the activations it
-    consumes."""
+    """Under PDL: wait until the previous kernel has finished and its writes are visible, then let
+    the next kernel launch (its programs get SM slots only as this kernel's programs retire).
+
+    Every kernel waits before it lets the next one launch, so a kernel starts only after all kernels
+    but the one just before it have finished (a torch op, launched without PDL, always finishes
+    before the next starts). Before this call a kernel may therefore read anything its immediate
+    predecessor does not write: weights and the step's inputs and metadata (cos/sin, cache slots,
+    page tables), never the activations it consumes.
+    """
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -1,4 +1,7 @@
-"""GELU(tanh) of the gate times up, reading one fused [T, 2I] gate/up projection output (spec §2)."""
+"""GELU(tanh) of the gate times up, from one fused [T, 2I] gate/up projection output.
+
+The MLP of docs/gemma4.md §2.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,11 @@ from ._common import pdl_args, round_to, wait_for_producer
 
 @triton.jit
 def gelu_tanh_f32(x):
-    """0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³))) in fp32, with tanh written out the way it saturates in torch
-    (exactly -1 far in the negative tail, so those outputs are exactly 0 as in the reference)."""
+    """0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³))) in fp32.
+
+    tanh is written out so that it saturates as in torch: exactly -1 far in the negative tail, so
+    those outputs are exactly 0 as in the reference.
+    """
     z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
     e = tl.exp(-2.0 * tl.abs(z))
     th = (1.0 - e) / (1.0 + e)

@@ -1,13 +1,15 @@
 """Skinny GEMM y = x @ W^T for the few-row steps (decode, verify, the draft loop), streaming W once.
 
-At M <= 16 a step is a read of the weights, so the kernel is built around that read: a column tile of W per
-program (narrow outputs also split K), the first K tile loaded *before* waiting on the previous kernel. A fused
-[gate; up] weight can apply GELU·up in the epilogue (`glu=True`), each program holding matching gate and up
-rows. `gemv_mlp` chains that GEMV and the down projection without a kernel boundary: down's K splits start on
-flags the gate_up tiles raise as they store.
-Launched with programmatic dependent launch (PDL, Hopper), its programs start while the previous kernel
-drains. Alone it ties cuBLAS (bench/bench_gemv.py); in the step it pays because a chain of Triton kernels
-keeps that overlap at every boundary, which a cuBLAS GEMM in between would end (docs/performance.md).
+At M <= 16 a step is a read of the weights, so the kernel is built around that read: a column tile
+of W per program (narrow outputs also split K), the first K tile loaded *before* waiting on the
+previous kernel. A fused [gate; up] weight can apply GELU·up in the epilogue (`glu=True`), each
+program holding matching gate and up rows. `gemv_mlp` chains that GEMV and the down projection
+without a kernel boundary: down's K splits start on flags the gate_up tiles raise as they store.
+
+Launched with programmatic dependent launch (PDL, Hopper), its programs start while the previous
+kernel drains. Alone it is no faster than cuBLAS; it pays in the step because a chain of Triton
+kernels keeps that overlap at every boundary, which a cuBLAS GEMM in between would end
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ def _dot(x, w, DT: tl.constexpr, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _in_split(row_ok, k0, kk, k_hi, EVEN_K: tl.constexpr):
-    """Load mask of the K tile at k0: its rows, and its columns inside the split unless K is a multiple of the
-    tile (then every tile is whole and the mask stays uniform along K, which keeps the loads vectorised)."""
+    """Load mask of the K tile at k0: its rows, and its columns inside the split.
+
+    When K is a multiple of the tile every tile is whole and the column mask is left out: a mask
+    uniform along K keeps the loads vectorised.
+    """
     if EVEN_K:
         return tl.broadcast_to(row_ok, [row_ok.shape[0], kk.shape[0]])
     return row_ok & (k0 + kk < k_hi)[None, :]
@@ -41,9 +46,12 @@ def _in_split(row_ok, k0, kk, k_hi, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _await_columns(flag_ptr, split, k_lo, k_hi, cols_per_signal, PDL: tl.constexpr):
-    """Dataflow wait of a K-split consumer (down after gate_up): spin until every producer tile writing x[:, k_lo:k_hi]
-    has signalled its flag, instead of waiting for the whole producer kernel to end. Then this program counts
-    itself in; the split's last consumer re-arms the flag (zero) for the next launch and graph replay."""
+    """Dataflow wait of a K-split consumer (down after gate_up).
+
+    Spins until every producer tile writing x[:, k_lo:k_hi] has signalled its flag, instead of
+    waiting for the whole producer kernel to end. Then this program counts itself in; the split's
+    last consumer re-arms the flag (zero) for the next launch and graph replay.
+    """
     need = tl.cdiv(k_hi - k_lo, cols_per_signal)
     while tl.atomic_add(flag_ptr + split, 0, sem="acquire") < need:
         pass
@@ -80,14 +88,19 @@ def _gemv_kernel(
     SIGNAL: tl.constexpr,
     AWAIT: tl.constexpr,
 ):
-    """SIGNAL (a GLU producer): after storing its tile, add one to flag[first column // flag_cols]. AWAIT (a K-split
-    consumer of that output): wait on flag[split] for flag_cols-column producer tiles instead of on the producer
-    kernel, and read x past L1 (the lines are written while this kernel runs)."""
+    """y = x @ w^T over one column tile and K split per program.
+
+    SIGNAL (a GLU producer): after storing its tile, add one to flag[first column // flag_cols].
+    AWAIT (a K-split consumer of that output): wait on flag[split] for flag_cols-column producer
+    tiles instead of on the producer kernel, and read x past L1 (its lines are written while this
+    kernel runs).
+    """
     tile = tl.program_id(0)
     split = tl.program_id(1)
     if GLU:
-        # W is [gate; up] ([2N, K]): the program's BN rows are BN/2 gate rows and the matching up rows, so its
-        # output tile is gelu(gate) * up over BN/2 columns (the activation kernel's rounding points).
+        # W is [gate; up] ([2N, K]): the program's BN rows are BN/2 gate rows and the matching up
+        # rows, so its output tile is gelu(gate) * up over BN/2 columns (the activation kernel's
+        # rounding points).
         HALF: tl.constexpr = BN // 2
         j = tl.arange(0, BN)
         col = tile * HALF + j % HALF
@@ -100,8 +113,8 @@ def _gemv_kernel(
     kk = tl.arange(0, BK)
     m_ok = (m < M)[:, None]
     DT: tl.constexpr = y_ptr.dtype.element_ty
-    # k_per_split is a multiple of BK; the hint keeps the loads 16 bytes wide (the split offset is not
-    # specialised, so the compiler cannot prove its alignment itself).
+    # k_per_split is a multiple of BK; the hint keeps the loads 16 bytes wide (the split offset is
+    # not specialised, so the compiler cannot prove its alignment itself).
     k_lo = tl.multiple_of(split * k_per_split, BK)
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
@@ -156,8 +169,9 @@ def _gemv_kernel(
     if SPLIT == 1:
         tl.store(out, acc.to(DT), mask=out_ok)
     else:
-        # Split-K: each split leaves its fp32 partial [BM, BN]; the split that finishes last for this tile sums
-        # them in split order (deterministic) and writes the output, so no second kernel is needed.
+        # Split-K: each split leaves its fp32 partial [BM, BN]; the split that finishes last for
+        # this tile sums them in split order (deterministic) and writes the output, so no second
+        # kernel is needed.
         part = part_ptr + (split * BM + m[:, None]) * N + n[None, :]
         tl.store(part, acc, mask=out_ok)
         tl.debug_barrier()  # every thread's partial is issued before the release below
@@ -178,9 +192,11 @@ _scratch: dict[torch.device, torch.Tensor] = {}
 
 
 def _zeroed_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(arrival counters of the split-K tiles, dataflow flags of gemv_mlp), zero between launches: the last split of
-    a tile resets its counter, the last consumer of a flag resets the flag. One buffer serves every launch on the
-    device: kernels of a stream use it one after another."""
+    """(arrival counters of the split-K tiles, dataflow flags of gemv_mlp), zero between launches.
+
+    The last split of a tile resets its counter, the last consumer of a flag resets the flag. One
+    buffer serves every launch on the device: kernels of a stream use it one after another.
+    """
     if device not in _scratch:
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         assert not capturing, "run gemv once before capturing a CUDA graph"
@@ -189,19 +205,22 @@ def _zeroed_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def splits_for(tiles: int, K: int, device: torch.device) -> int:
-    """K splits that give each SM about two programs when `tiles` column tiles alone would not fill the GPU,
-    each split at least two 256-wide K tiles long."""
+    """K splits that give each SM about two programs when `tiles` column tiles alone would not fill
+    the GPU, each split at least two 256-wide K tiles long."""
     sms = sm_count(device)
     return 1 if tiles >= sms else max(1, min(next_pow2(triton.cdiv(2 * sms, tiles)), K // 512))
 
 
 def gemv_config(N: int, K: int, device: torch.device, glu: bool = False) -> tuple:
-    """(BN, BK, num_warps, num_stages, K splits) by shape, from bench/bench_gemv.py's sweeps on an H200. Wide
-    outputs (N >= 16384) stream 64-column tiles when those fill at most two waves of the SMs (the sliding qkv) or
-    carry the GLU epilogue (gate_up), else 32-column tiles with two warps (the full layers' qkv: 49.7 instead of
-    61.6 us; the LM heads). Narrow outputs use 32-column tiles with two warps, split along K when those tiles alone
-    would not fill the GPU (the drafter's 1024-wide projections) or K is long (the full layers' o_proj, K = 16384:
-    two splits measured as fast as or faster than stream-K in the 31B's graphed steps, which dropped it)."""
+    """(BN, BK, num_warps, num_stages, K splits) by shape, from bench/bench_gemv.py's sweeps.
+
+    - Wide outputs (N >= 16384): 64-column tiles when those fill at most two waves of the SMs (the
+      sliding qkv) or carry the GLU epilogue (gate_up); else 32-column tiles with two warps (the
+      full layers' qkv, the LM heads).
+    - Narrow outputs: 32-column tiles with two warps, split along K when those tiles alone would
+      not fill the GPU (the drafter's 1024-wide projections) or K is long (two splits for the full
+      layers' o_proj, K = 16384).
+    """
     sms = sm_count(device)
     if N >= 16384:
         return (64, 256, 4, 3, 1) if glu or N // 64 <= 2 * sms else (32, 256, 2, 4, 1)
@@ -212,17 +231,22 @@ def gemv_config(N: int, K: int, device: torch.device, glu: bool = False) -> tupl
 
 
 def mlp_down_config(N: int, K: int, device: torch.device) -> tuple | None:
-    """gemv_mlp's down projection, split along K (the splits are what it awaits one by one); None where chaining
-    does not pay and gemv_mlp runs the two GEMVs (bench/bench_gemv.py, H200, M = 1: the 31B's MLP 165.8 ->
-    162.1 us, its drafter's 18.0 -> 17.1 alone but slower in the draft loop)."""
+    """gemv_mlp's down projection, split along K (it awaits the splits one by one).
+
+    None where chaining does not pay (narrow MLPs such as the drafter's), and gemv_mlp runs the two
+    GEMVs instead (bench/bench_gemv.py).
+    """
     return (32, 256, 4, 3, 7) if K >= 16384 else None
 
 
 def gemv(
     x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: bool = False
 ) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS; `config` overrides gemv_config (benchmarks, tests).
-    glu: w is a fused [gate; up] projection and the result is gelu_tanh(gate) * up, [M, N / 2]."""
+    """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS.
+
+    glu: w is a fused [gate; up] projection and the result is gelu_tanh(gate) * up, [M, N / 2].
+    `config` overrides gemv_config (benchmarks, tests).
+    """
     M, K = x.shape
     N = w.shape[0]
     _check(x, w)
@@ -234,11 +258,14 @@ def gemv(
 def gemv_mlp(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config: tuple | None = None
 ) -> torch.Tensor:
-    """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for M <= MAX_ROWS, with no kernel boundary between the two GEMVs:
-    down runs split along K, and each of its splits starts as soon as the gate_up tiles that write its K range
-    have stored (they count themselves in on a flag per range), not when all of gate_up has ended. Launched under
-    PDL, down's programs take the SMs that gate_up's last wave leaves idle. `config` overrides down's
-    mlp_down_config."""
+    """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for M <= MAX_ROWS, no kernel boundary between the
+    two GEMVs.
+
+    down runs split along K, and each of its splits starts as soon as the gate_up tiles that write
+    its K range have stored (they count themselves in on a flag per range), not when all of gate_up
+    has ended. Launched under PDL, down's programs take the SMs that gate_up's last wave leaves
+    idle. `config` overrides down's mlp_down_config.
+    """
     M, H = x.shape
     N, inter = down.shape
     _check(x, gate_up)
@@ -271,7 +298,8 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def _k_splits(K: int, bk: int, split: int) -> tuple[int, int]:
-    """(K per split, a multiple of the K tile; splits), with no empty split (its first tile would be read unmasked)."""
+    """(K per split, a multiple of the K tile; splits), with no empty split (its first tile would
+    be read unmasked)."""
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     return k_per_split, triton.cdiv(K, k_per_split)
 
@@ -287,7 +315,8 @@ def _launch_columns(
     signal: bool = False,
     wait_on_flags: bool = False,
 ) -> None:
-    """_gemv_kernel over column tiles of w (and K splits): y = x @ w^T, or the GLU epilogue's [M, N / 2]."""
+    """_gemv_kernel over column tiles of w (and K splits): y = x @ w^T, or the GLU epilogue's
+    [M, N / 2]."""
     M, K = x.shape
     N = w.shape[0]
     bn, bk, warps, stages, split = config

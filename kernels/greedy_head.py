@@ -1,26 +1,28 @@
 """Greedy decoding's LM head, exactly, without reading all of it in bf16.
 
-A greedy row needs only the first argmax of G(logits), where logits = bf16(x @ W^T) is what `gemv` computes and
-G is the model's softcap as its torch ops round it (a monotone function of one bf16 value, so a 65,536-entry
-table `lut` holds it exactly). Five launches find it while reading W mostly as an int8 copy (half the bytes;
-the 31B's head is 2.8 GB in bf16):
+A greedy row needs only the first argmax of G(logits), where logits = bf16(x @ W^T) is what `gemv`
+computes and G is the model's softcap as its torch ops round it (a monotone function of one bf16
+value, so a 65,536-entry table `lut` holds it exactly). Five launches find it while reading W mostly
+as an int8 copy (half the bytes):
 
-1. limbs, then the screen. The int8 head (one fp32 scale per row, q = round(w / scale)) gives each logit an
-   interval that surely holds the fp32 sum S the bf16 GEMV computes. x is split into three int8 limbs (x =
-   s * (a + b / 128 + c / 16384) + rho), so the int8 tensor cores sum scale * (x - rho) @ q exactly, and
-   |S - that| <= scale * (0.5 |x|_1 for the rounding of q + 127 |rho|_1 + the GEMV's own fp32 accumulation
-   error, at most K * 2^-23 * 127 |x|_1 = 0.081 |x|_1 at K = 5376 even with truncating adds), which the
-   interval's half-width scale * (0.625 |x|_1 + 127 |rho|_1) covers for K <= 8192. The screen stores
-   G(bf16(upper end)) and each tile's largest lower end; a small kernel takes G(T), T the largest of all.
-2. exact: a token whose G(upper end) < G(T) cannot be the argmax (some token's S is >= T, and G is monotone),
-   so every program keeps its rows with G(upper) >= G(T), packs them in order and computes their logits with
-   the GEMV's own tiles and accumulation order, so each value is bit-identical to `gemv`'s; it keeps the
-   first maximum of G per row.
+1. limbs, then the screen. The int8 head (one fp32 scale per row, q = round(w / scale)) gives each
+   logit an interval that surely holds the fp32 sum S the bf16 GEMV computes. x is split into three
+   int8 limbs (x = s * (a + b / 128 + c / 16384) + rho), so the int8 tensor cores sum
+   scale * (x - rho) @ q exactly, and |S - that| <= scale * (0.5 |x|_1 for the rounding of q
+   + 127 |rho|_1 + the GEMV's own fp32 accumulation error, at most K * 2^-23 * 127 |x|_1
+   = 0.081 |x|_1 at K = 5376 even with truncating adds). The interval's half-width
+   scale * (0.625 |x|_1 + 127 |rho|_1) covers that for K <= 8192. The screen stores
+   G(bf16(upper end)) and each tile's largest lower end; a small kernel takes G(T), T the largest
+   of all.
+2. exact: a token whose G(upper end) < G(T) cannot be the argmax (some token's S is >= T, and G is
+   monotone). So every program keeps its rows with G(upper) >= G(T), packs them in order and
+   computes their logits with the GEMV's own tiles and accumulation order, each value
+   bit-identical to `gemv`'s; it keeps the first maximum of G per row.
 3. pick: the first maximum over the programs.
 
-Every token that ties for the maximum is a candidate, so ties go to the lowest id as `torch.argmax` does: the
-tokens equal the argmax of the full head's softcapped logits, whatever the weights. Only the speed depends on
-them: random N(0, 0.02) weights leave a few thousand candidates per row (~1%).
+Every token that ties for the maximum is a candidate, so ties go to the lowest id as `torch.argmax`
+does: the tokens equal the argmax of the full head's softcapped logits, whatever the weights. Only
+the speed depends on them, through the number of candidates (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -32,13 +34,12 @@ import triton.language as tl
 from ._common import dot_in_fp32, pdl_args, round_to, wait_for_producer
 from .gemv import MAX_ROWS, _dot, _in_split, _k_splits, gemv_config
 
-BOUND = tl.constexpr(
-    0.625
-)  # interval half-width per unit of scale * |x|_1, besides rho's (see above)
+# interval half-width per unit of scale * |x|_1, besides rho's (see above)
+BOUND = tl.constexpr(0.625)
 ROWS_PER_PROGRAM = 512  # vocabulary rows each exact program screens and packs
 # 3 stages, not gemv's 4: 48 KB of shared memory a program, so the 512 programs fit in one wave
 EXACT_STAGES = 3
-# (BN, BK, num_warps, num_stages) of the int8 screen: the fastest of six at the 31B's head, M = 1 and 5 (H200)
+# (BN, BK, num_warps, num_stages) of the int8 screen, tuned at the 31B's head (bench_greedy_head.py)
 SCREEN_CONFIG = (128, 256, 4, 3)
 
 
@@ -68,11 +69,14 @@ def _limbs_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Row m of x as three int8 limbs: x = s * (a + b / 128 + c / 16384) + rho, s a power of two with
-    |x| / s < 64, so |a|, |b|, |c| <= 64 and each step below is exact in fp32 (scaling by powers of two, and
-    v - round(v) by Sterbenz). Stores the limbs [3, BM, KP] (rows >= M and columns >= K zero), the unit
-    s / 16384 and the row's interval mass BOUND * |x|_1 + 127 * |rho|_1 (|rho_k| <= s / 32768). One program
-    a row, the whole row (BLOCK >= KP) in registers."""
+    """Row m of x as three int8 limbs: x = s * (a + b / 128 + c / 16384) + rho.
+
+    s is a power of two with |x| / s < 64, so |a|, |b|, |c| <= 64 and each step below is exact in
+    fp32 (scaling by powers of two, and v - round(v) by Sterbenz). Stores the limbs [3, BM, KP]
+    (rows >= M and columns >= K zero), the unit s / 16384 and the row's interval mass
+    BOUND * |x|_1 + 127 * |rho|_1 (|rho_k| <= s / 32768). One program a row, the whole row
+    (BLOCK >= KP) in registers.
+    """
     wait_for_producer(PDL)
     m = tl.program_id(0)
     BM = tl.num_programs(0)
@@ -80,8 +84,8 @@ def _limbs_kernel(
     x = tl.load(x_ptr + m * stride_xm + k, mask=(k < tl.where(m < M, K, 0)), other=0.0).to(
         tl.float32
     )
-    # s = 2^(E - 5) for 2^E <= max |x| < 2^(E + 1), kept >= 2^-100 (a row of zeros, or of values that small, has
-    # zero limbs and is all residual)
+    # s = 2^(E - 5) for 2^E <= max |x| < 2^(E + 1), kept >= 2^-100 (a row of zeros, or of values
+    # that small, has zero limbs and is all residual)
     e = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) - 127
     e = tl.maximum(e - 5, -100)
     v = x * ((127 - e) << 23).to(tl.float32, bitcast=True)
@@ -96,7 +100,8 @@ def _limbs_kernel(
     tl.store(out + 2 * BM * KP, c.to(tl.int8), mask=k < KP)
     unit = ((e - 14 + 127) << 23).to(tl.float32, bitcast=True)  # s / 16384
     tl.store(unit_ptr + m, unit)
-    # the fp32 sums of |x| and |rho| are within K * 2^-24 of exact: inside BOUND's slack and the factor 1.001
+    # the fp32 sums of |x| and |rho| are within K * 2^-24 of exact: inside BOUND's slack and the
+    # factor 1.001
     residual = tl.sum(tl.abs(r - c), axis=0) * unit
     tl.store(mass_ptr + m, tl.sum(tl.abs(x), axis=0) * BOUND + residual * (127.0 * 1.001))
 
@@ -152,8 +157,8 @@ def _screen_kernel(
         acc_a = tl.dot(tl.load(a_ptrs + k0), wt, acc_a, out_dtype=tl.int32)
         acc_b = tl.dot(tl.load(a_ptrs + BM * KP + k0), wt, acc_b, out_dtype=tl.int32)
         acc_c = tl.dot(tl.load(a_ptrs + 2 * BM * KP + k0), wt, acc_c, out_dtype=tl.int32)
-    # the limb sums combined exactly in int64 (|acc_a| <= 64 * 127 * K < 2^31), then converted and scaled: two
-    # roundings, 2^-23 relative, inside BOUND's slack
+    # the limb sums combined exactly in int64 (|acc_a| <= 64 * 127 * K < 2^31), then converted and
+    # scaled: two roundings, 2^-23 relative, inside BOUND's slack
     total = acc_a.to(tl.int64) * 16384 + acc_b.to(tl.int64) * 128 + acc_c.to(tl.int64)
     m_ok = m < M
     unit = tl.load(unit_ptr + m, mask=m_ok, other=0.0)[:, None]
@@ -209,8 +214,8 @@ def _exact_kernel(
     r = p * R + tl.arange(0, R)
     r_ok = r < N
     wait_for_producer(PDL)
-    # The rows of this program's range that some row of x may choose (any row's candidates are computed for all
-    # rows: an extra exact value never changes an argmax).
+    # The rows of this program's range that some row of x may choose (any row's candidates are
+    # computed for all rows: an extra exact value never changes an argmax).
     m = tl.arange(0, BM)
     g_t = tl.load(gt_ptr + m, mask=m < M, other=float("inf"))
     g_hi = tl.load(
@@ -236,7 +241,8 @@ def _exact_kernel(
         j_ok = j < count
         rows = tl.load(pack_ptr + p * R + j, mask=j_ok, other=0)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + kk[None, :]
-        # gemv's tiles and dot order, its K splits (if any) summed in split order: bit-identical sums
+        # gemv's tiles and dot order, its K splits (if any) summed in split order: bit-identical
+        # sums
         if SPLIT == 1:  # (one loop: the pipeliner skips a loop nested this deep)
             total = tl.zeros([BM, BN], tl.float32)
             for k0 in range(0, K, BK):
@@ -288,7 +294,8 @@ def _pick_kernel(best_g_ptr, best_i_ptr, out_ptr, N, P, BLOCK: tl.constexpr, PDL
 
 @torch.no_grad()
 def quantize_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [N, K], fp32 scale [N]) with w ~ q * scale, scale = max |w_row| / 127, a chunk of rows at a time."""
+    """(int8 [N, K], fp32 scale [N]) with w ~ q * scale, scale = max |w_row| / 127, a chunk of rows
+    at a time."""
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
     for i in range(0, w.shape[0], chunk):
@@ -307,8 +314,8 @@ def value_table(fn, device: torch.device) -> torch.Tensor:
 
 
 def int8_limbs(x: torch.Tensor, KP: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M <= MAX_ROWS, K] as the screen reads it: (limbs int8 [3, MAX_ROWS, KP], unit [MAX_ROWS], mass
-    [MAX_ROWS]) with x = unit * (16384 * a + 128 * b + c) + rho (see _limbs_kernel)."""
+    """x [M <= MAX_ROWS, K] as the screen reads it: (limbs int8 [3, MAX_ROWS, KP], unit [MAX_ROWS],
+    mass [MAX_ROWS]) with x = unit * (16384 * a + 128 * b + c) + rho (see _limbs_kernel)."""
     M, K = x.shape
     limbs = torch.empty(3, MAX_ROWS, KP, dtype=torch.int8, device=x.device)
     unit = torch.empty(MAX_ROWS, dtype=torch.float32, device=x.device)
@@ -337,8 +344,11 @@ def greedy_head(
     lut: torch.Tensor,
     screen: tuple | None = None,
 ) -> torch.Tensor:
-    """The first argmax over N of lut[bf16(x @ w^T)] per row, for x [M <= MAX_ROWS, K]: [M] int64. q, scale:
-    quantize_rows(w); lut: value_table of G. `screen` overrides SCREEN_CONFIG (benchmarks)."""
+    """The first argmax over N of lut[bf16(x @ w^T)] per row, for x [M <= MAX_ROWS, K]: [M] int64.
+
+    q, scale: quantize_rows(w); lut: value_table of G. `screen` overrides SCREEN_CONFIG
+    (benchmarks).
+    """
     M, K = x.shape
     N = w.shape[0]
     assert (

@@ -1,8 +1,8 @@
 """Store the new tokens' K and V rows into their paged slots: one launch for both caches.
 
-torch's `index_copy_` is graph-safe too, but it costs two launches per layer (K and V) and cannot express
-"slot -1 = no write" (the layout's marker for rows that only read). Here one program copies one token's
-[nkv, hd] K and V rows; a negative slot is skipped.
+torch's `index_copy_` is graph-safe too, but it costs two launches per layer (K and V) and cannot
+express "slot -1 = no write" (the layout's marker for rows that only read). Here one program copies
+one token's [nkv, hd] K and V rows; a negative slot is skipped.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""MoE for Gemma 4 26B-A4B (spec §5): fused routing and a grouped expert GEMM path.
+"""MoE for Gemma 4 26B-A4B (docs/gemma4.md §5): fused routing and a grouped expert GEMM path.
 
-- `moe_route`: router logits [T, E] -> fp32 softmax over all experts -> top-k (lowest id first on ties) ->
-  renormalise over the k -> × per_expert_scale. One launch.
-- `moe_align`: sorts the T·k (token, slot) pairs by expert into BLOCK_M-row blocks, each block owned by one
-  expert (padding rows carry the sentinel T·k). Three small launches, all on device: the sizes depend only on
-  T, k and E, so nothing syncs with the host and the path can be captured in CUDA graphs.
-- `moe_experts`: grouped GEMM 1 (gate and up tiles of the same columns in one program, GELU·up in its
-  epilogue), grouped GEMM 2 (down), then the fp32 weighted sum of each token's k outputs, rounded once
-  (HF grouped_mm semantics, `Experts.forward` in gemma4serve/model/layers.py).
+- `moe_route`: router logits [T, E] -> fp32 softmax over all experts -> top-k (lowest id first on
+  ties) -> renormalise over the k -> × per_expert_scale. One launch.
+- `moe_align`: sorts the T·k (token, slot) pairs by expert into BLOCK_M-row blocks, each block owned
+  by one expert (padding rows carry the sentinel T·k). Three small launches, all on device: the
+  sizes depend only on T, k and E, so nothing syncs with the host and CUDA graphs can capture it.
+- `moe_experts`: grouped GEMM 1 (gate and up tiles of the same columns in one program, GELU·up in
+  its epilogue), grouped GEMM 2 (down), then the fp32 weighted sum of each token's k outputs,
+  rounded once (HF grouped_mm semantics, `moe_experts` in gemma4serve/model/layers.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ._common import dot_in_fp32, next_pow2, round_to
 from .activation import gelu_tanh_f32
 
 
-# ---------------------------------------------------------------------------------------------- routing
+# ------------------------------------------------------------------------------------------ routing
 @triton.jit
 def _route_kernel(
     logit_ptr,
@@ -78,9 +78,9 @@ def moe_route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):
     return weights, ids
 
 
-# ---------------------------------------------------------------------------------------------- alignment
-# Token counts are plain arguments everywhere (not specialised on ==1 / divisibility by 16): each batch size
-# would otherwise compile new variants while serving.
+# ---------------------------------------------------------------------------------------- alignment
+# Token counts are plain arguments everywhere (not specialised on ==1 / divisibility by 16): each
+# batch size would otherwise compile new variants while serving.
 @triton.jit(do_not_specialize=["num_pairs", "chunk"])
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, chunk, E_P: tl.constexpr, SUB: tl.constexpr):
     c = tl.program_id(0)
@@ -124,8 +124,8 @@ def _offsets_kernel(
     tl.store(sorted_ptr + pad_slot, num_pairs, mask=pad_slot < pad_end[:, None])
     for b0 in range(0, max_blocks, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
-        # The owner of block b is the number of experts whose segment ends at or before its first row
-        # (>= E past the last segment: the GEMMs skip those blocks).
+        # The owner of block b is the number of experts whose segment ends at or before its first
+        # row (>= E past the last segment: the GEMMs skip those blocks).
         owner = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
 
@@ -150,10 +150,12 @@ def _scatter_kernel(
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int):
-    """ids [T, k] -> (sorted pair indices [max_blocks*block_m] int32, owning expert per block [max_blocks] int32).
+    """ids [T, k] -> (sorted pair indices [max_blocks * block_m] int32, owning expert per block
+    [max_blocks] int32).
 
-    Pair p = t*k + j. Every expert's pairs fill whole blocks of block_m rows (padding = T*k); blocks past the
-    used ones have owner >= num_experts. max_blocks is a host bound: cdiv(T*k, block_m) + min(E, T*k).
+    Pair p = t*k + j. Every expert's pairs fill whole blocks of block_m rows (padding = T*k); blocks
+    past the used ones have owner >= num_experts. max_blocks is a host bound:
+    cdiv(T*k, block_m) + min(E, T*k).
     """
     ids = ids.reshape(-1)
     if ids.dtype != torch.int32:
@@ -187,7 +189,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pairs, block_expert
 
 
-# ---------------------------------------------------------------------------------------------- grouped GEMMs
+# ------------------------------------------------------------------------------------ grouped GEMMs
 @triton.jit
 def _mma(a, b, acc, DOT_FP32: tl.constexpr):
     if DOT_FP32:
@@ -221,7 +223,8 @@ def _moe_gemm_kernel(
 ):
     """C[pair, n] = A[pair // ROW_DIV] @ W[expert]ᵀ for the rows of one expert-owned block.
 
-    GATED: W holds [gate; up] (2·n_out rows) and C = gelu_tanh(gate) * up, with the reference's roundings.
+    GATED: W holds [gate; up] (2·n_out rows) and C = gelu_tanh(gate) * up, with the reference's
+    roundings.
     """
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
@@ -278,8 +281,8 @@ def _weighted_sum_kernel(
 
 
 def moe_config(num_pairs: int, num_experts: int) -> dict:
-    """Tiles by the mean rows per expert: decode gives each expert a handful of rows (weight-bandwidth bound);
-    prefill gives it hundreds. Starting points to tune on the GPU."""
+    """Tiles by the mean rows per expert: decode gives each expert a handful of rows (bound by the
+    weight reads), prefill hundreds. Starting points to tune on the GPU."""
     rows = num_pairs / max(1, num_experts)
     if rows <= 16:
         return dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
@@ -300,8 +303,11 @@ def moe_experts(
     ids: torch.Tensor,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """x [T, H] (already pre_feedforward_layernorm_2-normed), gate_up_proj [E, 2I, H], down_proj [E, H, I],
-    weights [T, k] fp32, ids [T, k] -> [T, H] = round(Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]))."""
+    """[T, H] = round(Σ_j weights[t, j] · expert_{ids[t, j]}(x[t])).
+
+    x [T, H] (already normed by pre_feedforward_layernorm_2), gate_up_proj [E, 2I, H], down_proj
+    [E, H, I], weights [T, k] fp32, ids [T, k].
+    """
     T, H = x.shape
     E, I2, _ = gate_up_proj.shape
     inter = I2 // 2

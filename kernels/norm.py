@@ -1,7 +1,8 @@
-"""Fused Gemma 4 RMSNorms (spec §2, §3.4–3.5): fp32 inside, x * (mean(x²) + eps)^-0.5, times w (not 1 + w).
+"""Fused Gemma 4 RMSNorms: fp32 inside, x * (mean(x²) + eps)^-0.5, times w (not 1 + w).
 
-Each kernel keeps the torch reference's rounding points (`gemma4serve/model/layers.py`): the normed value is
-rounded to the model dtype before it is added, rotated or scaled, exactly where the bf16 tensor ops round.
+The norms of docs/gemma4.md §2, §3.4–3.5. Each kernel keeps the rounding points of the torch
+reference (`gemma4serve/model/layers.py`): the normed value is rounded to the model dtype before it
+is added, rotated or scaled, exactly where the bf16 tensor ops round.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def _rms_norm_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
-    # Row r of the output is x[r // inner, r % inner, :]: per-head views of a fused projection output
-    # ([T, heads, hd] with a wide token stride) are normed in place of a copy.
+    # Row r of the output is x[r // inner, r % inner, :]: per-head views of a fused projection
+    # output ([T, heads, hd] with a wide token stride) are normed in place of a copy.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -78,7 +79,7 @@ def _residual_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     normed = round_to(h * tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps) * w, DT)
     y = round_to(x + normed, DT)
-    if HAS_SCALAR:  # layer_scalar multiplies the whole residual stream after the add (spec §3.4)
+    if HAS_SCALAR:  # layer_scalar scales the residual stream after the add (docs/gemma4.md §3.4)
         y = round_to(y * scalar, DT)
     tl.store(o_ptr + row * stride_o + offs, y.to(DT), mask=mask)
     if HAS_NEXT:  # the next sublayer's input norm of the new residual, while it is in registers
@@ -116,7 +117,8 @@ def _norm_rope_kernel(
     rows = x_ptr + t * stride_xt + h[:, None] * stride_xh
     x = tl.load(rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-    # The partner of dim d in the half-split rotation is d + hd/2 (mod hd); reload it rather than shuffle lanes.
+    # The partner of dim d in the half-split rotation is d + hd/2 (mod hd); reload it rather than
+    # shuffle lanes.
     d_rot = (d + HALF) % HEAD_DIM
     x_rot = tl.load(rows + d_rot[None, :], mask=mask, other=0.0).to(tl.float32)
     y = x * inv
@@ -138,7 +140,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x (any leading shape); weight None = the scale-free v_norm / router norm."""
+    """RMSNorm over the last dim of x (any leading shape); weight None: the scale-free v_norm or
+    router norm."""
     if x.dim() == 3 and x.stride(-1) == 1:  # [T, heads, hd], possibly a strided view: no copy
         x3 = x
     else:
@@ -173,8 +176,9 @@ def rmsnorm_residual_add(
     layer_scalar: torch.Tensor | None = None,
     next_weight: torch.Tensor | None = None,
 ):
-    """y = x + RMSNorm(h; weight), then `* layer_scalar` when given (a 1-element tensor), rounded like the torch
-    ops. With `next_weight`, returns (y, RMSNorm(y; next_weight)): the next sublayer's normed input too."""
+    """y = x + RMSNorm(h; weight), then `* layer_scalar` when given (a 1-element tensor), rounded
+    like the torch ops. With `next_weight`, returns (y, RMSNorm(y; next_weight)): the next
+    sublayer's normed input too."""
     assert x.shape == h.shape and x.dtype == h.dtype
     x2, h2 = _rows(x), _rows(h)
     n = x2.shape[1]
@@ -210,8 +214,8 @@ def rmsnorm_residual_add(
 def rmsnorm_rope(
     x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """apply_rope(rms_norm(x, weight), cos, sin) for x [T, heads, hd] (q_norm/k_norm + half-split RoPE);
-    cos/sin [T, hd] in the model dtype."""
+    """apply_rope(rms_norm(x, weight), cos, sin) for x [T, heads, hd] (q_norm/k_norm and
+    half-split RoPE); cos/sin [T, hd] in the model dtype."""
     T, heads, hd = x.shape
     assert hd & (hd - 1) == 0 and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -1,17 +1,19 @@
-"""Paged attention over the shared layout of `gemma4serve/attention/metadata.py`, one kernel for every phase.
+"""Paged attention over the layout of gemma4serve/attention/metadata.py, one kernel for all phases.
 
-Prefill/extend chunks, single-token decode, k+1-row causal verification and the drafter's query-only reads all
-go through `paged_attention`: query token t (of page-table row `token_seq[t]`) attends to the keys at positions
-[max(0, kv_end[t] - window), kv_end[t]) read through the page table. Gemma 4 numerics: scaling 1.0, no
-softcap, GQA with contiguous head groups, softmax in fp32 (online, exp2 domain), output in q's dtype.
+Prefill/extend chunks, single-token decode, k+1-row causal verification and the drafter's query-only
+reads all go through `paged_attention`: query token t (of page-table row `token_seq[t]`) attends to
+the keys at positions [max(0, kv_end[t] - window), kv_end[t]) read through the page table. Gemma 4
+numerics: scaling 1.0, no softcap, GQA with contiguous head groups, softmax in fp32 (online, exp2
+domain), output in q's dtype.
 
-Work split. A program owns one KV head of one sequence group (rows cu_seqlens_q[g]:cu_seqlens_q[g+1]), a
-block of BLOCK_T consecutive query tokens of that group and all GROUP query heads that share the KV head, so
-every K/V tile is read once for BLOCK_T * GROUP query rows (the rows of the tl.dot). The KV range of the block
-[min start, max end) is split across num_splits programs (flash-decoding) when the grid would otherwise be too
-small to fill the GPU (batch-1 decode of a long context); a second kernel merges the partial results through
-their log-sum-exp. The grid depends only on host ints (groups, max_q_len, heads, splits): the loop bounds come
-from the metadata tensors, so there is no host synchronisation and the launch can be captured in CUDA graphs.
+Work split. A program owns one KV head of one sequence group (rows cu_seqlens_q[g] to
+cu_seqlens_q[g+1]), a block of BLOCK_T consecutive query tokens of that group and all GROUP query
+heads that share the KV head, so every K/V tile is read once for BLOCK_T * GROUP query rows (the
+rows of the tl.dot). The KV range of the block [min start, max end) is split across num_splits
+programs (flash-decoding) when the grid would otherwise be too small to fill the GPU (batch-1
+decode of a long context); a second kernel merges the partial results through their log-sum-exp.
+The grid depends only on host ints (groups, max_q_len, heads, splits) and the loop bounds come from
+the metadata tensors, so there is no host synchronisation and CUDA graphs can capture the launch.
 """
 
 from __future__ import annotations
@@ -32,14 +34,13 @@ from ._common import (
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
-TABLE_CHUNK = (
-    32  # page-table entries a program holds in registers (more where one key tile needs more)
-)
+# page-table entries a program holds in registers (more where one key tile needs more)
+TABLE_CHUNK = 32
 
 
 def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
-    """(table entries held, key tiles whose pages surely lie in them from the first tile's page on, whatever the
-    first tile's offset in its page)."""
+    """(table entries held, key tiles whose pages surely lie in them from the first tile's page on,
+    whatever the first tile's offset in its page)."""
     entries = max(TABLE_CHUNK, next_pow2(triton.cdiv(block_n + page_size - 1, page_size)))
     return entries, (entries * page_size - page_size + 1) // block_n
 
@@ -71,8 +72,11 @@ def _attend_tile(
     PAGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """One tile of keys at positions `pos` into the online softmax (m_i, l_i, acc). Keys outside [lo, hi) are
-    neither looked up nor loaded; a key's page comes from `pages`, the table entries from page p0 on."""
+    """One tile of keys at positions `pos` into the online softmax (m_i, l_i, acc).
+
+    Keys outside [lo, hi) are neither looked up nor loaded; a key's page comes from `pages`, the
+    table entries from page p0 on.
+    """
     kv_ok = (pos >= lo) & (pos < hi)
     rel = pos // PAGE - p0
     page = tl.sum(tl.where(rel[:, None] == entries[None, :], pages[None, :], 0), axis=1).to(
@@ -108,9 +112,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-# Arguments that change from step to step are not specialised (Triton would compile a variant per value ==1 /
-# divisible by 16, each a multi-second stall while serving): the window (the target's W, the drafter's W_a + 1),
-# the split count, and the page-table width of an eager step.
+# Arguments that change from step to step are not specialised (Triton would compile a variant per
+# value ==1 / divisible by 16, each a multi-second stall while serving): the window (the target's W,
+# the drafter's W_a + 1), the split count, and the page-table width of an eager step.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_table"])
 def _attn_kernel(
     q_ptr,
@@ -160,7 +164,7 @@ def _attn_kernel(
     if row0 >= row_end:
         return
 
-    # Rows of the dot: token-major, GROUP_P head slots per token (padding slots and tokens are masked).
+    # Rows of the dot: token-major, GROUP_P head slots per token (padding slots and tokens masked).
     offs_m = tl.arange(0, BLOCK_M)
     tok = row0 + offs_m // GROUP_P
     slot = offs_m % GROUP_P
@@ -172,18 +176,18 @@ def _attn_kernel(
     hi = tl.max(tl.where(row_ok, end, 0), axis=0)
     lo = tl.min(tl.where(row_ok, start, hi), axis=0)
 
-    # This program's share of the key blocks (absolute BLOCK_N-aligned tiles covering [lo, hi)). Starting the
-    # tiles at lo instead makes an unaligned sliding window exactly 16 splits of 64 keys at batch 1 (10.5 -> 9.3
-    # us per layer) but costs more at batch 32 (E4B decode 5.16 -> 5.25 ms per step), so they stay aligned.
+    # This program's share of the key blocks: absolute BLOCK_N-aligned tiles covering [lo, hi).
+    # Tiles that start at lo are faster at batch 1 but slower at batch 32 (docs/performance.md).
     first = lo // BLOCK_N
     n_blocks = tl.cdiv(hi, BLOCK_N) - first
     per_split = tl.maximum(tl.cdiv(n_blocks, num_splits), MIN_BLOCKS)
     b_lo = first + split * per_split
     b_hi = tl.minimum(b_lo + per_split, first + n_blocks)
     table_row = table_ptr + tl.load(token_seq_ptr + row0).to(tl.int64) * stride_table
-    # The page numbers of the first CHUNK_TILES key tiles, in registers: a K/V address then needs no table read
-    # in the loop, so the pipelined loads of the next tiles issue at once instead of one table read (an L2
-    # round trip) after another. Entries outside the pages of [lo, hi) are not read (null or past the row).
+    # The page numbers of the first CHUNK_TILES key tiles, in registers: a K/V address then needs no
+    # table read in the loop, so the pipelined loads of the next tiles issue at once instead of one
+    # table read (an L2 round trip) after another. Entries outside the pages of [lo, hi) are not
+    # read (null or past the row).
     entries = tl.arange(0, TABLE_CHUNK)
     p_lo = lo // PAGE
     p_hi = tl.cdiv(hi, PAGE)
@@ -192,8 +196,8 @@ def _attn_kernel(
         table_row + p0 + entries, mask=(p0 + entries >= p_lo) & (p0 + entries < p_hi), other=0
     )
 
-    # All of the above reads metadata written before the step; q and the step's new keys come from the kernel
-    # just before (the qkv epilogue), so wait for it only now.
+    # All of the above reads metadata written before the step; q and the step's new keys come from
+    # the kernel just before (the qkv epilogue), so wait for it only now.
     if LAUNCH_NEXT_LATE:
         if PDL:
             gdc_wait()
@@ -212,8 +216,8 @@ def _attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for c_lo in range(b_lo, b_hi, CHUNK_TILES):
-        # Decode and verification splits fit in one chunk; longer ranges (prefill) read the next chunk's pages
-        # while this one's tiles run.
+        # Decode and verification splits fit in one chunk; longer ranges (prefill) read the next
+        # chunk's pages while this one's tiles run.
         c_hi = tl.minimum(c_lo + CHUNK_TILES, b_hi)
         p0 = c_lo * BLOCK_N // PAGE
         p_next = c_hi * BLOCK_N // PAGE
@@ -262,8 +266,9 @@ def _attn_kernel(
         DT: tl.constexpr = o_ptr.dtype.element_ty
         tl.store(o, round_to(out, DT).to(DT), mask=row_ok[:, None])
     else:
-        # Partials [T, num_q_heads, num_splits, (HEAD_DIM)]: every split writes its lse (-inf when empty), the
-        # normalised output only where it saw a key; the merge reads outputs only where lse is finite.
+        # Partials [T, num_q_heads, num_splits, (HEAD_DIM)]: every split writes its lse (-inf when
+        # empty), the normalised output only where it saw a key; the merge reads outputs only where
+        # lse is finite.
         part = (tok * num_q_heads + head) * num_splits + split
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
@@ -303,19 +308,17 @@ def _merge_kernel(
 
 
 def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
-    """Tile shapes by head dim and phase. Starting points to tune on the GPU (bench/bench_kernels.py).
+    """Tile shapes by head dim and phase, measured with bench/bench_kernels.py.
 
-    The fp32 accumulator holds BLOCK_M x head_dim values, so in decode and verification wide heads get fewer
-    rows per program; prefill chunks (more than 8 query rows) have their own measured tiles. Stages count key
-    tiles in flight: with the page numbers in registers, 2 stages keep as many K/V buffers as 3 did while the
-    pipeliner also had to stage a table read per tile (the same shared memory), so these are the measured
-    tiles of before.
+    The fp32 accumulator holds BLOCK_M x head_dim values, so in decode and verification wide heads
+    get fewer rows per program; prefill chunks (more than 8 query rows) have their own tiles.
+    Stages count the key tiles in flight (the page numbers are in registers, so no table read is
+    staged with them).
     """
     group_p = next_pow2(group)
     if max_q_len > 8:
-        # Prefill / extend chunks (`bench_kernels.py --phases prefill --sweep`, 1024-token chunk, H200): 64 rows
-        # per program and 32-key tiles, 2 K/V buffers; 8 warps only for the 512-wide tiles. Full layers 481 -> 310
-        # us at 1k context and 2922 -> 1671 us at 4k; sliding layers 147 -> 118 us and 221 -> 155 us.
+        # Prefill / extend chunks (`bench_kernels.py --phases prefill --sweep`): 64 rows per
+        # program and 32-key tiles, 2 K/V buffers; 8 warps only for the 512-wide tiles.
         block_t = max(1, min(next_pow2(max_q_len), 64 // group_p))
         block_m = max(16, block_t * group_p)
         return dict(
@@ -332,21 +335,22 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
         block_t=block_t,
         block_m=block_m,
         block_n=64 if head_dim <= 256 else 32,
-        # enough threads that the accumulator stays around 64 fp32 registers per thread (a 512-wide decode
-        # tile of 16 rows runs faster on 4 warps than 8: 9.8 -> 9.3 us at batch 1, 45.5 -> 36.0 us at batch 8)
+        # enough threads that the accumulator stays around 64 fp32 registers per thread (a 512-wide
+        # decode tile of 16 rows is faster on 4 warps than on 8)
         num_warps=8 if block_m * head_dim >= 16384 else 4,
         num_stages=2,
     )
 
 
 def split_limits(window: int, max_q_len: int) -> tuple[int, int]:
-    """(most KV splits, fewest keys per split), from `bench/bench_kernels.py --sweep` on an H200 (graph replay).
-    A sliding layer's queries see window + q - 1 keys, split in up to 128-key pieces: more only launch programs
-    that find nothing and widen the merge. Decode splits the window in 64-key pieces (16 at batch 1: 11.5 -> 9.4
-    us per layer; decode got faster at batch 1, 8 and 32 on every model); verification keeps 128 (64 made E4B's
-    batch-32 verify step slower, 6.73 -> 6.82 ms). Full layers decode fastest with short 32-key splits (18 -> 10
-    us at 1k keys, 21 -> 18 us at 4k); their verify tiles hold 4 tokens x 8 heads of 512 dims, one program per
-    SM, so at most 16 splits (one wave at batch 1: 33.6 -> 15.9 us at 1k keys, 149 -> 91 us at 16k)."""
+    """(most KV splits, fewest keys per split), from `bench/bench_kernels.py --sweep`.
+
+    - Sliding layers: the queries see window + q - 1 keys, split in pieces of at most 128 keys
+      (more splits only launch programs that find nothing and widen the merge). Decode splits the
+      window in 64-key pieces; verification keeps 128 (64 was slower at batch 32).
+    - Full layers decode fastest with short 32-key splits. Their verify tiles hold 4 tokens x 8
+      heads of 512 dims, one program per SM, so at most 16 splits (one wave at batch 1).
+    """
     if window > 0:
         return (
             (max(1, window // 64), 64)
@@ -380,6 +384,10 @@ def paged_attention(
     min_split_keys: int | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
+    """Attention of q [T, nh, hd] over the paged caches -> [T, nh, hd], into `out` when given.
+
+    num_splits, min_split_keys and config override the tuned choices (benchmarks, tests).
+    """
     T, nh, hd = q.shape
     page_size, nkv = k_cache.shape[1], k_cache.shape[2]
     assert nh % nkv == 0 and hd >= 16 and hd & (hd - 1) == 0, (
@@ -405,28 +413,25 @@ def paged_attention(
     if num_splits is None:
         num_splits = choose_splits(G * q_blocks * nkv, q.device, max_splits)
     if not config:
-        # Short decode splits want their few tiles in flight at once (a 60-layer chain of b = 1 decode
-        # attention, H200, 1,100 keys, per layer): a sliding split of at most 64 keys as 32-key tiles, all in
-        # flight (12.7 -> 11.8 us); a full layer's 32-key split as two 16-key tiles, deeper (12.1 -> 10.2 us). Not
-        # for long full-layer splits (E4B's batch-32 decode step got 0.12 ms slower).
+        # Short decode splits want their few tiles in flight at once: a sliding split of at most 64
+        # keys as 32-key tiles, all in flight; a full layer's 32-key split as two 16-key tiles,
+        # deeper. Not for long full-layer splits, where it was slower (docs/performance.md).
         if window > 0 and max_q_len == 1 and triton.cdiv(window, num_splits) <= 64:
             cfg.update(block_n=32, num_stages=3)
         if window == 0 and max_q_len == 1 and num_splits >= 16:
             cfg.update(block_n=16, num_stages=4)
         if q.dtype == torch.float32 and not INTERPRET:
-            cfg.update(
-                block_n=16, num_stages=1
-            )  # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
+            # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
+            cfg.update(block_n=16, num_stages=1)
     entries, chunk = table_chunk(page_size, cfg["block_n"])
     if num_splits > 1:
         part_o = torch.empty(T, nh, num_splits, hd, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # never touched
-    # The next kernel (the merge, or o_proj) may launch once every program has passed its wait. Single-query
-    # grids of at most two programs per SM let it launch only after their key loops: the 31B's batch-1 decode
-    # step 15.27 -> 15.21 ms (its sliding layers; the full ones and E4B's decode at batch 1 and 8 unchanged).
-    # Verification (+0.20 ms at batch 1) and larger decode grids (+0.11 ms at batch 8) lost with it.
+    # The next kernel (the merge, or o_proj) may launch once every program has passed its wait.
+    # Single-query grids of at most two programs per SM let it launch only after their key loops,
+    # which pays there and costs verification and larger decode grids (docs/performance.md).
     late = max_q_len == 1 and G * q_blocks * nkv * num_splits <= 2 * sm_count(q.device)
     _attn_kernel[(G, q_blocks, nkv * num_splits)](
         q,

@@ -1,7 +1,8 @@
-"""Everything between the fused qkv projection and attention, in one launch (spec §3.5):
-q = RoPE(q_norm(q)), k = RoPE(k_norm(k)), v = v_norm(v) (v is the raw k on k_eq_v layers), and the new K/V
-stored in their cache slots. Rounding points are those of the torch ops (norm.py's kernels), so the result
-equals norm_rope / rms_norm / kv_write run one after another.
+"""Everything between the fused qkv projection and attention, in one launch (docs/gemma4.md §3.5).
+
+q = RoPE(q_norm(q)), k = RoPE(k_norm(k)), v = v_norm(v) (v is the raw k on k_eq_v layers), and the
+new K/V stored in their cache slots. The rounding points are the torch ops' (and norm.py's
+kernels'), so the result equals norm_rope, rms_norm and kv_write run one after another.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from ._common import pdl_args, round_to, wait_for_producer
 
 @triton.jit
 def _normed(row_ptr, w, d, eps, HEAD_DIM: tl.constexpr):
-    """RMSNorm of one head's row at dims d (fp32, before rounding), times w (w[d], or 1.0 for no scale)."""
+    """RMSNorm of one head's row at dims d (fp32, before rounding), times w (w[d], or 1.0 for no
+    scale)."""
     x = tl.load(row_ptr + tl.arange(0, HEAD_DIM)).to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
     return tl.load(row_ptr + d).to(tl.float32) * inv * w
@@ -25,7 +27,8 @@ def _normed(row_ptr, w, d, eps, HEAD_DIM: tl.constexpr):
 def _norm_rope_row(
     row_ptr, w, w_rot, d, d_rot, c, s, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr
 ):
-    """RoPE(RMSNorm(row) * w): dim d pairs with d_rot = d + hd/2 (mod hd) in the half-split rotation."""
+    """RoPE(RMSNorm(row) * w): dim d pairs with d_rot = d + hd/2 (mod hd) in the half-split
+    rotation."""
     HALF: tl.constexpr = HEAD_DIM // 2
     y = round_to(_normed(row_ptr, w, d, eps, HEAD_DIM), DT)
     y_rot = round_to(
@@ -64,8 +67,8 @@ def _qkv_epilogue_kernel(
     d = tl.arange(0, HEAD_DIM)
     d_rot = (d + HEAD_DIM // 2) % HEAD_DIM
     DT: tl.constexpr = q_ptr.dtype.element_ty
-    # Before waiting on the qkv projection: what was written before the step (norm weights, the step's cos/sin
-    # and cache slots).
+    # Before waiting on the qkv projection: what was written before the step (norm weights, the
+    # step's cos/sin and cache slots).
     w_ptr = tl.where(h < NH, qw_ptr, kw_ptr)
     w = tl.load(w_ptr + d).to(tl.float32)
     w_rot = tl.load(w_ptr + d_rot).to(tl.float32)
@@ -103,8 +106,11 @@ def qkv_epilogue(
     num_kv_heads: int,
     k_eq_v: bool,
 ) -> torch.Tensor:
-    """qkv [T, (nh + nkv (+ nkv)) * hd] (q, k, then v unless k_eq_v) -> q [T, nh, hd]; K/V go to the caches
-    [num_pages, page_tokens, nkv, hd] (pages at any stride) at `slots` [T] (-1 = no write)."""
+    """qkv [T, (nh + nkv (+ nkv)) * hd] (q, k, then v unless k_eq_v) -> q [T, nh, hd].
+
+    K/V go to the caches [num_pages, page_tokens, nkv, hd] (pages at any stride) at `slots` [T]
+    (-1 = no write).
+    """
     T = qkv.shape[0]
     hd = k_cache.shape[-1]
     assert (

@@ -1,9 +1,9 @@
-"""What a step derives from its positions before the first layer: RoPE tables and the KV write slots.
+"""What a step derives from its positions before the first layer: RoPE tables and KV write slots.
 
-In torch each is a chain of small launches (positions to float, the angle product, cat, cos, sin, two casts per
-layer kind; a gather, divisions and casts per page table), about 2 us each at batch 1, where they run back to
-back with the step inside its CUDA graph. Here each is one launch, with the torch ops' rounding points: the
-angle is the same fp32 product, cos and sin are libdevice's (what torch's CUDA kernels call; `tl.cos` is an
+In torch each is a chain of small launches (positions to float, the angle product, cat, cos, sin,
+two casts per layer kind; a gather, divisions and casts per page table) at the start of every
+graphed step. Here each is one launch with the torch ops' rounding points: the angle is the same
+fp32 product, and cos and sin are libdevice's (what torch's CUDA kernels call; `tl.cos` is an
 approximation), rounded once to the model dtype.
 """
 
@@ -17,8 +17,8 @@ from triton.language.extra.cuda import libdevice
 from ._common import INTERPRET, round_to
 
 
-# One compiled variant each, whatever the step's token count (a new block size or integer specialisation would
-# compile mid-serving, on the first prefill of an unseen length).
+# One compiled variant each, whatever the step's token count (a new block size or integer
+# specialisation would compile mid-serving, on the first prefill of an unseen length).
 @triton.jit(do_not_specialize=["T"])
 def _rope_tables_kernel(
     pos_ptr,
@@ -48,8 +48,8 @@ def _rope_tables_kernel(
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """(cos, sin) [T, 2 * len(inv_freq)] in `dtype` of the angles positions x inv_freq (fp32), the half-split
-    layout (the angle table repeated twice), as layers.rope_cos_sin."""
+    """(cos, sin) [T, 2 * len(inv_freq)] in `dtype` of the angles positions x inv_freq (fp32), in
+    the half-split layout (the angle table twice), as layers.rope_cos_sin."""
     T, half = positions.shape[0], inv_freq.shape[0]
     assert half & (half - 1) == 0 and positions.is_contiguous() and inv_freq.dtype == torch.float32
     cos = torch.empty(T, 2 * half, dtype=dtype, device=positions.device)
@@ -98,8 +98,11 @@ def _write_slots_kernel(
 
 
 def write_slots(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, page_tokens: dict):
-    """(kv_end [T] int32 = pos + 1, {kind: slot [T] int64}): the cache slot each token's K/V goes to, through
-    its sequence's row of each of the two page tables, as attention.metadata.causal_metadata."""
+    """(kv_end [T] int32 = pos + 1, {kind: slot [T] int64}), as attention.metadata.causal_metadata.
+
+    The slot is where each token's K/V goes, through its sequence's row of each of the two page
+    tables: page * page_tokens[kind] + offset.
+    """
     (kind_a, table_a), (kind_b, table_b) = tables.items()
     T = pos.shape[0]
     assert (

@@ -1,4 +1,5 @@
-"""CPU tests for gemma4serve/engine/sampler.py: semantics against plain references, and statistical losslessness."""
+"""CPU tests for gemma4serve/engine/sampler.py: semantics against plain references, and
+statistical losslessness."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def run_accept(logits, drafts, params, num_drafts=None, first_position=None, **k
     return accept(logits, drafts, num_drafts, first_position, batch(params, **kw))
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Plain references (float64, per-row Python), written straight from the definitions
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def ref_logits(logits, p: SamplingParams, output=(), prompt=()) -> np.ndarray:
@@ -75,9 +76,9 @@ def softmax(x):
     return e / e.sum()
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Counter-based randomness
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_uniform_is_uniform_and_in_open_interval():
@@ -107,9 +108,9 @@ def test_uniform_is_a_pure_function_of_its_key():
     assert not torch.equal(uniform(seed, pos, 4, 16), u)
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Greedy
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 G = SamplingParams(temperature=0.0)
 
@@ -171,16 +172,16 @@ def test_greedy_uses_penalised_logits_with_drafts_in_history():
     assert out.tokens[0].tolist() == [2, -1]
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Processing semantics
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def process(logits, p, output=(), prompt=(), extra=()):
     logits = torch.tensor([logits], dtype=torch.float32)
-    sb = batch([p], outputs=[list(output)], prompts=[list(prompt)])
+    sampling = batch([p], outputs=[list(output)], prompts=[list(prompt)])
     extra = torch.tensor([list(extra)], dtype=torch.int64).view(1, len(extra))
-    return process_logits(logits, sb, torch.zeros(1, dtype=torch.int64), extra)[0]
+    return process_logits(logits, sampling, torch.zeros(1, dtype=torch.int64), extra)[0]
 
 
 def kept(x):
@@ -230,8 +231,8 @@ def test_truncation_by_hand():
 
 
 def test_partial_sort_window_leaves_other_rows_alone():
-    """With top-k on every truncating row only the largest top_k logits are sorted; rows without top-k / top-p
-    (temperature only, greedy) must still keep the whole vocabulary."""
+    """With top-k on every truncating row only the largest top_k logits are sorted; rows without
+    top-k / top-p (temperature only, greedy) must still keep the whole vocabulary."""
     params = [
         SamplingParams(top_k=2),
         SamplingParams(temperature=0.7),
@@ -239,9 +240,9 @@ def test_partial_sort_window_leaves_other_rows_alone():
         SamplingParams(temperature=0.0, top_k=1),
     ]
     logits = torch.tensor(np.random.default_rng(5).normal(0, 1, (4, 10)), dtype=torch.float32)
-    sb = batch(params)
-    assert sb.sort_width == 3
-    got = process_logits(logits, sb, torch.arange(4), torch.empty(4, 0, dtype=torch.long))
+    sampling = batch(params)
+    assert sampling.sort_width == 3
+    got = process_logits(logits, sampling, torch.arange(4), torch.empty(4, 0, dtype=torch.long))
     for r, p in enumerate(params):
         want = ref_logits(logits[r].numpy(), p)
         assert kept(got[r]) == np.isfinite(want).nonzero()[0].tolist()
@@ -271,11 +272,11 @@ def test_process_logits_matches_reference_on_random_rows():
     prompts = [rng.integers(0, V, rng.integers(0, 6)).tolist() for _ in range(R)]
     extras = [rng.integers(0, V, rng.integers(0, J + 1)).tolist() for _ in range(R)]
     logits = torch.tensor(rng.normal(0, 2, (R, V)), dtype=torch.float32)
-    sb = batch(params, outputs=outputs, prompts=prompts)
+    sampling = batch(params, outputs=outputs, prompts=prompts)
     # Rows in a shuffled order, pointing back to their sequence.
     row_seq = torch.tensor(rng.permutation(R))
     extra = torch.tensor([extras[s] + [-1] * (J - len(extras[s])) for s in row_seq.tolist()])
-    got = process_logits(logits[row_seq], sb, row_seq, extra)
+    got = process_logits(logits[row_seq], sampling, row_seq, extra)
     for r, s in enumerate(row_seq.tolist()):
         want = ref_logits(logits[s].numpy(), params[s], outputs[s] + extras[s], prompts[s])
         assert kept(got[r]) == np.isfinite(want).nonzero()[0].tolist(), (s, params[s])
@@ -283,9 +284,9 @@ def test_process_logits_matches_reference_on_random_rows():
         np.testing.assert_allclose(got[r].numpy()[fin], want[fin], rtol=1e-5, atol=1e-5)
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reproducibility
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_seed_reproducible_across_batch_composition_and_order():
@@ -302,27 +303,30 @@ def test_seed_reproducible_across_batch_composition_and_order():
     pos = torch.arange(6) * 3 + 100
 
     def step(rows):
-        sb = batch([params[i] for i in rows], [seeds[i] for i in rows], [outputs[i] for i in rows])
-        out = accept(logits[rows], drafts[rows], torch.full((len(rows),), K), pos[rows], sb)
+        sampling = batch(
+            [params[i] for i in rows], [seeds[i] for i in rows], [outputs[i] for i in rows]
+        )
+        out = accept(logits[rows], drafts[rows], torch.full((len(rows),), K), pos[rows], sampling)
         return {i: out.tokens[n].tolist() for n, i in enumerate(rows)}
 
     a, b = step([0, 1, 2, 3]), step([3, 5, 0])
     assert a[0] == b[0] and a[3] == b[3]
     # Different seeds do give different draws (over many positions).
     logits1 = logits[:1, :1].expand(200, 1, V)
-    sb = batch([params[0]] * 200, [1] * 100 + [2] * 100)
+    sampling = batch([params[0]] * 200, [1] * 100 + [2] * 100)
     out = accept(
         logits1,
         torch.empty(200, 0, dtype=torch.long),
         torch.zeros(200, dtype=torch.long),
         torch.arange(200) % 100,
-        sb,
+        sampling,
     )
     assert not torch.equal(out.tokens[:100], out.tokens[100:])
 
 
 def test_speculation_does_not_change_seeded_output():
-    """The Gumbel-max coupling: with or without drafts, a seed yields the same tokens (penalties included)."""
+    """The Gumbel-max coupling: with or without drafts, a seed yields the same tokens (penalties
+    included)."""
     rng = np.random.default_rng(2)
     V, N, K, P0 = 12, 24, 3, 5
     table = torch.tensor(
@@ -359,9 +363,9 @@ def test_speculation_does_not_change_seeded_output():
     assert steps < N  # some drafts were accepted
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Logprobs
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_logprobs_are_raw():
@@ -382,9 +386,9 @@ def test_logprobs_are_raw():
     assert zero.top_ids.shape == (2, 3, 0) and zero.logprobs.shape == (2, 3)
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Statistical losslessness
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 V, K, N = 8, 2, 20000
 TARGET = torch.tensor(np.random.default_rng(4).normal(0, 0.8, (K + 1, V)), dtype=torch.float32)
@@ -410,7 +414,8 @@ def target_probs(p: SamplingParams, drafts) -> list[np.ndarray]:
 
 
 def pick_draft(probs, kind) -> int:
-    """'likely': the argmax; 'unlikely': the least likely allowed token; 'masked': a filtered-out one if any."""
+    """'likely': the argmax; 'unlikely': the least likely allowed token; 'masked': a filtered-out
+    one if any."""
     if kind == "likely":
         return int(np.argmax(probs))
     pool = np.where(probs > 0)[0] if kind == "unlikely" else np.where(probs == 0)[0]
@@ -424,7 +429,8 @@ def drafts_for(p: SamplingParams, kind) -> list[int]:
 
 
 def expected_sequences(probs, drafts) -> dict[tuple, float]:
-    """Distribution of what one verify step emits under plain sampling: tokens until the first non-draft."""
+    """Distribution of what one verify step emits under plain sampling: tokens until the first
+    non-draft."""
     out, prefix_prob = {}, 1.0
     for j in range(K + 1):
         for t in range(V):
@@ -458,7 +464,8 @@ def step_outcomes(tokens: torch.Tensor) -> tuple[Counter, Counter]:
 
 
 def lossless_pvalues(tokens, probs, drafts) -> tuple[float, float]:
-    """Chi-square p-values of the first token and of the whole emitted run against plain sampling."""
+    """Chi-square p-values of the first token and of the whole emitted run against plain
+    sampling."""
     first, seqs = step_outcomes(tokens)
     p_first = chi2_pvalue(first, {t: probs[0][t] for t in range(V)}, N)
     p_seq = chi2_pvalue(seqs, expected_sequences(probs, drafts), N)
@@ -466,7 +473,7 @@ def lossless_pvalues(tokens, probs, drafts) -> tuple[float, float]:
 
 
 def sampler_tokens(p: SamplingParams, drafts) -> torch.Tensor:
-    sb = SamplingBatch.build(
+    sampling = SamplingBatch.build(
         [p] * N, [1_000_003 * i + 17 for i in range(N)], [HISTORY] * N, [PROMPT] * N, "cpu"
     )
     out = accept(
@@ -474,7 +481,7 @@ def sampler_tokens(p: SamplingParams, drafts) -> torch.Tensor:
         torch.tensor([drafts] * N),
         torch.full((N,), K),
         torch.full((N,), 40),
-        sb,
+        sampling,
     )
     return out.tokens
 
@@ -496,8 +503,9 @@ def test_sampled_verification_is_lossless(setting, kind):
 
 
 def leviathan_tokens(p: SamplingParams, drafts, q_rows) -> torch.Tensor:
-    """Reference rejection sampler (Leviathan et al.) with proposal q: accept d with min(1, p(d)/q(d)),
-    resample from norm(max(p - q, 0)), bonus from p_K. q one-hot = the lossless rule; q softmax = HF's."""
+    """Reference rejection sampler (Leviathan et al.) with proposal q: accept d with
+    min(1, p(d)/q(d)), resample from norm(max(p - q, 0)), bonus from p_K. q one-hot = the lossless
+    rule; q softmax = HF's."""
     probs = [torch.tensor(pr, dtype=torch.float64) for pr in target_probs(p, drafts)]
     seeds = torch.tensor([1_000_003 * i + 17 for i in range(N)])
     tokens = torch.full((N, K + 1), -1)
@@ -526,8 +534,8 @@ def leviathan_tokens(p: SamplingParams, drafts, q_rows) -> torch.Tensor:
 
 
 def test_test_has_power():
-    """Positive control: the textbook rule with q = one-hot passes. Negative control: HF's rule with a softmax
-    q (q(d) < 1, so it over-accepts drafts) must fail the same test."""
+    """Positive control: the textbook rule with q = one-hot passes. Negative control: HF's rule
+    with a softmax q (q(d) < 1, so it over-accepts drafts) must fail the same test."""
     p = SETTINGS["top_p"]
     for kind in ["likely", "unlikely"]:
         drafts = drafts_for(p, kind)
@@ -545,9 +553,9 @@ def test_test_has_power():
         assert p_first < 1e-6 and p_seq < 1e-6, (kind, p_first, p_seq)
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Graph safety: no host syncs or data-dependent shapes in the step
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_accept_traces_as_one_graph():
@@ -558,14 +566,14 @@ def test_accept_traces_as_one_graph():
         ),
         SamplingParams(temperature=0.0, presence_penalty=0.5),
     ]
-    sb = batch(params, outputs=[[1, 2], [3]], prompts=[[4], [5, 6]])
+    sampling = batch(params, outputs=[[1, 2], [3]], prompts=[[4], [5, 6]])
     logits = torch.randn(2, 4, 16)
     args = (
         logits,
         torch.tensor([[1, 2, 3], [4, -1, -1]]),
         torch.tensor([3, 1]),
         torch.tensor([7, 9]),
-        sb,
+        sampling,
     )
     compiled = torch.compile(
         accept, fullgraph=True, backend="eager"

@@ -1,8 +1,8 @@
 """The Triton kernels against the torch reference, at tiny shapes.
 
-Without CUDA they run under the Triton interpreter (TRITON_INTERPRET=1, which must be set before the kernels
-are imported); with CUDA the same tests run compiled on the GPU. The real-shape bf16 checks and CUDA graphs
-live in tests/gpu/.
+Without CUDA they run under the Triton interpreter (TRITON_INTERPRET=1, which must be set before
+the kernels are imported); with CUDA the same tests run compiled on the GPU. The real-shape bf16
+checks and CUDA graphs live in tests/gpu/.
 """
 
 from __future__ import annotations
@@ -57,33 +57,39 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KIND = "attn"
 
 
-# ---------------------------------------------------------------------------------------------- paged layout
+# ------------------------------------------------------------------------------------- paged layout
 def build_paged_batch(
     seqs, *, nh, nkv, hd, page_size, window, dtype, device=DEV, seed=0, extra_pages=3
 ):
     """A packed batch over a randomly paged KV pool.
 
-    seqs: list of (cache_len, kv_ends): the sequence has K/V for positions [0, cache_len) in the pool, and one
-    query row per entry of kv_ends (consecutive tokens of that sequence, one cu_seqlens group). Physical pages
-    are shuffled, page-table rows are permuted against the group order, and logical pages wholly below the
-    sequence's lowest visible key are reset to the null page 0, which is filled with NaN: any read of it, or of
-    a key outside the window, poisons the output.
+    seqs: list of (cache_len, kv_ends): the sequence has K/V for positions [0, cache_len) in the
+    pool, and one query row per entry of kv_ends (consecutive tokens of that sequence, one
+    cu_seqlens group). Physical pages are shuffled, page-table rows are permuted against the group
+    order, and logical pages wholly below the sequence's lowest visible key are reset to the null
+    page 0, which is filled with NaN: any read of it, or of a key outside the window, poisons the
+    output.
     """
-    g = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
     B = len(seqs)
-    pages_per = [-(-L // page_size) for L, _ in seqs]
+    pages_per = [-(-cache_len // page_size) for cache_len, _ in seqs]
     max_pages = max(pages_per) + 2
     num_pages = 1 + sum(pages_per) + extra_pages
-    phys = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
-    row_of_group = torch.randperm(B, generator=g).tolist()
+    phys = (torch.randperm(num_pages - 1, generator=generator) + 1).tolist()
+    row_of_group = torch.randperm(B, generator=generator).tolist()
     table = torch.zeros(B, max_pages, dtype=torch.int32)
-    for i, ((L, ends), n) in enumerate(zip(seqs, pages_per)):
+    for i, ((_, ends), n) in enumerate(zip(seqs, pages_per)):
         low = max(0, min(ends) - window) if window else 0
         for lp in range(n):
             table[row_of_group[i], lp] = phys.pop() if (lp + 1) * page_size > low else 0
-    gd = torch.Generator(device).manual_seed(seed)  # the bulky tensors are drawn on the device
-    k_cache = torch.randn(num_pages, page_size, nkv, hd, generator=gd, device=device).to(dtype)
-    v_cache = torch.randn(num_pages, page_size, nkv, hd, generator=gd, device=device).to(dtype)
+    # The bulky tensors are drawn on the device.
+    device_generator = torch.Generator(device).manual_seed(seed)
+    k_cache = torch.randn(
+        num_pages, page_size, nkv, hd, generator=device_generator, device=device
+    ).to(dtype)
+    v_cache = torch.randn(
+        num_pages, page_size, nkv, hd, generator=device_generator, device=device
+    ).to(dtype)
     k_cache[0] = float("nan")
     v_cache[0] = float("nan")
     token_seq, kv_end, cu = [], [], [0]
@@ -92,7 +98,7 @@ def build_paged_batch(
         kv_end += list(ends)
         cu.append(cu[-1] + len(ends))
     T = cu[-1]
-    q = torch.randn(T, nh, hd, generator=gd, device=device).to(dtype)
+    q = torch.randn(T, nh, hd, generator=device_generator, device=device).to(dtype)
     i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(
         token_seq=torch.tensor(token_seq, **i32),
@@ -107,8 +113,11 @@ def build_paged_batch(
 
 
 def mixed_phases(window):
-    """Every phase in one batch: a prefill chunk starting mid-sequence, decode, a 5-row verify, a drafter row
-    (kv_end = committed length P < the rows already in the pool) and a fresh prefill from position 0."""
+    """Every phase in one batch.
+
+    A prefill chunk starting mid-sequence, decode, a 5-row verify, a drafter row (kv_end = committed
+    length P < the rows already in the pool) and a fresh prefill from position 0.
+    """
     return [
         (40, list(range(29, 41))),  # prefill chunk: positions 28..39
         (23, [23]),  # decode at position 22
@@ -124,10 +133,9 @@ def reference_attention(q, k_cache, v_cache, meta, dtype=None):
     return TorchAttention().forward(q, k_cache, v_cache, meta, KIND)
 
 
-# ---------------------------------------------------------------------------------------------- attention
-@pytest.mark.parametrize(
-    "window", [0, 8, 100]
-)  # full, a window shorter than the contexts, one longer
+# ---------------------------------------------------------------------------------------- attention
+# Full attention, a window shorter than the contexts, one longer.
+@pytest.mark.parametrize("window", [0, 8, 100])
 @pytest.mark.parametrize("nh,nkv,hd,page_size", [(4, 2, 16, 16), (8, 1, 32, 4), (6, 2, 16, 8)])
 def test_attention_mixed_phases_fp32(window, nh, nkv, hd, page_size):
     q, kc, vc, meta = build_paged_batch(
@@ -148,10 +156,13 @@ def test_attention_mixed_phases_fp32(window, nh, nkv, hd, page_size):
 @pytest.mark.parametrize("table_entries", [32, 4])
 @pytest.mark.parametrize("num_splits,block_t", [(1, 1), (3, 1), (8, 4)])
 def test_attention_splits_and_query_blocks(num_splits, block_t, table_entries, monkeypatch):
-    """Small key tiles so that contexts span many tiles; the KV range split over 3/8 programs (some empty) and
-    the query rows of a group split over several programs. With 4 table entries held, a program reads its
-    pages in chunks of one tile. The splits' partial buffers start as NaN: what an empty split leaves unwritten
-    must not reach the output."""
+    """Small key tiles, so that contexts span many tiles, with split KV ranges and query rows.
+
+    The KV range is split over 3/8 programs (some empty) and the query rows of a group over several
+    programs. With 4 table entries held, a program reads its pages in chunks of one tile. The
+    splits' partial buffers start as NaN: what an empty split leaves unwritten must not reach the
+    output.
+    """
     monkeypatch.setattr(
         importlib.import_module("gemma4serve_kernels.paged_attention"), "TABLE_CHUNK", table_entries
     )
@@ -187,7 +198,10 @@ def test_attention_splits_and_query_blocks(num_splits, block_t, table_entries, m
 
 
 def test_attention_drafter_batch():
-    """The drafter's reads: one row per sequence at kv_end = P, window W_a + 1, stale rows beyond P in the pool."""
+    """The drafter's reads: one row per sequence at kv_end = P, window W_a + 1.
+
+    Stale rows beyond P stay in the pool.
+    """
     W_a = 6
     seqs = [(30, [25]), (12, [12]), (7, [5]), (50, [47])]
     q, kc, vc, meta = build_paged_batch(
@@ -237,8 +251,10 @@ def test_attention_half_precision(dtype):
 
 
 def test_attention_empty_view_is_zero():
-    """A row that sees no key (kv_end 0; never scheduled in practice) gives zeros rather than NaN, and does
-    not disturb the other rows."""
+    """A row that sees no key (kv_end 0; never scheduled in practice) gives zeros rather than NaN.
+
+    It does not disturb the other rows.
+    """
     q, kc, vc, meta = build_paged_batch(
         [(4, [0]), (4, [3])], nh=2, nkv=1, hd=16, page_size=4, window=0, dtype=torch.float32
     )
@@ -251,12 +267,12 @@ def test_attention_empty_view_is_zero():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_write(dtype):
-    g = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
     num_pages, page_size, nkv, hd, T = 6, 4, 2, 16, 7
-    k_cache = torch.randn(num_pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
-    v_cache = torch.randn(num_pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
-    k = torch.randn(T, nkv, hd, generator=g).to(dtype).to(DEV)
-    v = torch.randn(T, nkv, hd, generator=g).to(dtype).to(DEV)
+    k_cache = torch.randn(num_pages, page_size, nkv, hd, generator=generator).to(dtype).to(DEV)
+    v_cache = torch.randn(num_pages, page_size, nkv, hd, generator=generator).to(dtype).to(DEV)
+    k = torch.randn(T, nkv, hd, generator=generator).to(dtype).to(DEV)
+    v = torch.randn(T, nkv, hd, generator=generator).to(dtype).to(DEV)
     slots = torch.tensor([5, 17, -1, 4, 23, -1, 9], dtype=torch.int64, device=DEV)
     kr, vr = k_cache.clone(), v_cache.clone()
     keep = slots >= 0
@@ -273,8 +289,11 @@ def _torch_rope(inv: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_tables(dtype):
-    """One launch = the torch ops' tables (proportional RoPE: the pass-through pairs give cos 1, sin 0); here np.cos
-    against torch's CPU cos, so within an ulp of fp32 / bf16 (tests/gpu checks the CUDA path bit for bit)."""
+    """One launch = the torch ops' tables.
+
+    Proportional RoPE: the pass-through pairs give cos 1, sin 0. Here np.cos is compared with
+    torch's CPU cos, so within an ulp of fp32 / bf16 (tests/gpu checks the CUDA path bit for bit).
+    """
     pos = torch.tensor([0, 1, 7, 15, 16, 300, 1000, 131071], dtype=torch.int64)
     for hd, pairs in ((16, 8), (32, 4)):
         inv = rope_inv_freq(RopeSpec(theta=1e4, head_dim=hd, rotated_pairs=pairs))
@@ -289,8 +308,10 @@ def test_rope_tables(dtype):
 
 
 def test_write_slots():
-    """kv_end = pos + 1 and each token's slot through its row of both page tables, as the torch ops (padding rows
-    on the null-page row write slot 0..page_size-1 of page 0)."""
+    """kv_end = pos + 1 and each token's slot through its row of both page tables, as the torch ops.
+
+    Padding rows on the null-page row write slot 0..page_size-1 of page 0.
+    """
     page_size = 4
     tables = {
         "full": torch.tensor([[3, 5, 8], [2, 0, 0], [0, 0, 0]], dtype=torch.int32),
@@ -309,12 +330,14 @@ def test_write_slots():
     assert slots["sliding"].tolist() == [4 * 4 + 1, 6 * 4 + 1, 7 * 4 + 2, 0]
 
 
-# ---------------------------------------------------------------------------------------------- norms / act
+# -------------------------------------------------------------------------------------- norms / act
 def on_cpu(fn, *args):
     """Run a torch reference on CPU copies of its tensor arguments and bring the result back to DEV.
 
-    On CUDA, layers.py itself dispatches to these kernels (gemma4serve/model/fused.py), so a reference computed
-    on the GPU would compare a kernel with itself; on CPU the reference ops always run."""
+    On CUDA, layers.py itself dispatches to these kernels (gemma4serve/model/fused.py), so a
+    reference computed on the GPU would compare a kernel with itself; on CPU the reference ops
+    always run.
+    """
     cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
     with torch.no_grad():
         out = fn(*cpu)
@@ -324,9 +347,12 @@ def on_cpu(fn, *args):
 
 
 def _assert_rounding_close(out, ref):
-    """Same rounding points as the reference; only fp32 reduction order and transcendental ulps differ, so at
-    most a rare 1-ulp flip of the model dtype (ignoring values that are ~0, e.g. the GELU's negative tail where
-    the tanh formula cancels in both implementations)."""
+    """Assert the same rounding points as the reference.
+
+    Only fp32 reduction order and transcendental ulps differ, so at most a rare 1-ulp flip of the
+    model dtype (ignoring values that are ~0, e.g. the GELU's negative tail where the tanh formula
+    cancels in both implementations).
+    """
     assert out.dtype == ref.dtype and out.shape == ref.shape
     if ref.dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -340,21 +366,21 @@ def _assert_rounding_close(out, ref):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_weight", [True, False])
 def test_rms_norm(dtype, with_weight):
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(5, 3, 40, generator=g) * 3).to(dtype).to(DEV)
-    w = (torch.rand(40, generator=g) * 2).to(dtype).to(DEV) if with_weight else None
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 3, 40, generator=generator) * 3).to(dtype).to(DEV)
+    w = (torch.rand(40, generator=generator) * 2).to(dtype).to(DEV) if with_weight else None
     _assert_rounding_close(k_rms_norm(x, w, 1e-6), on_cpu(rms_norm, x, w, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_of_strided_head_views(dtype):
-    """Per-head views into a fused q|k|v projection output ([T, heads, hd] with a wide token stride)."""
-    g = torch.Generator().manual_seed(9)
+    """Per-head views into a fused q|k|v projection output ([T, heads, hd], wide token stride)."""
+    generator = torch.Generator().manual_seed(9)
     T, hd = 4, 32
-    fused = (torch.randn(T, 7 * hd, generator=g) * 3).to(dtype).to(DEV)
+    fused = (torch.randn(T, 7 * hd, generator=generator) * 3).to(dtype).to(DEV)
     k_view = fused[:, 4 * hd : 6 * hd].view(T, 2, hd)
     v_view = fused[:, 5 * hd : 7 * hd].view(T, 2, hd)
-    w = (torch.rand(hd, generator=g) * 2).to(dtype).to(DEV)
+    w = (torch.rand(hd, generator=generator) * 2).to(dtype).to(DEV)
     _assert_rounding_close(k_rms_norm(v_view, None, 1e-6), on_cpu(rms_norm, v_view, None, 1e-6))
     inv = rope_inv_freq(RopeSpec(theta=1e4, head_dim=hd, rotated_pairs=hd // 2))
     cos, sin = (c.to(DEV) for c in rope_cos_sin(inv, torch.arange(T) * 5, dtype))
@@ -371,10 +397,10 @@ def _residual_ref(x, h, w, scalar):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_scalar", [False, True])
 def test_rmsnorm_residual_add(dtype, with_scalar):
-    g = torch.Generator().manual_seed(2)
-    x = (torch.randn(6, 48, generator=g) * 4).to(dtype).to(DEV)
-    h = (torch.randn(6, 48, generator=g) * 9).to(dtype).to(DEV)
-    w = (torch.rand(48, generator=g) * 2).to(dtype).to(DEV)
+    generator = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 48, generator=generator) * 4).to(dtype).to(DEV)
+    h = (torch.randn(6, 48, generator=generator) * 9).to(dtype).to(DEV)
+    w = (torch.rand(48, generator=generator) * 2).to(dtype).to(DEV)
     scalar = torch.tensor([0.37], dtype=dtype, device=DEV) if with_scalar else None
     _assert_rounding_close(
         rmsnorm_residual_add(x, h, w, 1e-6, scalar), on_cpu(_residual_ref, x, h, w, scalar)
@@ -386,14 +412,13 @@ def _norm_rope_ref(x, w, cos, sin):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "hd,rotated_pairs,theta", [(32, 16, 1e4), (32, 4, 1e6)]
-)  # default / proportional
+# Default and proportional RoPE.
+@pytest.mark.parametrize("hd,rotated_pairs,theta", [(32, 16, 1e4), (32, 4, 1e6)])
 def test_rmsnorm_rope(dtype, hd, rotated_pairs, theta):
-    g = torch.Generator().manual_seed(3)
+    generator = torch.Generator().manual_seed(3)
     T, heads = 5, 3
-    x = (torch.randn(T, heads, hd, generator=g) * 2).to(dtype).to(DEV)
-    w = (torch.rand(hd, generator=g) * 2).to(dtype).to(DEV)
+    x = (torch.randn(T, heads, hd, generator=generator) * 2).to(dtype).to(DEV)
+    w = (torch.rand(hd, generator=generator) * 2).to(dtype).to(DEV)
     inv = rope_inv_freq(RopeSpec(theta=theta, head_dim=hd, rotated_pairs=rotated_pairs))
     cos, sin = rope_cos_sin(inv, torch.tensor([0, 3, 17, 250, 4097]), dtype)
     cos, sin = cos.to(DEV), sin.to(DEV)
@@ -418,20 +443,19 @@ def _qkv_epilogue_ref(qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k
 @pytest.mark.parametrize("k_eq_v", [False, True])
 def test_qkv_epilogue(dtype, k_eq_v):
     """q/k norms + RoPE, v_norm and the K/V write in one launch equal the separate reference ops."""
-    g = torch.Generator().manual_seed(5)
+    generator = torch.Generator().manual_seed(5)
     T, nh, nkv, hd, pages, page_size = 5, 4, 2, 32, 4, 4
-    qkv = (
-        (torch.randn(T, (nh + nkv * (1 if k_eq_v else 2)) * hd, generator=g) * 2).to(dtype).to(DEV)
-    )
-    qw, kw = ((torch.rand(hd, generator=g) * 2).to(dtype).to(DEV) for _ in range(2))
+    width = (nh + nkv * (1 if k_eq_v else 2)) * hd
+    qkv = (torch.randn(T, width, generator=generator) * 2).to(dtype).to(DEV)
+    qw, kw = ((torch.rand(hd, generator=generator) * 2).to(dtype).to(DEV) for _ in range(2))
     cos, sin = (
         t.to(DEV)
         for t in rope_cos_sin(
             rope_inv_freq(RopeSpec(1e6, hd, 4)), torch.tensor([0, 3, 9, 40, 77]), dtype
         )
     )
-    k_cache = torch.randn(pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
-    v_cache = torch.randn(pages, page_size, nkv, hd, generator=g).to(dtype).to(DEV)
+    k_cache = torch.randn(pages, page_size, nkv, hd, generator=generator).to(dtype).to(DEV)
+    v_cache = torch.randn(pages, page_size, nkv, hd, generator=generator).to(dtype).to(DEV)
     slots = torch.tensor([5, 6, -1, 12, 0], dtype=torch.int64, device=DEV)
     ref_q, ref_k, ref_v = on_cpu(
         _qkv_epilogue_ref, qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k_eq_v
@@ -449,21 +473,24 @@ def _gelu_mul_ref(gu):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_tanh_mul(dtype):
-    g = torch.Generator().manual_seed(4)
-    gu = (torch.randn(7, 2 * 24, generator=g) * 3).to(dtype).to(DEV)
+    generator = torch.Generator().manual_seed(4)
+    gu = (torch.randn(7, 2 * 24, generator=generator) * 3).to(dtype).to(DEV)
     _assert_rounding_close(gelu_tanh_mul(gu), on_cpu(_gelu_mul_ref, gu))
 
 
-# ---------------------------------------------------------------------------------------------- skinny GEMM
+# -------------------------------------------------------------------------------------- skinny GEMM
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,K", [(1, 300), (5, 256), (16, 300)])
 def test_gemv_matches_linear(dtype, M, K):
-    """Ragged N, K ragged (300) or a multiple of the tiles (256), and a strided input view (part of a wider row)."""
-    g = torch.Generator().manual_seed(6)
+    """Ragged N, K ragged (300) or a multiple of the tiles (256), and a strided input view.
+
+    The input is part of a wider row.
+    """
+    generator = torch.Generator().manual_seed(6)
     N = 70
-    wide = torch.randn(M, K + 40, generator=g).to(dtype).to(DEV)
+    wide = torch.randn(M, K + 40, generator=generator).to(dtype).to(DEV)
     x = wide[:, 8 : 8 + K]
-    w = torch.randn(N, K, generator=g).to(dtype).to(DEV)
+    w = torch.randn(N, K, generator=generator).to(dtype).to(DEV)
     ref = x.double() @ w.double().T
     # (BN, BK, warps, stages, K splits); 8 splits of K 300 become 5 of one 64-wide tile each
     for cfg in (None, (16, 64, 4, 2, 1), (32, 128, 4, 3, 1), (16, 64, 4, 2, 3), (32, 64, 4, 2, 8)):
@@ -471,25 +498,24 @@ def test_gemv_matches_linear(dtype, M, K):
         assert y.dtype == dtype and y.shape == (M, N)
         err = ((y.double() - ref).norm() / ref.norm()).item()
         assert err < (1e-6 if dtype == torch.float32 else 1e-2), (cfg, err)
-        assert torch.equal(
-            y, gemv(x, w, config=cfg)
-        )  # deterministic; the split counters were re-armed
+        # Deterministic; the split counters were re-armed.
+        assert torch.equal(y, gemv(x, w, config=cfg))
 
 
 @pytest.mark.parametrize("M", [1, 5])
 def test_gemv_glu_epilogue(M):
-    """gemv(glu=True) on a fused [gate; up] weight = the activation kernel's gelu_tanh(gate) * up, rounding points
-    included (fp32 here: the interpreter's bf16 casts truncate); ragged output width."""
-    g = torch.Generator().manual_seed(8)
+    """gemv(glu=True) on a fused [gate; up] weight = the activation kernel's gelu_tanh(gate) * up.
+
+    Rounding points included (fp32 here: the interpreter's bf16 casts truncate); ragged output
+    width.
+    """
+    generator = torch.Generator().manual_seed(8)
     inter, K = 37, 256
-    x = torch.randn(M, K, generator=g).to(DEV)
-    w = (torch.randn(2 * inter, K, generator=g) / 8).to(DEV)
+    x = torch.randn(M, K, generator=generator).to(DEV)
+    w = (torch.randn(2 * inter, K, generator=generator) / 8).to(DEV)
     ref = gelu_tanh_mul(x @ w.T)
-    for cfg in (
-        None,
-        (32, 64, 4, 2, 1),
-        (16, 128, 4, 3, 4),
-    ):  # a K split is ignored: the epilogue needs whole sums
+    # A K split is ignored: the epilogue needs whole sums.
+    for cfg in (None, (32, 64, 4, 2, 1), (16, 128, 4, 3, 4)):
         y = gemv(x, w, config=cfg, glu=True)
         assert y.shape == (M, inter)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
@@ -497,14 +523,17 @@ def test_gemv_glu_epilogue(M):
 
 @pytest.mark.parametrize("M", [1, 5])
 def test_gemv_mlp_equals_two_gemvs(M):
-    """gemv_mlp (down awaiting gate_up's per-range flags) = the GLU GEMV then down with the same K splits, bit for
-    bit, and close to the float64 MLP; every launch leaves the flags re-armed at zero (a flag left set would let
-    the next launch's down read before its gate_up wrote)."""
-    g = torch.Generator().manual_seed(9)
+    """gemv_mlp = the GLU GEMV then down with the same K splits, bit for bit.
+
+    In gemv_mlp down awaits gate_up's per-range flags. It is close to the float64 MLP; every launch
+    leaves the flags re-armed at zero (a flag left set would let the next launch's down read before
+    its gate_up wrote).
+    """
+    generator = torch.Generator().manual_seed(9)
     H, inter = 96, 600
-    x = torch.randn(M, H, generator=g).to(DEV)
-    gate_up = (torch.randn(2 * inter, H, generator=g) / 8).to(DEV)
-    down = (torch.randn(H, inter, generator=g) / 16).to(DEV)
+    x = torch.randn(M, H, generator=generator).to(DEV)
+    gate_up = (torch.randn(2 * inter, H, generator=generator) / 8).to(DEV)
+    down = (torch.randn(H, inter, generator=generator) / 16).to(DEV)
     act = x.double() @ gate_up.double().T
     ref = (
         torch.nn.functional.gelu(act[:, :inter], approximate="tanh") * act[:, inter:]
@@ -526,18 +555,21 @@ def _softcap(x):  # the model's final softcap, as its bf16 torch ops round it
 
 @pytest.mark.parametrize("N,K,M", [(1000, 300, 1), (1000, 256, 5), (70, 1024, 3)])
 def test_greedy_head_equals_argmax_of_full_head(N, K, M):
-    """greedy_head = the first argmax of G(bf16(gemv)), with G the softcap or the identity: on random weights, with
-    exact ties planted (a duplicated best row must lose to its lower copy), with the softcap saturated (hundreds
-    of tokens tie at 30), and with every row a candidate. (70, 1024) runs the exact values through gemv's two K
-    splits."""
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(M, K, generator=g).to(DEV)
-    base = torch.randn(N, K, generator=g) / 8
+    """greedy_head = the first argmax of G(bf16(gemv)), with G the softcap or the identity.
+
+    On random weights, with exact ties planted (a duplicated best row must lose to its lower copy),
+    with the softcap saturated (hundreds of tokens tie at 30), and with every row a candidate.
+    (70, 1024) runs the exact values through gemv's two K splits.
+    """
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(M, K, generator=generator).to(DEV)
+    base = torch.randn(N, K, generator=generator) / 8
     tied = base.clone()
     best = (x.cpu() @ base.T).argmax(-1)[0]
     tied[N // 3] = tied[best]  # rows N//3 and best tie exactly for row 0
-    # The best row for x[0] with an outlier where x is 0: its int8 copy rounds every other weight to 0, so its
-    # approximate logit is far below the runner-up's (row a + 1) and only the interval keeps it a candidate.
+    # The best row for x[0] with an outlier where x is 0: its int8 copy rounds every other weight
+    # to 0, so its approximate logit is far below the runner-up's (row a + 1) and only the interval
+    # keeps it a candidate.
     x[:, 0] = 0
     coarse, a = base.clone(), N // 2
     coarse[a + 1] = 3 * x[0].cpu() / x[0].norm().cpu()
@@ -564,15 +596,18 @@ def test_greedy_head_equals_argmax_of_full_head(N, K, M):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_limbs_hold_x(dtype):
-    """The screen's x: each row = unit * (16384 a + 128 b + c) + rho with int8 limbs of at most 64, and mass =
-    0.625 |x|_1 + 127 |rho|_1 (to its 1.001 margin); rows past M and columns past K are zero. Rows with a wide
-    dynamic range (values the limbs cannot hold leave a residual), a zero row and a row of tiny values."""
+    """The screen's x: each row = unit * (16384 a + 128 b + c) + rho, int8 limbs of at most 64.
+
+    mass = 0.625 |x|_1 + 127 |rho|_1 (to its 1.001 margin); rows past M and columns past K are zero.
+    Rows with a wide dynamic range (values the limbs cannot hold leave a residual), a zero row and a
+    row of tiny values.
+    """
     from gemma4serve_kernels.greedy_head import int8_limbs
 
-    g = torch.Generator().manual_seed(3)
+    generator = torch.Generator().manual_seed(3)
     K, KP, M = 300, 512, 5
-    x = torch.randn(M, K, generator=g)
-    x[1] *= torch.exp(torch.randn(K, generator=g) * 6)  # magnitudes over ~20 binades
+    x = torch.randn(M, K, generator=generator)
+    x[1] *= torch.exp(torch.randn(K, generator=generator) * 6)  # magnitudes over ~20 binades
     x[2] = 0
     x[3] *= 1e-35
     x = x.to(dtype).to(DEV)
@@ -600,13 +635,13 @@ def _moe_cfg(E=8, k=3, H=32, inter=16):
 
 def test_moe_route_matches_router():
     cfg = _moe_cfg(E=12, k=4)
-    g = torch.Generator().manual_seed(5)
+    generator = torch.Generator().manual_seed(5)
     router = Router(cfg)  # stays on CPU: the reference
     with torch.no_grad():
-        router.proj.weight.copy_(torch.randn(cfg.num_experts, cfg.hidden_size, generator=g))
-        router.scale.copy_(torch.rand(cfg.hidden_size, generator=g) * 2)
-        router.per_expert_scale.copy_(torch.rand(cfg.num_experts, generator=g) * 2)
-        r = torch.randn(9, cfg.hidden_size, generator=g)
+        router.proj.weight.copy_(torch.randn(cfg.num_experts, cfg.hidden_size, generator=generator))
+        router.scale.copy_(torch.rand(cfg.hidden_size, generator=generator) * 2)
+        router.per_expert_scale.copy_(torch.rand(cfg.num_experts, generator=generator) * 2)
+        r = torch.randn(9, cfg.hidden_size, generator=generator)
         ref_w, ref_i = router(r)
         logits = router.proj(rms_norm(r, None, cfg.rms_norm_eps) * router.scale * router.root_size)
     w, ids = moe_route(logits.to(DEV), router.per_expert_scale.detach().to(DEV), cfg.top_k_experts)
@@ -635,16 +670,20 @@ def test_moe_align_blocks():
 @pytest.mark.parametrize("T", [1, 11])
 def test_moe_experts_match_reference(dtype, T):
     cfg = _moe_cfg()
-    g = torch.Generator().manual_seed(8)
+    generator = torch.Generator().manual_seed(8)
     experts = Experts(cfg)  # stays on CPU: the reference
     with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.3)
-        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.3)
+        experts.gate_up_proj.copy_(
+            torch.randn(experts.gate_up_proj.shape, generator=generator) * 0.3
+        )
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=generator) * 0.3)
     experts = experts.to(dtype)
-    x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype)
-    logits = torch.randn(T, cfg.num_experts, generator=g)
+    x = torch.randn(T, cfg.hidden_size, generator=generator).to(dtype)
+    logits = torch.randn(T, cfg.num_experts, generator=generator)
     weights, ids = moe_route(
-        logits.to(DEV), (torch.rand(cfg.num_experts, generator=g) + 0.5).to(DEV), cfg.top_k_experts
+        logits.to(DEV),
+        (torch.rand(cfg.num_experts, generator=generator) + 0.5).to(DEV),
+        cfg.top_k_experts,
     )
     ref = on_cpu(experts, x, weights, ids.long())
     out = moe_experts(

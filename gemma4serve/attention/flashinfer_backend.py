@@ -1,13 +1,15 @@
-"""FlashInfer's paged prefill kernels for the eager multi-token target steps (prefill chunks, mixed steps).
+"""FlashInfer's paged prefill kernels for the eager multi-token target steps (prefill, mixed steps).
 
-Chosen by measurement (docs/performance.md, `bench/bench_attention_backends.py`): on the 31B's sliding layers
-(head_dim 256) FlashInfer's prefill runs 1.5x faster than our Triton kernel (2.1-2.3x before our prefill tiles
-were retuned). Everything else stays on the Triton kernels: decode, verification and the draft loop run
-inside CUDA graphs and, under async scheduling, without host-side sequence lengths, which
-FlashInfer's `plan()` needs before every step (its decode kernel was also 1.7x slower at batch 32); and the
-full layers' head_dim 512 has no FlashInfer prefill kernel on Hopper (0.6.1: the FA3 build fails, FA2
-rejects the configuration). A head_dim whose kernel fails to build or run in the warm-up (no CUDA compiler,
-say) falls back to Triton too, so installing the extra can never break serving.
+Chosen by measurement (docs/performance.md, `bench/bench_attention_backends.py`): on the 31B's
+sliding layers (head_dim 256) FlashInfer's prefill is faster than our Triton kernel. Everything else
+stays on the Triton kernels:
+- decode, verification and the draft loop run inside CUDA graphs and, under async scheduling,
+  without the host-side sequence lengths that FlashInfer's `plan()` needs before every step (its
+  decode kernel was also slower at batch 32);
+- the full layers' head_dim 512 has no FlashInfer prefill kernel on Hopper (0.6.1: the FA3 build
+  fails, FA2 rejects the configuration).
+A head_dim whose kernel fails to build or run in the warm-up (no CUDA compiler, say) falls back to
+Triton too, so installing the extra can never break serving.
 """
 
 from __future__ import annotations
@@ -34,25 +36,27 @@ class FlashInferAttention(TritonAttention):
         import flashinfer
 
         self.page_tokens = page_tokens
-        self.wrappers = {}  # kind -> a prefill wrapper, for the kinds whose head_dim FlashInfer runs
+        self.wrappers = {}  # kind -> a prefill wrapper, for kinds whose head_dim FlashInfer runs
         self.planned = {}  # kind -> the HostBatch the wrapper was last planned for
         for kind, (nh, nkv, hd) in layouts.items():
             if hd not in HEAD_DIMS:
                 continue
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD"
             )
-            try:  # builds (JIT, once per machine) or loads the kernel now, not in the middle of serving
-                _warm_up(w, device, nh, nkv, hd, page_tokens[kind])
-            except Exception as e:  # noqa: BLE001 - any build or launch failure means: Triton serves it
+            # build (JIT, once per machine) or load the kernel now, not in the middle of serving
+            try:
+                _warm_up(wrapper, device, nh, nkv, hd, page_tokens[kind])
+            except Exception as error:  # noqa: BLE001 - any build or launch failure: Triton serves
                 log.warning(
-                    "FlashInfer prefill for %s layers (head_dim %d) unavailable, Triton serves them: %s",
+                    "FlashInfer prefill for %s layers (head_dim %d) unavailable, "
+                    "Triton serves them: %s",
                     kind,
                     hd,
-                    (str(e).splitlines() or [type(e).__name__])[0][:200],
+                    (str(error).splitlines() or [type(error).__name__])[0][:200],
                 )
                 continue
-            self.wrappers[kind] = w
+            self.wrappers[kind] = wrapper
         log.info(
             "attention: FlashInfer prefill for %s layers, Triton for the rest",
             ", ".join(sorted(self.wrappers)) or "no",
@@ -66,21 +70,21 @@ class FlashInferAttention(TritonAttention):
         meta: AttentionMetadata,
         kind: str,
     ) -> torch.Tensor:
-        w = self.wrappers.get(kind)
-        if w is None or meta.host is None or meta.max_q_len == 1 or q.dtype != torch.bfloat16:
+        wrapper = self.wrappers.get(kind)
+        if wrapper is None or meta.host is None or meta.max_q_len == 1 or q.dtype != torch.bfloat16:
             return super().forward(q, k_cache, v_cache, meta, kind)
         if self.planned.get(kind) is not meta.host:  # once per step and kind, not per layer
-            page = self.page_tokens[kind]
-            plan(w, meta, kind, q.shape[1], k_cache.shape[2], q.shape[2], page, q.dtype)
+            nh, nkv, hd = q.shape[1], k_cache.shape[2], q.shape[2]
+            plan(wrapper, meta, kind, nh, nkv, hd, self.page_tokens[kind], q.dtype)
             self.planned[kind] = meta.host
-        return w.run(q, (k_cache, v_cache))
+        return wrapper.run(q, (k_cache, v_cache))
 
 
 def paged_kv(
     host: HostBatch, kind: str, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's paged-KV description of a step: (pages per group as offsets, the groups' pages in order,
-    the used slots of each group's last page)."""
+    """FlashInfer's paged-KV description of a step: (pages per group as offsets, the groups' pages
+    in order, the used slots of each group's last page)."""
     pages = (host.kv_len + page_size - 1) // page_size
     indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
     torch.cumsum(pages, 0, out=indptr[1:])
@@ -90,13 +94,20 @@ def paged_kv(
 
 
 def plan(
-    w, meta: AttentionMetadata, kind: str, nh: int, nkv: int, hd: int, page_size: int, dtype
+    wrapper,
+    meta: AttentionMetadata,
+    kind: str,
+    nh: int,
+    nkv: int,
+    hd: int,
+    page_size: int,
+    dtype,
 ) -> None:
     """Plan a prefill wrapper for this step's layers of `kind` (host work, once per step)."""
     indptr, indices, last = paged_kv(meta.host, kind, page_size)
     window = meta.window[kind]
-    # window = visible keys ending at the query's own position; FlashInfer counts the keys left of it
-    w.plan(
+    # window: the visible keys ending at the query's position; FlashInfer counts those left of it
+    wrapper.plan(
         meta.host.cu_seqlens_q,
         indptr,
         indices,
@@ -113,10 +124,11 @@ def plan(
     )
 
 
-def _warm_up(w, device, nh: int, nkv: int, hd: int, page_size: int) -> None:
-    """Plan and run one small causal prefill of this shape (the JIT build happens here, once per machine)."""
+def _warm_up(wrapper, device, nh: int, nkv: int, hd: int, page_size: int) -> None:
+    """Plan and run one small causal prefill of this shape (the JIT build happens here, once per
+    machine)."""
     T = 2 * page_size
-    k = torch.zeros(3, page_size, nkv, hd, dtype=torch.bfloat16, device=device)
+    cache = torch.zeros(3, page_size, nkv, hd, dtype=torch.bfloat16, device=device)
     host = HostBatch(
         cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
         kv_len=torch.tensor([T], dtype=torch.int32),
@@ -132,6 +144,6 @@ def _warm_up(w, device, nh: int, nkv: int, hd: int, page_size: int) -> None:
         max_q_len=T,
         host=host,
     )
-    plan(w, meta, "any", nh, nkv, hd, page_size, torch.bfloat16)
-    w.run(torch.zeros(T, nh, hd, dtype=torch.bfloat16, device=device), (k, k))
+    plan(wrapper, meta, "any", nh, nkv, hd, page_size, torch.bfloat16)
+    wrapper.run(torch.zeros(T, nh, hd, dtype=torch.bfloat16, device=device), (cache, cache))
     torch.cuda.synchronize(device)

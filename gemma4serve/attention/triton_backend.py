@@ -1,7 +1,8 @@
-"""Triton attention backend: the same `write` / `forward` contract as TorchAttention, on our own kernels.
+"""Triton attention backend: the same `write` / `forward` contract as TorchAttention, on our own
+kernels.
 
-No host synchronisation anywhere (grid sizes come from host ints in the metadata), so it can run inside
-CUDA graphs; on CPU it runs under TRITON_INTERPRET=1 (tests only: the interpreter is slow).
+No host synchronisation anywhere (grid sizes come from host ints in the metadata), so it can run
+inside CUDA graphs; on CPU it runs under TRITON_INTERPRET=1 (tests only: the interpreter is slow).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ class TritonAttention:
 
     @staticmethod
     def write(k_cache, v_cache, k, v, slots):
-        """Store K/V [T, nkv, hd] in their slots (slot -1 = no write), one launch for both caches."""
+        """Store K/V [T, nkv, hd] at their slots (slot -1 = no write), one launch for both caches.
+        The model does not call this: its ops write K/V (project_qkv)."""
         kv_write(k_cache, v_cache, k, v, slots)
 
     def forward(

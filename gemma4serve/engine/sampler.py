@@ -1,17 +1,19 @@
-"""Device-side sampling and speculative verification (spec GEMMA4.md §12.4 / §12.5).
+"""Device-side sampling and speculative verification (docs/gemma4.md §12.4 / §12.5).
 
-Everything in the step functions (`process_logits`, `choose`, `accept`) is batched tensor arithmetic with
-static shapes: no host synchronisation and no per-row Python, so the engine can capture them in CUDA graphs.
-Host-side decisions (which code paths a batch needs) are plain Python values fixed when the batch is built.
+Everything in the step functions (`process_logits`, `choose`, `accept`) is batched tensor arithmetic
+with static shapes: no host synchronisation and no per-row Python, so the engine can capture them in
+CUDA graphs. Host-side decisions (which code paths a batch needs) are plain Python values fixed when
+the batch is built.
 
-Verification and losslessness. Drafts are the drafter's argmax, a deterministic proposal (q = one-hot), so
-the lossless rule is: accept draft d with probability p(d); on rejection emit a sample from p with d removed;
-if all drafts are accepted emit a bonus sample from the last row. We realise it with a Gumbel-max coupling:
-every row draws s_j = argmax(p_j / Exp(1)) -- an exact sample from p_j -- and a draft is accepted iff it equals
-that sample. P(s = d) = p(d), and given s != d, s is distributed as p without d, renormalised: exactly the
-rule above, so greedy and sampled verification share one code path ("longest prefix of drafts equal to the
-row's choice, then one more token"). Because the choice at a position depends only on (seed, position,
-target distribution), a seeded request emits the same tokens with or without speculation, whatever the
+Verification and losslessness. Drafts are the drafter's argmax, a deterministic proposal
+(q = one-hot), so the lossless rule is: accept draft d with probability p(d); on rejection emit a
+sample from p with d removed; if all drafts are accepted emit a bonus sample from the last row. We
+realise it with a Gumbel-max coupling: every row draws s_j = argmax(p_j / Exp(1)) -- an exact
+sample from p_j -- and a draft is accepted iff it equals that sample. P(s = d) = p(d), and given
+s != d, s is distributed as p without d, renormalised: exactly the rule above, so greedy and
+sampled verification share one code path ("longest prefix of drafts equal to the row's choice,
+then one more token"). Because the choice at a position depends only on (seed, position, target
+distribution), a seeded request emits the same tokens with or without speculation, whatever the
 drafts were and whatever else is in the batch.
 """
 
@@ -25,15 +27,15 @@ import torch
 from gemma4serve.engine.random_streams import Stream, row_keys, uniform_from_keys
 from gemma4serve.sampling_params import SamplingParams
 
-# On CUDA the noise + race + argmax runs as one torch.compile'd kernel: eagerly, the ~30 integer ops of the
-# hash each make a pass over [R, V] (7 ms instead of 0.3 ms for 256 rows of a 262k vocabulary on an H200).
-# The engine must call accept() once before capturing it in a CUDA graph, so compilation happens outside.
+# On CUDA the noise + race + argmax runs as one torch.compile'd kernel: eagerly, each of the hash's
+# ~30 integer ops makes its own pass over [R, V]. The engine must call accept() once before
+# capturing it in a CUDA graph, so that compilation happens outside the capture.
 COMPILE_RACE = True
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Batch of per-sequence sampling settings
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -48,23 +50,23 @@ class SamplingBatch:
     presence_penalty: torch.Tensor  # [B] f32
     frequency_penalty: torch.Tensor  # [B] f32
     repetition_penalty: torch.Tensor  # [B] f32
-    output_tokens: torch.Tensor  # [B, Mo] int64, -1 padded; [B, 0] when no row has a penalty
-    prompt_tokens: (
-        torch.Tensor
-    )  # [B, Mp] int64, -1 padded; [B, 0] when no row has a repetition penalty
+    # [B, Mo] int64, -1 padded; [B, 0] when no row has a penalty.
+    output_tokens: torch.Tensor
+    # [B, Mp] int64, -1 padded; [B, 0] when no row has a repetition penalty.
+    prompt_tokens: torch.Tensor
     # Host-side flags: they pick code paths, so they must not depend on device data.
     any_penalty: bool
     all_greedy: bool
     any_truncation: bool  # some sampled row uses top-k, top-p or min-p
-    # How many of the largest logits top-k / top-p must sort: 0 = no sampled row uses them, -1 = the whole
-    # vocabulary (a row uses top-p without top-k), else the largest top_k.
+    # How many of the largest logits top-k / top-p must sort: 0 = no sampled row uses them, -1 = the
+    # whole vocabulary (a row uses top-p without top-k), else the largest top_k.
     sort_width: int
     num_logprobs: int  # the most top-logprobs any row asked for, -1 = no row wants logprobs
 
     @property
     def argmax_only(self) -> bool:
-        """Every row takes the argmax of the raw logits and nothing else reads them: the tokens can come from the
-        model's greedy head without the logits."""
+        """Every row takes the argmax of the raw logits and nothing else reads them: the tokens can
+        come from the model's greedy head without the logits."""
         return self.all_greedy and not self.any_penalty and self.num_logprobs < 0
 
     @classmethod
@@ -77,45 +79,53 @@ class SamplingBatch:
         device: torch.device | str,
     ) -> SamplingBatch:
         """Host-side: pack per-request settings into device tensors (one H2D copy per field)."""
-        greedy = [p.temperature == 0.0 for p in params]
-        # Greedy rows skip truncation; neutral values keep that true even if a caller ignores the flags.
-        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        greedy = [request.temperature == 0.0 for request in params]
+        # Greedy rows skip truncation; neutral values keep that true even if a caller ignores the
+        # flags.
+        top_k = [0 if is_greedy else request.top_k for request, is_greedy in zip(params, greedy)]
+        top_p = [1.0 if is_greedy else request.top_p for request, is_greedy in zip(params, greedy)]
+        min_p = [0.0 if is_greedy else request.min_p for request, is_greedy in zip(params, greedy)]
         any_freq_presence = any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
+            request.presence_penalty != 0.0 or request.frequency_penalty != 0.0
+            for request in params
         )
-        any_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        any_repetition = any(request.repetition_penalty != 1.0 for request in params)
         any_penalty = any_freq_presence or any_repetition
         # Token histories can be long: ship them only when a penalty will read them.
-        outs = output_tokens if any_penalty else [[] for _ in params]
+        outputs = output_tokens if any_penalty else [[] for _ in params]
         prompts = prompt_tokens if any_repetition else [[] for _ in params]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        truncating = [(k, p) for k, p in zip(top_k, top_p) if k > 0 or p < 1.0]
-        if not truncating:
+        logprobs = [request.logprobs for request in params if request.logprobs is not None]
+        truncating_top_k = [
+            row_top_k
+            for row_top_k, row_top_p in zip(top_k, top_p)
+            if row_top_k > 0 or row_top_p < 1.0
+        ]
+        if not truncating_top_k:
             sort_width = 0
-        elif all(k > 0 for k, _ in truncating):
-            sort_width = max(k for k, _ in truncating)
+        elif all(row_top_k > 0 for row_top_k in truncating_top_k):
+            sort_width = max(truncating_top_k)
         else:
             sort_width = -1
 
-        def f32(xs):
-            return torch.tensor(xs, dtype=torch.float32, device=device)
+        def f32(values):
+            return torch.tensor(values, dtype=torch.float32, device=device)
 
         return cls(
-            temperature=f32([p.temperature for p in params]),
+            temperature=f32([request.temperature for request in params]),
             top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
             top_p=f32(top_p),
             min_p=f32(min_p),
-            seed=torch.tensor([_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
-            presence_penalty=f32([p.presence_penalty for p in params]),
-            frequency_penalty=f32([p.frequency_penalty for p in params]),
-            repetition_penalty=f32([p.repetition_penalty for p in params]),
-            output_tokens=_pad(outs, device),
+            seed=torch.tensor(
+                [_to_int64(seed) for seed in seeds], dtype=torch.int64, device=device
+            ),
+            presence_penalty=f32([request.presence_penalty for request in params]),
+            frequency_penalty=f32([request.frequency_penalty for request in params]),
+            repetition_penalty=f32([request.repetition_penalty for request in params]),
+            output_tokens=_pad(outputs, device),
             prompt_tokens=_pad(prompts, device),
             any_penalty=any_penalty,
             all_greedy=all(greedy),
-            any_truncation=sort_width != 0 or any(p > 0.0 for p in min_p),
+            any_truncation=sort_width != 0 or any(row_min_p > 0.0 for row_min_p in min_p),
             sort_width=sort_width,
             num_logprobs=max(logprobs, default=-1),
         )
@@ -128,78 +138,86 @@ def _to_int64(seed: int) -> int:
 
 
 def _pad(rows: list[list[int]], device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
+    width = max((len(row) for row in rows), default=0)
     return torch.tensor(
-        [r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device
+        [row + [-1] * (width - len(row)) for row in rows], dtype=torch.int64, device=device
     ).view(len(rows), width)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Logits processing: the target distribution
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def process_logits(
-    logits: torch.Tensor, sb: SamplingBatch, row_seq: torch.Tensor, row_extra_tokens: torch.Tensor
+    logits: torch.Tensor,
+    sampling: SamplingBatch,
+    row_seq: torch.Tensor,
+    row_extra_tokens: torch.Tensor,
 ) -> torch.Tensor:
     """Logits of the target distribution p for each row, filtered tokens at -inf.
 
-    logits [R, V] f32; row_seq [R] int64 (the row's sequence in sb); row_extra_tokens [R, J] int64, -1 padded:
-    tokens before this row that are not in sb.output_tokens yet (the drafts d1..dj ahead of verify row j),
-    counted as output tokens. Order: penalties, temperature, top-k, top-p, min-p. Greedy rows get the
-    penalties only (their argmax is the greedy choice). Returns [R, V] f32.
+    logits [R, V] f32; row_seq [R] int64 (the row's sequence in `sampling`); row_extra_tokens
+    [R, J] int64, -1 padded: tokens before this row that are not in sampling.output_tokens yet (the
+    drafts d1..dj ahead of verify row j), counted as output tokens. Order: penalties, temperature,
+    top-k, top-p, min-p. Greedy rows get the penalties only (their argmax is the greedy choice).
+    Returns [R, V] f32.
     """
     logits = logits.float()
-    if sb.any_penalty:
-        logits = _apply_penalties(logits, sb, row_seq, row_extra_tokens)
-    if sb.all_greedy:
+    if sampling.any_penalty:
+        logits = _apply_penalties(logits, sampling, row_seq, row_extra_tokens)
+    if sampling.all_greedy:
         return logits
-    temperature = sb.temperature[row_seq]
+    temperature = sampling.temperature[row_seq]
     greedy = temperature == 0
     logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    if not sb.any_truncation:
+    if not sampling.any_truncation:
         return logits
     # Greedy rows: neutral settings give them a cut-off of -inf.
-    top_k = torch.where(greedy, 0, sb.top_k[row_seq])
-    top_p = torch.where(greedy, 1.0, sb.top_p[row_seq])
-    min_p = torch.where(greedy, 0.0, sb.min_p[row_seq])
-    cutoff = _truncation_cutoff(logits, top_k, top_p, min_p, sb.sort_width)
-    return logits.masked_fill_(
-        logits < cutoff, float("-inf")
-    )  # in place: `logits` is our own copy here
+    top_k = torch.where(greedy, 0, sampling.top_k[row_seq])
+    top_p = torch.where(greedy, 1.0, sampling.top_p[row_seq])
+    min_p = torch.where(greedy, 0.0, sampling.min_p[row_seq])
+    cutoff = _truncation_cutoff(logits, top_k, top_p, min_p, sampling.sort_width)
+    # In place: `logits` is our own copy here.
+    return logits.masked_fill_(logits < cutoff, float("-inf"))
 
 
 def _apply_penalties(
-    logits: torch.Tensor, sb: SamplingBatch, row_seq: torch.Tensor, extra: torch.Tensor
+    logits: torch.Tensor, sampling: SamplingBatch, row_seq: torch.Tensor, extra: torch.Tensor
 ) -> torch.Tensor:
-    """vLLM / OpenAI semantics: repetition over prompt + output, then frequency and presence over output.
+    """vLLM / OpenAI semantics: repetition over prompt + output, then frequency and presence over
+    output.
 
-    Dense per-row tables: the extra memory is bounded by the logits' own size whatever the history lengths.
-    Column V absorbs the -1 padding.
+    Dense per-row tables: the extra memory is bounded by the logits' own size whatever the history
+    lengths. Column V absorbs the -1 padding.
     """
     R, V = logits.shape
-    B = sb.output_tokens.shape[0]
+    B = sampling.output_tokens.shape[0]
 
     def slot(tokens):  # -1 padding -> the spare column V
         return torch.where(tokens < 0, V, tokens)
 
     seq_counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)
     seq_counts.scatter_add_(
-        1, slot(sb.output_tokens), torch.ones_like(sb.output_tokens, dtype=logits.dtype)
+        1,
+        slot(sampling.output_tokens),
+        torch.ones_like(sampling.output_tokens, dtype=logits.dtype),
     )
     in_prompt = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
-    in_prompt.scatter_(1, slot(sb.prompt_tokens), True)
+    in_prompt.scatter_(1, slot(sampling.prompt_tokens), True)
 
     counts = seq_counts[row_seq]
     counts.scatter_add_(1, slot(extra), torch.ones_like(extra, dtype=logits.dtype))
     counts = counts[:, :V]
     seen = in_prompt[row_seq, :V] | (counts > 0)
 
-    rep = sb.repetition_penalty[row_seq, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    freq = sb.frequency_penalty[row_seq, None]
-    presence = sb.presence_penalty[row_seq, None]
-    return logits - freq * counts - presence * (counts > 0).to(logits.dtype)
+    repetition = sampling.repetition_penalty[row_seq, None]
+    logits = torch.where(
+        seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits
+    )
+    frequency = sampling.frequency_penalty[row_seq, None]
+    presence = sampling.presence_penalty[row_seq, None]
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
 def _truncation_cutoff(
@@ -207,15 +225,16 @@ def _truncation_cutoff(
 ) -> torch.Tensor:
     """[R, 1] logit below which top-k, then top-p, then min-p drop a token (-inf: keep all).
 
-    All three are value thresholds, so one comparison applies them, the result never depends on how a sort
-    orders ties, and only the `width` largest logits need sorting (width >= every truncating row's top_k,
-    -1 = all, 0 = no row uses top-k / top-p).
+    All three are value thresholds, so one comparison applies them, the result never depends on how
+    a sort orders ties, and only the `width` largest logits need sorting (width >= every truncating
+    row's top_k, -1 = all, 0 = no row uses top-k / top-p).
     - top-k keeps ties with the k-th logit (like HF and vLLM).
-    - top-p, on the top-k-renormalised distribution, keeps each token whose strictly larger tokens hold less
-      than top_p of the mass: the smallest set reaching top_p, plus ties of its last token; the top token
-      always stays.
-    - min-p drops p < min_p * p_max, i.e. logit < max + log(min_p) (log 0 = -inf). p / p_max does not change
-      when top-k / top-p renormalise, so applying it last equals applying it to the same logits here.
+    - top-p, on the top-k-renormalised distribution, keeps each token whose strictly larger tokens
+      hold less than top_p of the mass: the smallest set reaching top_p, plus ties of its last
+      token; the top token always stays.
+    - min-p drops p < min_p * p_max, i.e. logit < max + log(min_p) (log 0 = -inf). p / p_max does
+      not change when top-k / top-p renormalise, so applying it last equals applying it to the same
+      logits here.
     """
     R, V = logits.shape
     if width == 0:
@@ -232,15 +251,16 @@ def _truncation_cutoff(
     kth = torch.where(top_k[:, None] > 0, top.gather(1, (k - 1)[:, None]), float("-inf"))
     in_k = top >= kth
 
-    # Top-k mass, normalised over the whole vocabulary: ties with the k-th may lie beyond the sorted window.
+    # Top-k mass, normalised over the whole vocabulary: ties with the k-th may lie beyond the sorted
+    # window.
     beyond = (logits >= kth).sum(dim=-1, keepdim=True) - in_k.sum(dim=-1, keepdim=True)
     weights = torch.exp(top - max_logit) * in_k
     probs = weights / (weights.sum(dim=-1, keepdim=True) + beyond * torch.exp(kth - max_logit))
     mass_before = torch.cumsum(probs, dim=-1) - probs
     # Mass strictly above a value = the mass before the first of its ties.
-    i = torch.arange(width, device=logits.device).expand(R, width)
+    rank = torch.arange(width, device=logits.device).expand(R, width)
     first_of_ties = torch.cat([torch.ones_like(in_k[:, :1]), top[:, 1:] != top[:, :-1]], dim=1)
-    mass_above = mass_before.gather(1, torch.where(first_of_ties, i, 0).cummax(dim=-1).values)
+    mass_above = mass_before.gather(1, torch.where(first_of_ties, rank, 0).cummax(dim=-1).values)
     # top_p == 1 means off: float error in the cumsum must not trim the tail.
     keep = in_k & ((mass_above < top_p[:, None]) | (top_p >= 1.0)[:, None])
     truncates = ((top_k > 0) | (top_p < 1.0))[:, None]
@@ -250,34 +270,36 @@ def _truncation_cutoff(
     return torch.maximum(cutoff, max_logit + torch.log(min_p)[:, None])
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Choosing tokens and verifying drafts
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def choose(
-    processed: torch.Tensor, sb: SamplingBatch, row_seq: torch.Tensor, position: torch.Tensor
+    processed: torch.Tensor, sampling: SamplingBatch, row_seq: torch.Tensor, position: torch.Tensor
 ) -> torch.Tensor:
-    """One token per row: argmax for greedy rows, an exact sample from softmax(processed) for the others.
+    """One token per row: argmax for greedy rows, an exact sample from softmax(processed) for the
+    others.
 
-    processed [R, V] f32 from process_logits; position [R] int64 = position of the token being produced
-    (the randomness key). Returns [R] int64. torch.argmax returns the first maximum, so greedy ties go to the
-    lowest id.
+    processed [R, V] f32 from process_logits; position [R] int64 = position of the token being
+    produced (the randomness key). Returns [R] int64. torch.argmax returns the first maximum, so
+    greedy ties go to the lowest id.
     """
-    if sb.all_greedy:
+    if sampling.all_greedy:
         return processed.argmax(-1)
-    k1, k2 = row_keys(sb.seed[row_seq], position, Stream.SAMPLE)
-    sampled = sb.temperature[row_seq] > 0
+    key1, key2 = row_keys(sampling.seed[row_seq], position, Stream.SAMPLE)
+    sampled = sampling.temperature[row_seq] > 0
     race = _compiled_race() if processed.is_cuda and COMPILE_RACE else _race
-    return race(processed, k1, k2, sampled)
+    return race(processed, key1, key2, sampled)
 
 
 def _race(
-    processed: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, sampled: torch.Tensor
+    processed: torch.Tensor, key1: torch.Tensor, key2: torch.Tensor, sampled: torch.Tensor
 ) -> torch.Tensor:
     """Sampled rows: the exponential race argmax(p / E), E = -log(u) ~ Exp(1), in log space as
-    argmax(logit - log E) (the softmax normaliser does not move the argmax). Other rows: plain argmax."""
-    u = uniform_from_keys(k1, k2, torch.arange(processed.shape[-1], device=processed.device))
+    argmax(logit - log E) (the softmax normaliser does not move the argmax). Other rows: plain
+    argmax."""
+    u = uniform_from_keys(key1, key2, torch.arange(processed.shape[-1], device=processed.device))
     return torch.where(sampled[:, None], processed - torch.log(-torch.log(u)), processed).argmax(-1)
 
 
@@ -290,8 +312,8 @@ def _compiled_race():
 class AcceptResult:
     tokens: torch.Tensor  # [B, K+1] int64: emitted tokens, -1 from num_emitted on
     num_emitted: torch.Tensor  # [B] int64 in 1 .. num_drafts + 1
-    # Only when sb.num_logprobs >= 0, of the raw model distribution (log_softmax of unprocessed logits);
-    # entries at or after num_emitted are meaningless.
+    # Only when sampling.num_logprobs >= 0, of the raw model distribution (log_softmax of
+    # unprocessed logits); entries at or after num_emitted are meaningless.
     logprobs: torch.Tensor | None = None  # [B, K+1] f32, of each emitted token
     top_ids: torch.Tensor | None = None  # [B, K+1, num_logprobs] int64
     top_logprobs: torch.Tensor | None = None  # [B, K+1, num_logprobs] f32
@@ -302,58 +324,60 @@ def accept(
     drafts: torch.Tensor,
     num_drafts: torch.Tensor,
     first_position: torch.Tensor,
-    sb: SamplingBatch,
+    sampling: SamplingBatch,
     chosen: torch.Tensor | None = None,
 ) -> AcceptResult:
-    """Verify drafts against the target and pick the tokens to emit (K = 0: plain decode / end of prefill).
+    """Verify drafts against the target and pick the tokens to emit (K = 0: plain decode / end of
+    prefill).
 
-    logits [B, K+1, V] (f32, or the model dtype: converted here where sampling, penalties or logprobs need f32):
-      row j is the target's output for the input token at position first_position + j
-      (the last committed token for j = 0, draft d_j after), so it predicts the token at
-      first_position + j + 1, following [..., d_1, ..., d_j].
-    drafts [B, K] int64 (d_1..d_K, -1 padded); num_drafts [B] int64 (rows j > num_drafts are padding);
-    first_position [B] int64: position of row 0's input token.
+    logits [B, K+1, V] (f32, or the model dtype: converted here where sampling, penalties or
+      logprobs need f32): row j is the target's output for the input token at position
+      first_position + j (the last committed token for j = 0, draft d_j after), so it predicts the
+      token at first_position + j + 1, following [..., d_1, ..., d_j].
+    drafts [B, K] int64 (d_1..d_K, -1 padded); num_drafts [B] int64 (rows j > num_drafts are
+      padding); first_position [B] int64: position of row 0's input token.
 
-    Row j chooses s_j (see `choose`); the longest prefix of drafts with d_{j+1} == s_j is accepted and
-    s_0..s_n are emitted (n = number accepted): the accepted drafts, then one correction / bonus token.
-    With sb.argmax_only the caller may pass the rows' argmax tokens as `chosen` [B, K+1] instead of logits.
+    Row j chooses s_j (see `choose`); the longest prefix of drafts with d_{j+1} == s_j is accepted
+    and s_0..s_n are emitted (n = number accepted): the accepted drafts, then one correction / bonus
+    token. With sampling.argmax_only the caller may pass the rows' argmax tokens as `chosen`
+    [B, K+1] instead of logits.
     """
-    B, K1 = drafts.shape[0], drafts.shape[1] + 1
-    K = K1 - 1
+    B, K = drafts.shape
+    num_rows = K + 1  # per sequence: the last committed token, then the K drafts
     device = drafts.device
-    flat = logits.reshape(B * K1, -1) if logits is not None else None
+    flat = logits.reshape(B * num_rows, -1) if logits is not None else None
     if chosen is not None:
-        assert sb.argmax_only
-    elif sb.all_greedy and not sb.any_penalty:
-        # The argmax needs no per-row keys, histories or f32 copy (bf16 -> f32 is exact): a few launches fewer
-        # between decode steps, which at batch 1 run back to back on the GPU with the step.
-        chosen = flat.argmax(-1).view(B, K1)
+        assert sampling.argmax_only
+    elif sampling.all_greedy and not sampling.any_penalty:
+        # The argmax needs no per-row keys, histories or f32 copy (bf16 -> f32 is exact): fewer
+        # launches between decode steps, which run back to back with the step on the GPU.
+        chosen = flat.argmax(-1).view(B, num_rows)
     else:
-        j = torch.arange(K1, device=device)
-        row_seq = torch.arange(B, device=device).repeat_interleave(K1)
+        j = torch.arange(num_rows, device=device)
+        row_seq = torch.arange(B, device=device).repeat_interleave(num_rows)
         position = (first_position[:, None] + j + 1).reshape(-1)
-        # Row j's history also holds d_1..d_j, which are not in sb.output_tokens yet.
+        # Row j's history also holds d_1..d_j, which are not in sampling.output_tokens yet.
         extra = torch.where(
             torch.arange(K, device=device) < j[:, None], drafts[:, None, :], -1
-        )  # [B, K1, K]
-        processed = process_logits(flat.float(), sb, row_seq, extra.reshape(B * K1, K))
-        chosen = choose(processed, sb, row_seq, position).view(B, K1)
+        )  # [B, K+1, K]
+        processed = process_logits(flat.float(), sampling, row_seq, extra.reshape(B * num_rows, K))
+        chosen = choose(processed, sampling, row_seq, position).view(B, num_rows)
 
-    if K == 0:  # nothing to verify: the one row's token (a plain decode step, a few launches fewer)
+    if K == 0:  # nothing to verify: the one row's token (a plain decode step)
         num_emitted = torch.ones(B, dtype=torch.int64, device=device)
         tokens = chosen
     else:
-        j = torch.arange(K1, device=device)
-        # Accepted prefix length: cumprod of "draft matches and is a real draft" along the draft axis.
+        j = torch.arange(num_rows, device=device)
+        # Accepted prefix length: cumprod of "draft matches and is a real draft" along the drafts.
         match = (drafts == chosen[:, :K]) & (j[:K] < num_drafts[:, None])
         num_emitted = match.long().cumprod(dim=1).sum(dim=1) + 1
         tokens = torch.where(j < num_emitted[:, None], chosen, -1)
 
     result = AcceptResult(tokens=tokens, num_emitted=num_emitted)
-    if sb.num_logprobs >= 0:
+    if sampling.num_logprobs >= 0:
         raw = torch.log_softmax(flat.float(), dim=-1)
-        result.logprobs = raw.gather(1, chosen.view(-1, 1)).view(B, K1)
-        top_logprobs, top_ids = raw.topk(sb.num_logprobs, dim=-1)
-        result.top_ids = top_ids.view(B, K1, -1)
-        result.top_logprobs = top_logprobs.view(B, K1, -1)
+        result.logprobs = raw.gather(1, chosen.view(-1, 1)).view(B, num_rows)
+        top_logprobs, top_ids = raw.topk(sampling.num_logprobs, dim=-1)
+        result.top_ids = top_ids.view(B, num_rows, -1)
+        result.top_logprobs = top_logprobs.view(B, num_rows, -1)
     return result

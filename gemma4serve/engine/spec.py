@@ -1,5 +1,5 @@
-"""Frozen-KV MTP drafting (spec §12): the k-step draft loop, the adaptive draft length, and the benchmark-only
-forced acceptance."""
+"""Frozen-KV MTP drafting (docs/gemma4.md §12): the draft loop, the adaptive draft length, and the
+benchmark-only forced acceptance."""
 
 from __future__ import annotations
 
@@ -14,35 +14,37 @@ from gemma4serve.model.gemma4 import ForwardContext
 
 
 class DraftLoop:
-    """k greedy drafter steps at the constant position P of each sequence.
+    """`num_draft_tokens` greedy drafter steps at the constant position P of each sequence.
 
-    Seeded with the target's final-normed hidden state at P-1 and the target's scaled embedding of the token
-    at P; every step reads the same committed target KV (full: rows < P; sliding: the last W_a + 1 rows
-    before P) and never writes any.
+    Seeded with the target's final-normed hidden state at P-1 and the target's scaled embedding of
+    the token at P; every step reads the same committed target KV (full: rows < P; sliding: the last
+    W_a + 1 rows before P) and never writes any.
     """
 
     def __init__(self, state):
-        self.s = state
+        self.state = state
 
     @torch.inference_mode()
-    def run(self, token, hidden, P, table_rows, tables, k: int) -> torch.Tensor:
-        s = self.s
+    def run(self, token, hidden, P, table_rows, tables, num_draft_tokens: int) -> torch.Tensor:
+        state = self.state
         B = token.shape[0]
-        meta = AttentionMetadata(
+        metadata = AttentionMetadata(
             token_seq=table_rows,
             kv_end=P.to(torch.int32),
             page_table=tables,
             write_slot={},
-            window={SLIDING: s.draft.window, FULL: 0},
+            window={SLIDING: state.draft.window, FULL: 0},
             cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32, device=token.device),
             max_q_len=1,
         )
-        ctx = ForwardContext(meta, s.kv, s.attn)
-        rope = s.draft.rotary.cos_sin(P, hidden.dtype)  # P is fixed for the whole loop
+        context = ForwardContext(metadata, state.kv, state.attn)
+        rope = state.draft.rotary.cos_sin(P, hidden.dtype)  # P is fixed for the whole loop
         drafts = []
-        for _ in range(k):
+        for _ in range(num_draft_tokens):
             # the first maximum of the drafter's logits: the lowest id wins ties
-            token, hidden = s.draft.greedy_step(s.target.embed(token), hidden, rope, ctx)
+            token, hidden = state.draft.greedy_step(
+                state.target.embed(token), hidden, rope, context
+            )
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
@@ -52,35 +54,36 @@ class StepCost:
     """Seconds per step of one batch-size bucket, measured on its CUDA graphs."""
 
     decode: float  # one token per sequence, no drafting
-    verify: float  # k + 1 tokens per sequence
-    draft: float  # the k-step draft loop
+    verify: float  # num_draft_tokens + 1 tokens per sequence
+    draft: float  # the draft loop
 
 
 class DraftLength:
-    """How many drafts the next steps propose: k while drafting pays for itself at the batch size, else 0
-    (DESIGN §5: MTP off under heavy load).
+    """How many drafts the next steps propose: `num_draft_tokens` while drafting pays for itself at
+    the batch size, else 0: MTP off under heavy load (docs/architecture.md, adaptive draft length).
 
-    Drafting pays when a verify + draft step costs less than the decode steps it replaces: the expected tokens
-    per verify step (1 + the sum of the per-position acceptance rates) times the decode step's cost. The rates
-    are moving averages over the sequences' recent verify steps; they start at 1, so drafting is tried (and
-    measured) first, and while drafting is off every `probe_every`-th step drafts anyway, so that rates learnt
-    on hard text recover when the text gets easier. Costs are the captured graphs' own replay times, so without
-    CUDA graphs k stays fixed.
+    Drafting pays when a verify + draft step costs less than the decode steps it replaces: the
+    expected tokens per verify step (1 + the sum of the per-position acceptance rates) times the
+    decode step's cost. The rates are moving averages over the sequences' recent verify steps; they
+    start at 1, so drafting is tried (and measured) first, and while drafting is off every
+    `probe_every`-th step drafts anyway, so that rates learnt on hard text recover when the text
+    gets easier. Costs are the captured graphs' own replay times, so without CUDA graphs the draft
+    length stays fixed.
     """
 
     def __init__(
         self,
-        k: int,
+        num_draft_tokens: int,
         costs: dict[int, StepCost] | None = None,
         decay: float = 0.02,
         probe_every: int = 64,
     ):
-        self.k = k
+        self.num_draft_tokens = num_draft_tokens
         self.costs = costs or {}
         self.decay = decay
         self.probe_every = probe_every
-        self.rates = [1.0] * k
-        self._off = 0  # steps since drafting last paid
+        self.rates = [1.0] * num_draft_tokens
+        self._steps_off = 0  # steps since drafting last paid
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One sequence's verify step: `accepted` of its `drafted` drafts were accepted."""
@@ -90,33 +93,34 @@ class DraftLength:
     def expected_tokens(self) -> float:
         return 1.0 + sum(self.rates)
 
-    def choose(self, batch: int) -> int:
-        bucket = next((b for b in sorted(self.costs) if b >= batch), None)
-        if not self.k or bucket is None:
-            return self.k
-        c = self.costs[bucket]
-        if self.expected_tokens() * c.decode > c.verify + c.draft:
-            self._off = 0
-            return self.k
-        self._off += 1
-        return self.k if self._off % self.probe_every == 0 else 0
+    def choose(self, batch_size: int) -> int:
+        bucket = next((size for size in sorted(self.costs) if size >= batch_size), None)
+        if not self.num_draft_tokens or bucket is None:
+            return self.num_draft_tokens
+        cost = self.costs[bucket]
+        if self.expected_tokens() * cost.decode > cost.verify + cost.draft:
+            self._steps_off = 0
+            return self.num_draft_tokens
+        self._steps_off += 1
+        return self.num_draft_tokens if self._steps_off % self.probe_every == 0 else 0
 
 
 class ForcedAcceptance:
-    """Benchmark only: overrides how many drafts a verify step accepts, after the real verification ran.
+    """Benchmark only: overrides how many drafts a verify step accepts, after the real verification
+    ran.
 
     `profile` is either the mean tokens per verify step (bonus included, like vLLM's
     synthetic_acceptance_length) or per-position acceptance probabilities (non-increasing, e.g.
-    0.84, 0.60, 0.39, 0.27 = 3.1 tokens per step). The emitted tokens are then not the model's.
+    0.8, 0.6, 0.4 = 2.8 tokens per step). The emitted tokens are then not the model's.
     """
 
-    def __init__(self, profile, k: int, device):
+    def __init__(self, profile, num_draft_tokens: int, device):
         if isinstance(profile, (int, float)):
             accepted = float(profile) - 1.0
-            probs = [min(1.0, max(0.0, accepted - i)) for i in range(k)]
+            probs = [min(1.0, max(0.0, accepted - i)) for i in range(num_draft_tokens)]
         else:
-            probs = sorted((float(p) for p in profile), reverse=True)[:k]
-            probs += [0.0] * (k - len(probs))
+            probs = sorted((float(p) for p in profile), reverse=True)[:num_draft_tokens]
+            probs += [0.0] * (num_draft_tokens - len(probs))
         self.probs = torch.tensor(probs, dtype=torch.float32, device=device)
 
     @property
@@ -128,10 +132,13 @@ class ForcedAcceptance:
         u = uniform(
             torch.zeros_like(first_position), first_position, Stream.FORCED_ACCEPTANCE, 1
         ).view(B, 1)
-        n = (u < self.probs[None, :K]).sum(1)
-        n = torch.minimum(n, num_drafts)
+        num_accepted = torch.minimum((u < self.probs[None, :K]).sum(1), num_drafts)
         j = torch.arange(K + 1, device=drafts.device)
         padded = torch.cat([drafts, tokens[:, :1]], dim=1)
         bonus = tokens[:, :1].expand(B, K + 1)
-        out = torch.where(j < n[:, None], padded, torch.where(j == n[:, None], bonus, -1))
-        return out, n + 1
+        emitted = torch.where(
+            j < num_accepted[:, None],
+            padded,
+            torch.where(j == num_accepted[:, None], bonus, -1),
+        )
+        return emitted, num_accepted + 1

@@ -1,8 +1,9 @@
-"""The Gemma 4 MTP assistant: a query-only 4-layer stack over the target's frozen KV (spec §8, §12).
+"""The Gemma 4 MTP assistant: a query-only 4-layer stack over the target's frozen KV.
 
-It owns no KV. Each step takes the target's scaled embedding of the token at P and the previous hidden state,
-attends (queries at the constant position P) to the target's last sliding and last full producer layer, and
-returns the draft token (the argmax of its logits) plus the recurrent hidden state for the next step.
+It owns no KV (docs/gemma4.md §8, §12). Each step takes the target's scaled embedding of the token
+at P and the previous hidden state, attends (queries at the constant position P) to the target's
+last sliding and last full producer layer, and returns the draft token (the argmax of its logits)
+plus the recurrent hidden state for the next step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 from gemma4serve.config import AssistantConfig, TextConfig
 from gemma4serve.model import fused
 from gemma4serve.model.gemma4 import DecoderLayer, ForwardContext, Rotary, run_layers
-from gemma4serve.model.layers import RMSNorm
+from gemma4serve.model.layers import REFERENCE_OPS, RMSNorm, TorchOps, bind_ops
 
 
 class _Stack(nn.Module):
@@ -25,8 +26,8 @@ class _Stack(nn.Module):
 
 
 class CentroidHead(nn.Module):
-    """The E2B/E4B "ordered embedding" head: score 2048 token clusters, keep the top few, and give every other
-    token a logit just below the worst selected one (HF fills min(selected) - 1)."""
+    """The E2B/E4B "ordered embedding" head: score 2048 token clusters, keep the top few, and give
+    every other token a logit just below the worst selected one (HF fills min(selected) - 1)."""
 
     def __init__(self, cfg: AssistantConfig):
         super().__init__()
@@ -46,6 +47,8 @@ class CentroidHead(nn.Module):
 
 
 class Gemma4Assistant(nn.Module):
+    ops: TorchOps = REFERENCE_OPS
+
     def __init__(self, cfg: AssistantConfig):
         super().__init__()
         self.cfg = cfg
@@ -54,48 +57,50 @@ class Gemma4Assistant(nn.Module):
         self.pre_projection = nn.Linear(2 * Hb, Ha, bias=False)
         self.post_projection = nn.Linear(Ha, Hb, bias=False)
         self.masked_embedding = CentroidHead(cfg) if cfg.use_ordered_embeddings else None
-        self.greedy_head: fused.GreedyHead | None = (
-            None  # after bind(), on CUDA, for a full (not centroid) head
-        )
+        # after bind(), with the fused ops, for a full (not centroid) head
+        self.greedy_head: fused.GreedyHead | None = None
         self.rotary: Rotary | None = None
         self.optional_weights: set[str] = set()
 
     def bind(self, target_cfg: TextConfig, device) -> None:
+        """Point the layers at the target's KV layers; choose the ops as Gemma4Model.bind does."""
         self.cfg.check_fits(target_cfg)
-        self.rotary = Rotary(self.cfg.text, device)
+        ops = fused.select_ops(device)
+        bind_ops(self, ops)
+        self.rotary = Rotary(self.cfg.text, device, ops)
         for layer in self.model.layers:
             layer.self_attn.kv_layer = target_cfg.store_layer(layer.spec.kind)
-            if torch.device(device).type == "cuda" and fused.kernels() is not None:
-                layer.fuse()
-        lm_head = self.model.embed_tokens.weight
-        if self.masked_embedding is None and fused.GreedyHead.enabled(lm_head):
-            self.greedy_head = fused.GreedyHead(
-                lm_head, lambda logits: logits
-            )  # drafts: argmax of raw logits
+            ops.prepare(layer)
+        if self.masked_embedding is None:  # drafts are the argmax of the raw logits
+            self.greedy_head = ops.greedy_head(
+                self.model.embed_tokens.weight, lambda logits: logits
+            )
 
     @property
     def window(self) -> int:
-        """Visible sliding rows: the last W_a + 1 committed ones (HF's inclusive bidirectional window)."""
+        """Visible sliding rows: the last W_a + 1 committed ones (HF's inclusive bidirectional
+        window)."""
         return self.cfg.text.sliding_window + 1
 
     def greedy_step(
         self, tok_embed: torch.Tensor, hprev: torch.Tensor, rope: dict, ctx: ForwardContext
     ):
-        """One draft step for B sequences -> (draft tokens [B] int64: the first argmax of the logits, next hidden
-        [B, Hb]). `rope`: the per-kind (cos, sin) of the sequences' position P, `self.rotary.cos_sin(P, dtype)`,
-        the same for every step. Few rows on CUDA take the greedy head, which reads most of the LM head as int8
-        and gets the same tokens."""
-        u = fused.linear(torch.cat([tok_embed, hprev], dim=-1), self.pre_projection.weight)
+        """One draft step for B sequences -> (draft tokens [B] int64, next hidden [B, Hb]).
+
+        The tokens are the first argmax of the logits (through the greedy head where there is one).
+        `rope`: the per-kind (cos, sin) at the sequences' position P, `self.rotary.cos_sin(P,
+        dtype)`, the same for every step.
+        """
+        u = self.ops.linear(torch.cat([tok_embed, hprev], dim=-1), self.pre_projection.weight)
         h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
-        return fused.argmax_tokens(self.greedy_head, h, self._logits), fused.linear(
-            h, self.post_projection.weight
-        )
+        tokens = self.ops.argmax_tokens(self.greedy_head, h, self._logits)
+        return tokens, self.ops.linear(h, self.post_projection.weight)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         lm_head = self.model.embed_tokens.weight
         if self.masked_embedding is not None:
             return self.masked_embedding(h, lm_head)
-        return fused.linear(h, lm_head)
+        return self.ops.linear(h, lm_head)
 
     def checkpoint_param_name(self, name: str) -> str | None:
         return None if name == "lm_head.weight" else name

@@ -1,22 +1,37 @@
-"""The fused Triton kernels the model uses on CUDA (gemma4serve_kernels), or None where they cannot run.
+"""The model's ops as the Triton kernels of gemma4serve_kernels (CUDA), and the choice of ops.
 
-The torch ops in layers.py are the reference; the kernels keep the same rounding points. For comparisons:
-GEMMA4SERVE_DISABLE_FUSED=1 runs the reference ops on CUDA too, GEMMA4SERVE_GEMV_MAX_ROWS=0 sends every
-projection to cuBLAS, GEMMA4SERVE_DISABLE_PDL=1 launches the kernels without programmatic dependent launch,
-GEMMA4SERVE_DISABLE_GREEDY_HEAD=1 computes greedy tokens from the full logits (and saves the head's int8 copy).
+`select_ops(device)` picks, once per model in `bind`, `FusedOps` where the kernels run and the torch
+reference `TorchOps` (layers.py) elsewhere. The kernels keep the reference's rounding points.
+
+Switches, for comparisons:
+- GEMMA4SERVE_DISABLE_FUSED=1: the reference ops on CUDA too.
+- GEMMA4SERVE_GEMV_MAX_ROWS=0: every projection goes to cuBLAS.
+- GEMMA4SERVE_DISABLE_PDL=1: kernels launch without programmatic dependent launch.
+- GEMMA4SERVE_DISABLE_GREEDY_HEAD=1: greedy tokens come from the full logits (and the head's int8
+  copy is not made).
 """
 
 from __future__ import annotations
 
 import os
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from gemma4serve.model.layers import MLP, TorchOps
+
+if TYPE_CHECKING:
+    from gemma4serve.model.gemma4 import Attention, DecoderLayer
+
+# Rows up to which `linear` uses the GEMV kernel (capped by its row tile).
+GEMV_MAX_ROWS = int(os.environ.get("GEMMA4SERVE_GEMV_MAX_ROWS", "16"))
+
 
 @cache
 def kernels():
+    """The gemma4serve_kernels module, or None where it cannot run (no CUDA, switched off)."""
     if os.environ.get("GEMMA4SERVE_DISABLE_FUSED") == "1" or not torch.cuda.is_available():
         return None
     try:
@@ -27,79 +42,152 @@ def kernels():
 
 
 def on(x: torch.Tensor):
-    """The kernel module if x lives where the kernels run, else None."""
+    """The kernel module if x lives where the kernels run, else None (for callers outside the
+    model, which has its ops chosen in bind)."""
     return kernels() if x.is_cuda else None
 
 
-# Rows up to which `linear` uses the GEMV kernel (at most its row tile, 16).
-GEMV_MAX_ROWS = int(os.environ.get("GEMMA4SERVE_GEMV_MAX_ROWS", "16"))
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T without bias. Few-row inputs on CUDA (decode, verify, the draft loop) go to the streaming
-    GEMV, so the step stays a chain of Triton kernels that overlap through PDL; the rest go to cuBLAS."""
-    if _gemv_fits(x):
-        return kernels().gemv(x, weight)
-    return F.linear(x, weight)
-
-
-def _gemv_fits(x: torch.Tensor) -> bool:
-    """A few-row 2-D input on CUDA (decode, verify, the draft loop), within the GEMV's row tile."""
-    return on(x) is not None and x.dim() == 2 and x.shape[0] <= gemv_max_rows() and x.stride(1) == 1
-
-
 def gemv_max_rows() -> int:
-    """Rows up to which few-row inputs on CUDA take the GEMV (and the greedy head)."""
+    """Rows up to which few-row inputs take the GEMV (and the greedy head)."""
     return min(GEMV_MAX_ROWS, kernels().GEMV_MAX_ROWS)
 
 
-def gelu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for a fused [gate; up] weight. Few-row inputs: gemv_mlp (the GEMV
-    with the GELU·up epilogue, so no [T, 2I] intermediate, then down; for wide MLPs without a kernel boundary
-    between them); else the GEMM, the activation kernel and the down GEMM."""
-    if _gemv_fits(x):
-        return kernels().gemv_mlp(x, gate_up, down)
-    return F.linear(kernels().gelu_tanh_mul(F.linear(x, gate_up)), down)
+def select_ops(device) -> TorchOps:
+    """FusedOps on a CUDA device where the kernels load, else the reference TorchOps."""
+    if torch.device(device).type == "cuda" and kernels() is not None:
+        return FusedOps()
+    return TorchOps()
 
 
 class GreedyHead:
-    """Greedy tokens of a bf16 LM head and its softcap for few-row inputs, exactly as the argmax of the full
-    logits, reading the head mostly as an int8 copy (kernels/greedy_head.py; the copy costs half the head's
-    memory, 1.4 GB for the 31B)."""
+    """Greedy tokens of a bf16 LM head and its softcap for few-row inputs, exactly the argmax of the
+    full logits, reading the head mostly as an int8 copy (kernels/greedy_head.py). The copy costs
+    half the head's memory."""
 
     def __init__(self, weight: torch.Tensor, softcap):
-        k = kernels()
+        self.kernels = kernels()
         self.weight = weight
-        self.q, self.scale = k.quantize_rows(weight)
-        self.table = k.value_table(softcap, weight.device)
-
-    @staticmethod
-    def enabled(weight: torch.Tensor) -> bool:
-        return (
-            on(weight) is not None
-            and weight.dtype == torch.bfloat16
-            and os.environ.get("GEMMA4SERVE_DISABLE_GREEDY_HEAD") != "1"
-        )
+        self.q, self.scale = self.kernels.quantize_rows(weight)
+        self.table = self.kernels.value_table(softcap, weight.device)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return kernels().greedy_head(hidden, self.weight, self.q, self.scale, self.table)
+        return self.kernels.greedy_head(hidden, self.weight, self.q, self.scale, self.table)
 
 
-def argmax_tokens(head: GreedyHead | None, hidden: torch.Tensor, logits) -> torch.Tensor:
-    """The first argmax of logits(hidden) per row, [T] int64: through the greedy head where it takes these rows
-    (the same tokens, most of the head read as int8)."""
-    if head is not None and _gemv_fits(hidden):
-        return head(hidden)
-    return logits(hidden).argmax(-1)
+class FusedOps(TorchOps):
+    """The model's ops as Triton kernels on CUDA, with TorchOps's methods and rounding points.
 
+    Few-row projections (decode, verify, the draft loop) take the streaming GEMV, so a step stays a
+    chain of Triton kernels that overlap through PDL; larger ones go to cuBLAS.
+    """
 
-def concat_weights(*linears) -> torch.Tensor:
-    """One weight for several projections of the same input (one GEMM instead of several); the original
-    parameters become views into it, so names and the state dict are unchanged and no memory is duplicated."""
-    fused = torch.cat([l.weight for l in linears], dim=0)
-    start = 0
-    for l in linears:
-        n = l.weight.shape[0]
-        l.weight = torch.nn.Parameter(fused[start : start + n], requires_grad=False)
-        start += n
-    return fused
+    def __init__(self):
+        self.kernels = kernels()
+        self.gemv_rows = gemv_max_rows()
+
+    def prepare(self, layer: DecoderLayer) -> None:
+        """Concatenate the layer's q/k/v and gate/up weights (one GEMM each)."""
+        layer.fuse()
+
+    def gemv_fits(self, x: torch.Tensor) -> bool:
+        """A 2-D input of few enough rows for the GEMV's row tile, unit stride along K."""
+        return x.dim() == 2 and x.shape[0] <= self.gemv_rows and x.stride(1) == 1
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.gemv_fits(x):
+            return self.kernels.gemv(x, weight)
+        return F.linear(x, weight)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_norm(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        scale: torch.Tensor | None = None,
+        next_weight: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if next_weight is None:
+            return self.kernels.rmsnorm_residual_add(x, h, weight, eps, scale), None
+        return self.kernels.rmsnorm_residual_add(x, h, weight, eps, scale, next_weight)
+
+    def rope_cos_sin(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+        if positions.is_contiguous():  # one launch instead of seven
+            return self.kernels.rope_tables(inv_freq, positions, dtype)
+        return super().rope_cos_sin(inv_freq, positions, dtype)
+
+    def norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.kernels.rmsnorm_rope(x, weight, cos, sin, eps)
+
+    def project_qkv(
+        self,
+        attn: Attention,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One GEMM over the concatenated weight, then norms, RoPE and the K/V write in one
+        launch."""
+        return self.kernels.qkv_epilogue(
+            self.linear(h, attn.qkv),
+            attn.q_norm.weight,
+            attn.k_norm.weight,
+            cos,
+            sin,
+            attn.eps,
+            k_cache,
+            v_cache,
+            slots,
+            attn.q_proj.weight.shape[0] // attn.spec.head_dim,
+            attn.spec.num_kv_heads,
+            attn.spec.k_eq_v,
+        )
+
+    def gelu_mlp(self, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+        """Few rows: gemv_mlp (the GEMV with the GELU·up epilogue, no [T, 2I] intermediate, then
+        down). Else the GEMM, the activation kernel and the down GEMM."""
+        if self.gemv_fits(x):
+            return self.kernels.gemv_mlp(x, mlp.gate_up, mlp.down_proj.weight)
+        return F.linear(self.kernels.gelu_tanh_mul(F.linear(x, mlp.gate_up)), mlp.down_proj.weight)
+
+    def moe_route(self, logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):
+        return self.kernels.moe_route(logits, per_expert_scale, top_k)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+    ) -> torch.Tensor:
+        """Grouped expert GEMMs, no host sync."""
+        return self.kernels.moe_experts(x, gate_up_proj, down_proj, weights, experts)
+
+    def greedy_head(self, weight: torch.Tensor, softcap) -> GreedyHead | None:
+        """The greedy head of a bf16 LM head, unless GEMMA4SERVE_DISABLE_GREEDY_HEAD=1."""
+        if (
+            weight.dtype != torch.bfloat16
+            or os.environ.get("GEMMA4SERVE_DISABLE_GREEDY_HEAD") == "1"
+        ):
+            return None
+        return GreedyHead(weight, softcap)
+
+    def argmax_tokens(self, head, hidden: torch.Tensor, logits) -> torch.Tensor:
+        """Through the greedy head where it takes these rows (the same tokens)."""
+        if head is not None and self.gemv_fits(hidden):
+            return head(hidden)
+        return logits(hidden).argmax(-1)

@@ -1,7 +1,8 @@
-"""The Gemma 4 text decoder (every released variant) over the paged KV cache (spec §3).
+"""The Gemma 4 text decoder (every released variant) over the paged KV cache (docs/gemma4.md §3).
 
-Module names mirror the HF checkpoint so loading is a prefix strip. The model writes each producer layer's
-new K/V into the pages named by the batch and attends through the backend; it keeps no state of its own.
+Module names mirror the HF checkpoint so loading is a prefix strip. The model writes each producer
+layer's new K/V into the pages named by the batch and attends through the backend; it keeps no state
+of its own. `bind` picks the ops (fused kernels on CUDA, else the torch reference) once.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ from gemma4serve.attention.metadata import AttentionMetadata
 from gemma4serve.config import LayerSpec, TextConfig
 from gemma4serve.kv.cache import KVCache
 from gemma4serve.model import fused
-from gemma4serve.model.fused import linear
 from gemma4serve.model.layers import (
     MLP,
+    REFERENCE_OPS,
     Experts,
     RMSNorm,
     Router,
+    TorchOps,
+    bind_ops,
+    concat_weights,
     gelu_tanh,
-    norm_rope,
-    rms_norm,
-    rope_cos_sin,
     rope_inv_freq,
 )
 
@@ -34,10 +35,12 @@ from gemma4serve.model.layers import (
 class ForwardContext:
     meta: AttentionMetadata
     kv: KVCache
-    attn: object  # an attention backend: .write(...) and .forward(...)
+    attn: object  # an attention backend: .forward(q, k_cache, v_cache, meta, kind)
 
 
 class Attention(nn.Module):
+    ops: TorchOps = REFERENCE_OPS
+
     def __init__(self, cfg: TextConfig, spec: LayerSpec, hidden_size: int):
         super().__init__()
         self.spec = spec
@@ -51,59 +54,31 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, hidden_size, bias=False)
-        self.qkv: torch.Tensor | None = (
-            None  # q, k (and v) projections as one GEMM, after fuse() (CUDA only)
-        )
+        self.qkv: torch.Tensor | None = None  # [q; k (; v)] as one weight, after fuse()
 
     def fuse(self) -> None:
         if not self.spec.kv_shared:
-            self.qkv = fused.concat_weights(
-                *(p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None)
-            )
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            self.qkv = concat_weights(*(p for p in projections if p is not None))
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         T, hd, kind = h.shape[0], self.spec.head_dim, self.spec.kind
         k_cache, v_cache = ctx.kv.layer(self.kv_layer)
-        if self.qkv is not None and (kern := fused.on(h)) is not None:
-            # One GEMM, then q/k norms + RoPE, v_norm and the KV write in one launch.
-            q = kern.qkv_epilogue(
-                linear(h, self.qkv),
-                self.q_norm.weight,
-                self.k_norm.weight,
-                cos,
-                sin,
-                self.eps,
-                k_cache,
-                v_cache,
-                ctx.meta.write_slot[kind],
-                self.q_proj.weight.shape[0] // hd,
-                self.spec.num_kv_heads,
-                self.spec.k_eq_v,
-            )
+        if self.spec.kv_shared:  # reads the K/V of an earlier layer: queries only
+            q = self.ops.linear(h, self.q_proj.weight).view(T, -1, hd)
+            q = self.ops.norm_rope(q, self.q_norm.weight, self.eps, cos, sin)
         else:
-            q = norm_rope(
-                linear(h, self.q_proj.weight).view(T, -1, hd),
-                self.q_norm.weight,
-                self.eps,
-                cos,
-                sin,
-            )
-            if not self.spec.kv_shared:
-                raw_k = linear(h, self.k_proj.weight).view(T, -1, hd)
-                raw_v = (
-                    raw_k if self.v_proj is None else linear(h, self.v_proj.weight).view(T, -1, hd)
-                )
-                k = norm_rope(raw_k, self.k_norm.weight, self.eps, cos, sin)
-                # v_norm: no learned scale, no rotation (k_eq_v: V is the normed raw k_proj output)
-                v = rms_norm(raw_v, None, self.eps)
-                ctx.attn.write(k_cache, v_cache, k, v, ctx.meta.write_slot[kind])
+            slots = ctx.meta.write_slot[kind]
+            q = self.ops.project_qkv(self, h, cos, sin, k_cache, v_cache, slots)
         out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
-        return linear(out.reshape(T, -1), self.o_proj.weight)
+        return self.ops.linear(out.reshape(T, -1), self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
+    ops: TorchOps = REFERENCE_OPS
+
     def __init__(self, cfg: TextConfig, spec: LayerSpec):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -132,19 +107,17 @@ class DecoderLayer(nn.Module):
         self.self_attn.fuse()
         self.mlp.fuse()
 
-    @staticmethod
     def _add_norm(
-        x, h, norm: RMSNorm, scale: torch.Tensor | None = None, next_norm: RMSNorm | None = None
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        norm: RMSNorm,
+        scale: torch.Tensor | None = None,
+        next_norm: RMSNorm | None = None,
     ):
-        """(x + RMSNorm(h)) * scale, and the next sublayer's normed input of that: one launch on CUDA."""
-        if (k := fused.on(x)) is not None:
-            if next_norm is None:
-                return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale), None
-            return k.rmsnorm_residual_add(x, h, norm.weight, norm.eps, scale, next_norm.weight)
-        x = x + norm(h)
-        if scale is not None:
-            x = x * scale
-        return x, (next_norm(x) if next_norm is not None else None)
+        """(x + norm(h)) * scale, and next_norm of that (None without next_norm)."""
+        next_weight = next_norm.weight if next_norm is not None else None
+        return self.ops.add_norm(x, h, norm.weight, norm.eps, scale, next_weight)
 
     def forward(
         self,
@@ -156,8 +129,8 @@ class DecoderLayer(nn.Module):
         normed: torch.Tensor | None,
         next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x -> (x after the layer, next_norm of it). `normed` is this layer's input norm of x when the previous
-        layer already computed it."""
+        """x -> (x after the layer, next_norm of it). `normed`: this layer's input norm of x, when
+        the previous layer already computed it."""
         h = self.self_attn(normed if normed is not None else self.input_layernorm(x), cos, sin, ctx)
         x, h_ff = self._add_norm(
             x, h, self.post_attention_layernorm, next_norm=self.pre_feedforward_layernorm
@@ -168,17 +141,16 @@ class DecoderLayer(nn.Module):
             weights, experts = self.router(residual)
             moe_out = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
-        if (
-            not self.ple
-        ):  # layer_scalar scales the whole residual stream, after PLE when there is one
+        # layer_scalar scales the whole residual stream, after PLE when there is one
+        if not self.ple:
             return self._add_norm(
                 residual, h, self.post_feedforward_layernorm, self.layer_scalar, next_norm
             )
         x, _ = self._add_norm(residual, h, self.post_feedforward_layernorm)
-        g = gelu_tanh(self.per_layer_input_gate(x)) * ple
+        gate = gelu_tanh(self.per_layer_input_gate(x)) * ple
         return self._add_norm(
             x,
-            self.per_layer_projection(g),
+            self.per_layer_projection(gate),
             self.post_per_layer_input_norm,
             self.layer_scalar,
             next_norm,
@@ -188,7 +160,8 @@ class DecoderLayer(nn.Module):
 def run_layers(
     layers, x, rope: dict, ctx: ForwardContext, final_norm: RMSNorm, ple=None
 ) -> torch.Tensor:
-    """The decoder stack; each layer also produces the next one's normed input (the last: the final norm)."""
+    """The decoder stack; each layer also produces the next one's normed input (the last one: the
+    final norm's)."""
     normed = None
     for i, layer in enumerate(layers):
         cos, sin = rope[layer.spec.kind]
@@ -198,13 +171,19 @@ def run_layers(
 
 
 class Rotary:
-    """fp32 inverse frequencies per layer type (kept out of the state dict so a bf16 cast never touches them)."""
+    """RoPE tables per layer type. The fp32 inverse frequencies stay out of the state dict, so a
+    bf16 cast never touches them."""
 
-    def __init__(self, cfg: TextConfig, device):
+    def __init__(self, cfg: TextConfig, device, ops: TorchOps):
+        self.ops = ops
         self.inv_freq = {kind: rope_inv_freq(spec).to(device) for kind, spec in cfg.rope.items()}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
-        return {kind: rope_cos_sin(inv, positions, dtype) for kind, inv in self.inv_freq.items()}
+        """kind -> (cos, sin) [T, head_dim] at `positions`, in `dtype`."""
+        return {
+            kind: self.ops.rope_cos_sin(inv, positions, dtype)
+            for kind, inv in self.inv_freq.items()
+        }
 
 
 _TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
@@ -212,7 +191,10 @@ _SHARED_KV_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)
 
 
 class Gemma4Model(nn.Module):
-    """Target decoder: `forward` returns the final-normed hidden states, `logits` applies the tied head."""
+    """Target decoder: `forward` returns the final-normed hidden states, `logits` applies the tied
+    head."""
+
+    ops: TorchOps = REFERENCE_OPS
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -227,20 +209,23 @@ class Gemma4Model(nn.Module):
             self.per_layer_model_projection = nn.Linear(H, L * D, bias=False)
             self.per_layer_projection_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary: Rotary | None = None
-        self.greedy_head: fused.GreedyHead | None = None  # after bind(), on CUDA (bf16)
+        self.greedy_head: fused.GreedyHead | None = None  # after bind(), with the fused ops (bf16)
         self.optional_weights: set[str] = set()
 
     def bind(self, device) -> None:
-        """Set up what is not a weight (RoPE tables, fused projections) on the device the weights live on."""
-        self.rotary = Rotary(self.cfg, device)
-        if torch.device(device).type == "cuda" and fused.kernels() is not None:
-            for layer in self.layers:
-                layer.fuse()
-            if fused.GreedyHead.enabled(self.embed_tokens.weight):
-                self.greedy_head = fused.GreedyHead(self.embed_tokens.weight, self.softcap)
+        """Choose the ops for `device`, where the weights live (fused kernels on CUDA, else the
+        torch reference), and set up what is not a weight: RoPE tables, the weight layout those ops
+        read, the greedy head."""
+        ops = fused.select_ops(device)
+        bind_ops(self, ops)
+        self.rotary = Rotary(self.cfg, device, ops)
+        for layer in self.layers:
+            ops.prepare(layer)
+        self.greedy_head = ops.greedy_head(self.embed_tokens.weight, self.softcap)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The scaled embedding E[ids] * dtype(sqrt(H)); the drafter embeds its tokens with it too."""
+        """The scaled embedding E[ids] * dtype(sqrt(H)); the drafter embeds its tokens with it
+        too."""
         w = self.embed_tokens.weight
         return w[ids] * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(w.dtype)
 
@@ -263,17 +248,18 @@ class Gemma4Model(nn.Module):
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the cap)."""
-        return self.softcap(linear(hidden, self.embed_tokens.weight))
+        """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the
+        cap)."""
+        return self.softcap(self.ops.linear(hidden, self.embed_tokens.weight))
 
     def softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The first argmax of logits(hidden) per row, [T] int64. Few rows on CUDA take the greedy head, which
-        reads most of the head as int8 and gets the same tokens."""
-        return fused.argmax_tokens(self.greedy_head, hidden, self.logits)
+        """The first argmax of logits(hidden) per row, [T] int64. Few rows take the greedy head
+        where there is one: it reads most of the head as int8 and gets the same tokens."""
+        return self.ops.argmax_tokens(self.greedy_head, hidden, self.logits)
 
     def checkpoint_param_name(self, name: str) -> str | None:
         """Checkpoint tensor name -> our parameter name, or None to skip it."""
@@ -283,7 +269,7 @@ class Gemma4Model(nn.Module):
             if name.startswith(prefix):
                 name = name[len(prefix) :]
                 break
-        m = _SHARED_KV_PARAM.match(name)
-        if m and self.cfg.layers[int(m.group(1))].kv_shared:
+        match = _SHARED_KV_PARAM.match(name)
+        if match and self.cfg.layers[int(match.group(1))].kv_shared:
             return None  # dead k/v weights some E2B/E4B checkpoints carry on KV-shared layers
         return name

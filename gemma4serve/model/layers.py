@@ -1,19 +1,27 @@
-"""The building blocks of a Gemma 4 decoder layer, with HF 5.17's rounding points (spec §2–5)."""
+"""The building blocks of a Gemma 4 decoder layer and the torch reference of its ops.
+
+The reference keeps HF 5.17's rounding points (docs/gemma4.md §2–5). `TorchOps` runs every op in
+plain torch; `fused.FusedOps` runs the same ops as Triton kernels on CUDA. The model picks one in
+`bind` and hands it to each module as `self.ops`; a module that was never bound (a test's
+reference) runs `TorchOps`.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gemma4serve.config import RopeSpec, TextConfig
-from gemma4serve.model import fused
+
+if TYPE_CHECKING:
+    from gemma4serve.model.gemma4 import Attention, DecoderLayer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Gemma 4 RMSNorm: fp32 inside, `pow(., -0.5)`, scale by w (not 1 + w), cast back."""
-    if (k := fused.on(x)) is not None:
-        return k.rms_norm(x, weight, eps)
     y = x.float()
     y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
@@ -21,39 +29,242 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def rope_inv_freq(spec: RopeSpec) -> torch.Tensor:
+    """fp32 inverse frequencies; proportional RoPE zeroes the pairs past `rotated_pairs` (they pass
+    through unrotated)."""
+    hd = spec.head_dim
+    exponents = torch.arange(0, 2 * spec.rotated_pairs, 2, dtype=torch.int64).float() / hd
+    inv = 1.0 / (spec.theta**exponents)
+    return torch.cat([inv, torch.zeros(hd // 2 - spec.rotated_pairs)])
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin at `positions` in fp32, rounded to the model dtype (docs/gemma4.md §4)."""
+    theta = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([theta, theta], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (NeoX) rotation of x [T, heads, hd] with cos/sin [T, hd]; dim d pairs with
+    d + hd/2."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Store the new rows' K/V [T, nkv, hd] at their physical slots (page * page_size + offset) of
+    the caches [num_pages, page_size, nkv, hd]. Every slot must be a real one (>= 0)."""
+    nkv, hd = k_cache.shape[-2:]
+    k_cache.view(-1, nkv, hd).index_copy_(0, slots, k)
+    v_cache.view(-1, nkv, hd).index_copy_(0, slots, v)
+
+
+def moe_route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):
+    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k]): softmax over all experts
+    in fp32, top-k, renormalised, times the learned per-expert scale (docs/gemma4.md §5)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return weights * per_expert_scale[experts], experts
+
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+) -> torch.Tensor:
+    """Each token's k expert MLPs, weighted and summed in fp32, rounded once (HF grouped_mm)."""
+    num_tokens, top_k = experts.shape
+    flat = experts.reshape(-1)
+    # Sort the (token, slot) pairs by expert so each expert runs one GEMM over its tokens.
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat, minlength=gate_up_proj.shape[0])
+    xs = x[token_of]
+    out = torch.empty(num_tokens * top_k, x.shape[-1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gate, up = F.linear(xs[rows], gate_up_proj[e]).chunk(2, dim=-1)
+        out[rows] = F.linear(gelu_tanh(gate) * up, down_proj[e]).float()
+        start += n
+    per_slot = torch.empty_like(out)
+    per_slot[order] = out
+    per_slot = per_slot.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
+    return per_slot.sum(1).to(x.dtype)
+
+
+class TorchOps:
+    """The model's ops in plain torch: the reference, on any device.
+
+    `fused.FusedOps` has the same methods with the same arguments. Methods that take a module read
+    the weights that implementation needs from it.
+    """
+
+    def prepare(self, layer: DecoderLayer) -> None:
+        """Lay out a decoder layer's weights for these ops: the reference reads each projection's
+        own weight, so nothing changes."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T, no bias."""
+        return F.linear(x, weight)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_norm(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        scale: torch.Tensor | None = None,
+        next_weight: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x + rms_norm(h; weight)) * scale, and the next sublayer's norm of it (None without
+        next_weight)."""
+        x = x + rms_norm(h, weight, eps)
+        if scale is not None:
+            x = x * scale
+        return x, (rms_norm(x, next_weight, eps) if next_weight is not None else None)
+
+    def rope_cos_sin(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(inv_freq, positions, dtype)
+
+    def norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """apply_rope(rms_norm(x; weight)): the per-head q/k norms and RoPE."""
+        return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+    def project_qkv(
+        self,
+        attn: Attention,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [T, nh, hd] of a layer that writes K/V: q = RoPE(q_norm(q)), K = RoPE(k_norm(k)),
+        V = v_norm(v) (the raw k on k_eq_v layers), and K/V stored in the caches at `slots`."""
+        T, hd, eps = h.shape[0], attn.spec.head_dim, attn.eps
+        q = F.linear(h, attn.q_proj.weight).view(T, -1, hd)
+        q = apply_rope(rms_norm(q, attn.q_norm.weight, eps), cos, sin)
+        raw_k = F.linear(h, attn.k_proj.weight).view(T, -1, hd)
+        raw_v = raw_k if attn.v_proj is None else F.linear(h, attn.v_proj.weight).view(T, -1, hd)
+        k = apply_rope(rms_norm(raw_k, attn.k_norm.weight, eps), cos, sin)
+        v = rms_norm(raw_v, None, eps)  # v_norm: no learned scale, no rotation
+        write_kv(k_cache, v_cache, k, v, slots)
+        return q
+
+    def gelu_mlp(self, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+        """down(gelu_tanh(gate(x)) * up(x))."""
+        return mlp.down_proj(gelu_tanh(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    def moe_route(self, logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):
+        return moe_route(logits, per_expert_scale, top_k)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+    ) -> torch.Tensor:
+        return moe_experts(x, gate_up_proj, down_proj, weights, experts)
+
+    def greedy_head(self, weight: torch.Tensor, softcap):
+        """A head that finds greedy tokens without the full logits, or None (the reference has
+        none)."""
+        return None
+
+    def argmax_tokens(self, head, hidden: torch.Tensor, logits) -> torch.Tensor:
+        """The first argmax of logits(hidden) per row, [T] int64."""
+        return logits(hidden).argmax(-1)
+
+
+REFERENCE_OPS = TorchOps()
+
+
+def bind_ops(model: nn.Module, ops: TorchOps) -> None:
+    """Hand `ops` to every submodule of `model` that runs ops (those with an `ops` attribute)."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
+
+
+def concat_weights(*linears: nn.Linear) -> torch.Tensor:
+    """One weight for several projections of the same input (one GEMM instead of several).
+
+    The original parameters become views into it, so names and the state dict are unchanged and no
+    memory is duplicated.
+    """
+    fused = torch.cat([linear.weight for linear in linears], dim=0)
+    start = 0
+    for linear in linears:
+        n = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(fused[start : start + n], requires_grad=False)
+        start += n
+    return fused
+
+
 class RMSNorm(nn.Module):
+    ops: TorchOps = REFERENCE_OPS
+
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):
+    ops: TorchOps = REFERENCE_OPS
+
     def __init__(self, hidden: int, width: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.up_proj = nn.Linear(hidden, width, bias=False)
         self.down_proj = nn.Linear(width, hidden, bias=False)
-        self.gate_up: torch.Tensor | None = None
+        self.gate_up: torch.Tensor | None = None  # [gate; up] as one weight, after fuse()
 
     def fuse(self) -> None:
-        self.gate_up = fused.concat_weights(self.gate_proj, self.up_proj)
+        self.gate_up = concat_weights(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None and fused.on(x) is not None:
-            return fused.gelu_mlp(x, self.gate_up, self.down_proj.weight)
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        return self.ops.gelu_mlp(self, x)
 
 
 class Router(nn.Module):
-    """Softmax over all experts in fp32, top-k, renormalise, times the learned per-expert scale (spec §5)."""
+    """Top-k experts per token and their weights (docs/gemma4.md §5)."""
+
+    ops: TorchOps = REFERENCE_OPS
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -65,83 +276,26 @@ class Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
 
     def forward(self, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        z = rms_norm(residual, None, self.eps) * self.scale * self.root_size
-        if (k := fused.on(z)) is not None:  # softmax, top-k, renormalise and scale in one launch
-            weights, experts = k.moe_route(self.proj(z), self.per_expert_scale, self.top_k)
-            return weights, experts
-        probs = torch.softmax(self.proj(z), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
-        return weights * self.per_expert_scale[experts], experts
+        z = self.ops.rms_norm(residual, None, self.eps) * self.scale * self.root_size
+        return self.ops.moe_route(self.proj(z), self.per_expert_scale, self.top_k)
 
 
 class Experts(nn.Module):
-    """Expert GEMMs with each token's k weighted outputs summed in fp32 and rounded once (HF grouped_mm)."""
+    """The expert MLPs; each token's k weighted outputs are summed in fp32 and rounded once."""
+
+    ops: TorchOps = REFERENCE_OPS
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
-        E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
-        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        num_experts, width, hidden = (
+            cfg.num_experts,
+            cfg.moe_intermediate_size,
+            cfg.hidden_size,
+        )
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
-        if (k := fused.on(x)) is not None:  # grouped expert GEMMs, no host sync
-            return k.moe_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
-        T, K = experts.shape
-        flat = experts.reshape(-1)
-        # Sort the (token, slot) pairs by expert so each expert runs one GEMM over its tokens.
-        order = torch.argsort(flat, stable=True)
-        token_of = order // K
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
-        xs = x[token_of]
-        out = torch.empty(T * K, x.shape[-1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in enumerate(
-            counts.tolist()
-        ):  # reference path; the GPU path uses a grouped kernel
-            if n == 0:
-                continue
-            rows = slice(start, start + n)
-            gate, up = F.linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            out[rows] = F.linear(gelu_tanh(gate) * up, self.down_proj[e]).float()
-            start += n
-        per_slot = torch.empty_like(out)
-        per_slot[order] = out
-        per_slot = per_slot.view(T, K, -1) * weights.unsqueeze(-1)
-        return per_slot.sum(1).to(x.dtype)
-
-
-def rope_inv_freq(spec: RopeSpec) -> torch.Tensor:
-    """fp32 inverse frequencies; proportional RoPE zeroes the pairs past `rotated_pairs` (they pass through)."""
-    hd = spec.head_dim
-    inv = 1.0 / (
-        spec.theta ** (torch.arange(0, 2 * spec.rotated_pairs, 2, dtype=torch.int64).float() / hd)
-    )
-    return torch.cat([inv, torch.zeros(hd // 2 - spec.rotated_pairs)])
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin at `positions` in fp32, rounded to the model dtype (spec §4)."""
-    if (k := fused.on(positions)) is not None and positions.is_contiguous():
-        return k.rope_tables(inv_freq, positions, dtype)  # one launch instead of seven
-    theta = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([theta, theta], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def norm_rope(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
-):
-    """apply_rope(rms_norm(x; weight)) for the per-head q/k norms, one launch on CUDA."""
-    if (k := fused.on(x)) is not None:
-        return k.rmsnorm_rope(x, weight, cos, sin, eps)
-    return apply_rope(rms_norm(x, weight, eps), cos, sin)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split (NeoX) rotation of x [T, heads, hd] with cos/sin [T, hd]; dim d pairs with d + hd/2."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+        return self.ops.moe_experts(x, self.gate_up_proj, self.down_proj, weights, experts)

@@ -1,8 +1,9 @@
-"""The parity, MTP and CUDA-graph suites on a GPU in bf16: our kernels and graphs against transformers 5.17.
+"""The parity, MTP and CUDA-graph suites on a GPU in bf16: our kernels and graphs against HF 5.17.
 
-bf16 results of different (correct) kernels differ in the last bits, and bf16 logits above 16 are spaced
-0.125 apart, so greedy paths may part at a near-tie (spec §3.7, §9.2). Where two greedy runs differ, the
-test asserts that the first difference is such a tie under an fp32 oracle, and compares nothing after it.
+bf16 results of different (correct) kernels differ in the last bits, and bf16 logits above 16 are
+spaced 0.125 apart, so greedy paths may part at a near-tie (docs/gemma4.md §3.7, §9.2). Where two
+greedy runs differ, the test asserts that the first difference is such a tie under an fp32 oracle,
+and compares nothing after it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ VARIANTS = ["dense", "moe", "ple"]
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def ckpt(request, tiny_checkpoints):
-    v = request.param
-    return v, tiny_checkpoints.get(v), tiny_checkpoints.get_assistant(v)
+    variant = request.param
+    return variant, tiny_checkpoints.get(variant), tiny_checkpoints.get_assistant(variant)
 
 
 def gpu_llm(target, draft=None, **kw) -> LLM:
@@ -39,8 +40,11 @@ def gpu_llm(target, draft=None, **kw) -> LLM:
 def assert_same_or_near_tie(
     got: list[int], want: list[int], prompt: list[int], judge, noisy
 ) -> None:
-    """Equal, or parting where the two tokens are a tie within bf16's own noise: their fp32-oracle logit gap
-    is smaller than twice the largest difference between HF's bf16 logits (`noisy`) and the oracle there."""
+    """Assert equal runs, or runs parting where the two tokens tie within bf16's own noise.
+
+    A tie: their fp32-oracle logit gap is smaller than twice the largest difference between HF's
+    bf16 logits (`noisy`) and the oracle there.
+    """
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
             ctx = prompt + want[:i]
@@ -55,9 +59,11 @@ def assert_same_or_near_tie(
 
 
 def test_bf16_logits_match_hf(ckpt):
-    """Our bf16 logits are as close to the fp32 oracle as HF's own bf16 run is (eager or sdpa, whichever is
-    closer): the kernels add no error beyond bf16's."""
-    v, target, _ = ckpt
+    """Our bf16 logits are as close to the fp32 oracle as HF's own bf16 run is.
+
+    HF runs eager or sdpa, whichever is closer: the kernels add no error beyond bf16's.
+    """
+    variant, target, _ = ckpt
     llm = gpu_llm(target, enforce_eager=True)
     prompt = prompt_of(3 * llm.engine.cfg.sliding_window + 5, seed=1)
     ref = hf_logits(load_hf_target(target, dtype=torch.float32, device="cuda"), prompt)
@@ -73,15 +79,15 @@ def test_bf16_logits_match_hf(ckpt):
     whole = engine_logits(llm, prompt, chunk=len(prompt))
     chunked = engine_logits(llm, prompt, chunk=llm.engine.cfg.sliding_window - 3)
     print(
-        f"{v}: rel err vs fp32 oracle: ours {rel_err(whole, ref):.4f} / chunked {rel_err(chunked, ref):.4f}, "
-        f"HF bf16 {hf_err:.4f}"
+        f"{variant}: rel err vs fp32 oracle: ours {rel_err(whole, ref):.4f} / "
+        f"chunked {rel_err(chunked, ref):.4f}, HF bf16 {hf_err:.4f}"
     )
     assert rel_err(whole, ref) <= max(2 * hf_err, 1e-2)
     assert rel_err(chunked, ref) <= max(2 * hf_err, 1e-2)
 
 
 def test_bf16_greedy_matches_hf(ckpt):
-    v, target, _ = ckpt
+    variant, target, _ = ckpt
     llm = gpu_llm(target)
     judge = load_hf_target(target, dtype=torch.float32, device="cuda")
     hf = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
@@ -97,10 +103,13 @@ def test_bf16_greedy_matches_hf(ckpt):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_cuda_graph_replay_equals_eager(ckpt, batch):
-    """Token for token. The adaptive draft length is off in both: it sets k from the graphs' measured replay
-    times (eager keeps k fixed), so with it the two would run different verify steps, whose bf16 results agree
-    only up to near-ties (test_mtp_greedy_equals_plain_bf16 covers that)."""
-    v, target, assistant = ckpt
+    """Token for token.
+
+    The adaptive draft length is off in both: it sets k from the graphs' measured replay times
+    (eager keeps k fixed), so with it the two would run different verify steps, whose bf16 results
+    agree only up to near-ties (test_mtp_greedy_equals_plain_bf16 covers that).
+    """
+    variant, target, assistant = ckpt
     prompts = [prompt_of(n, seed=n) for n in (3, 17, 29, 41)[:batch]]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for draft in (None, assistant):
@@ -113,9 +122,11 @@ def test_cuda_graph_replay_equals_eager(ckpt, batch):
 
 
 def test_greedy_head_equals_full_logits(ckpt, monkeypatch):
-    """Greedy tokens from the greedy head (graph variants and eager steps) = the argmax of the full logits, token
-    for token, with and without the drafter: the head is exact, not a near-tie approximation."""
-    v, target, assistant = ckpt
+    """Greedy-head tokens (graph variants and eager steps) = the argmax of the full logits.
+
+    Token for token, with and without the drafter: the head is exact, not a near-tie approximation.
+    """
+    variant, target, assistant = ckpt
     prompts = [prompt_of(n, seed=n) for n in (3, 17, 29, 41)]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for draft in (None, assistant):
@@ -135,7 +146,7 @@ def test_greedy_head_equals_full_logits(ckpt, monkeypatch):
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_mtp_greedy_equals_plain_bf16(ckpt, k):
-    v, target, assistant = ckpt
+    variant, target, assistant = ckpt
     judge = load_hf_target(target, dtype=torch.float32, device="cuda")
     noisy = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
     spec = gpu_llm(target, assistant, num_draft_tokens=k)
@@ -152,9 +163,11 @@ def test_mtp_greedy_equals_plain_bf16(ckpt, k):
 
 
 def test_async_scheduling_equals_sync(ckpt):
-    """Steps queued on the device before the previous step's tokens are read (graph replays fed from device
-    outputs) emit exactly what the synchronous engine emits, for requests that end at different steps."""
-    v, target, assistant = ckpt
+    """Steps queued before the previous step's tokens are read emit what the sync engine emits.
+
+    These are graph replays fed from device outputs, for requests that end at different steps.
+    """
+    variant, target, assistant = ckpt
     prompts = [prompt_of(n, seed=n) for n in (3, 17, 29, 41)]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 24, 31)]
     params.append(
@@ -163,9 +176,9 @@ def test_async_scheduling_equals_sync(ckpt):
         )
     )
     for draft, forced in ((None, None), (assistant, None), (assistant, 4.0)):
-        # A fixed k: the adaptive draft length decides from step costs each engine measures at start, so two
-        # engines could pick different k for a batch size and round a token differently (verify rows vs
-        # 1-token rows), which is not what this test is about.
+        # A fixed k: the adaptive draft length decides from step costs each engine measures at
+        # start, so two engines could pick different k for a batch size and round a token
+        # differently (verify rows vs 1-token rows), which is not what this test is about.
         kw = dict(num_draft_tokens=3, forced_acceptance=forced, adaptive_draft_length=False)
         on, off = gpu_llm(target, draft, **kw), gpu_llm(target, draft, async_scheduling=False, **kw)
         free0 = on.engine.kv_pool_free()
@@ -177,11 +190,14 @@ def test_async_scheduling_equals_sync(ckpt):
 
 
 def test_adaptive_draft_length_switches_graphs(ckpt):
-    """Drafting off for a batch and on for a lone sequence (given step costs): graphed steps switch between
-    the 1-token and the verify graphs both ways and emit the synchronous, fixed-k engine's tokens."""
+    """Drafting off for a batch and on for a lone sequence (given step costs).
+
+    Graphed steps switch between the 1-token and the verify graphs both ways and emit the
+    synchronous, fixed-k engine's tokens.
+    """
     from gemma4serve.engine.spec import DraftLength, StepCost
 
-    v, target, assistant = ckpt
+    variant, target, assistant = ckpt
     prompts = [prompt_of(n, seed=n) for n in (5, 12, 19, 26)]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 8, 8, 8)]
     adaptive = gpu_llm(target, assistant, num_draft_tokens=3)
@@ -198,8 +214,8 @@ def test_adaptive_draft_length_switches_graphs(ckpt):
     b = [o.token_ids for o in fixed.generate(prompts, params)]
     for p, x, y in zip(prompts, a, b):  # 1-token and verify rows may round differently in bf16
         assert_same_or_near_tie(x, y, p, judge, noisy)
-    st = adaptive.engine.snapshot()
-    assert 0 < st.spec_num_steps < st.seq_steps
+    stats = adaptive.engine.snapshot()
+    assert 0 < stats.spec_num_steps < stats.seq_steps
 
 
 def _jit_functions():
@@ -212,15 +228,17 @@ def _jit_functions():
 
 
 def test_no_kernel_compiles_while_serving(ckpt):
-    """After start-up (graph capture, then one eager step per chunk-length bucket), prompts of any length, alone
-    and batched, with drafts, run on kernels compiled already: a compile would stall every running request
-    (about a second each on a cold cache). The in-process kernel caches start empty here, so variants that
-    earlier tests compiled do not hide a missing warm-up."""
-    v, target, assistant = ckpt
+    """After start-up, prompts of any length run on kernels compiled already.
+
+    Start-up is graph capture, then one eager step per chunk-length bucket; prompts run alone and
+    batched, with drafts. A compile would stall every running request (about a second each on a
+    cold cache). The in-process kernel caches start empty here, so variants that earlier tests
+    compiled do not hide a missing warm-up.
+    """
+    variant, target, assistant = ckpt
     fns = _jit_functions()
-    saved = {
-        f: dict(f.device_caches) for f in fns
-    }  # kept alive: earlier graphs may still point at them
+    # Kept alive: earlier graphs may still point at them.
+    saved = {f: dict(f.device_caches) for f in fns}
     try:
         for f in fns:
             f.device_caches.clear()

@@ -1,9 +1,10 @@
-"""The Triton kernels on CUDA at the real Gemma 4 shapes, in bf16, plus CUDA-graph capture of a decode step.
+"""The Triton kernels on CUDA at the real Gemma 4 shapes in bf16, and CUDA-graph capture of a step.
 
-31B attention: 32 query heads; sliding layers hd 256 / 16 KV heads / W 1024, full layers hd 512 / 4 KV heads.
-26B-A4B MoE: 128 experts, top-8, H 2816, expert width 704. References: the torch attention backend in fp32 on
-the same bf16 inputs (the kernel keeps scores in fp32, so it is closer to that than the bf16 eager path), and
-gemma4serve/model/layers.py run on CPU for the rest (on CUDA, layers.py dispatches to these very kernels).
+31B attention: 32 query heads; sliding layers hd 256 / 16 KV heads / W 1024, full layers hd 512 /
+4 KV heads. 26B-A4B MoE: 128 experts, top-8, H 2816, expert width 704. References: the torch
+attention backend in fp32 on the same bf16 inputs (the kernel keeps scores in fp32, so it is closer
+to that than the bf16 eager path), and gemma4serve/model/layers.py run on CPU for the rest (on
+CUDA, layers.py dispatches to these very kernels).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ SHAPES = {
 
 
 def _contexts(B, seed, lo=1000, hi=4000):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(lo, hi, (B,), generator=g).tolist()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, (B,), generator=generator).tolist()
 
 
 def _seqs(phase, B, seed=0):
@@ -97,20 +98,22 @@ def _batch(shape, seqs, window=None, seed=0):
         device=DEV,
         seed=seed,
     )
-    # Raw randn scores have std sqrt(hd): the softmax would be nearly one-hot. Soften it so the test checks a
-    # real weighted sum.
+    # Raw randn scores have std sqrt(hd): the softmax would be nearly one-hot. Soften it so the
+    # test checks a real weighted sum.
     q = (q.float() * s["hd"] ** -0.5 * 2).to(BF16)
     return q, kc, vc, meta
 
 
 def _reference(q, kc, vc, meta):
-    """The torch backend in fp32, one sequence group at a time (its per-token gather would need tens of GB for
-    a whole batch at these shapes)."""
+    """The torch backend in fp32, one sequence group at a time.
+
+    Its per-token gather would need tens of GB for a whole batch at these shapes.
+    """
     q, kc, vc = q.float(), kc.float(), vc.float()
     cu = meta.cu_seqlens_q.tolist()
     out = torch.empty_like(q)
-    for g in range(len(cu) - 1):
-        r0, r1 = cu[g], cu[g + 1]
+    for group in range(len(cu) - 1):
+        r0, r1 = cu[group], cu[group + 1]
         sub = dataclasses.replace(
             meta,
             token_seq=meta.token_seq[r0:r1],
@@ -149,7 +152,7 @@ def test_attention_real_shapes(shape, phase, B):
 
 @pytest.mark.parametrize("shape", ["sliding", "full"])
 def test_attention_drafter_real_shapes(shape):
-    """Drafter reads: one row per sequence at kv_end = P; sliding window W_a + 1 = 1025 (full: unlimited)."""
+    """Drafter reads: one row per sequence at kv_end = P; sliding window W_a + 1 = 1025."""
     window = 1025 if shape == "sliding" else 0
     seqs = [(L + 3, [L]) for L in _contexts(8, seed=5)]
     q, kc, vc, meta = _batch(shape, seqs, window=window)
@@ -182,12 +185,15 @@ def _last_slots(meta, page_size, kv_end):
 @pytest.mark.parametrize("shape", ["sliding", "full"])
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_decode_step_cuda_graph(shape, q_len):
-    """write + attention of a batch-8 decode (q_len 1) or verify (5) step captured once, replayed on new inputs:
-    equal to eager. Before each replay the slots the step writes hold NaN: attention starts reading K/V before
-    its producer (the write) finishes, so it must read this step's own keys again after waiting."""
+    """A captured write + attention step, replayed on new inputs, equals eager.
+
+    The step is a batch-8 decode (q_len 1) or verify (5). Before each replay the slots the step
+    writes hold NaN: attention starts reading K/V before its producer (the write) finishes, so it
+    must read this step's own keys again after waiting.
+    """
     backend = TritonAttention()
-    # The pool holds 800 positions past each row, so later steps can move kv_end forward in place (moving it
-    # back would put the sliding window on pages the builder freed).
+    # The pool holds 800 positions past each row, so later steps can move kv_end forward in place
+    # (moving it back would put the sliding window on pages the builder freed).
     q, kc, vc, meta = _batch(
         shape, [(L + 800, list(range(L - q_len + 1, L + 1))) for L in _contexts(8, seed=2)]
     )
@@ -229,13 +235,13 @@ def test_decode_step_cuda_graph(shape, q_len):
         _check_attention(static_out, q, kc, vc, meta)
 
 
-# ---------------------------------------------------------------------------------------------- norms / act
+# -------------------------------------------------------------------------------------- norms / act
 def test_norms_real_shapes():
-    g = torch.Generator(DEV).manual_seed(0)
+    generator = torch.Generator(DEV).manual_seed(0)
     H = 5376
-    x = torch.randn(32, H, generator=g, device=DEV).to(BF16)
-    h = (torch.randn(32, H, generator=g, device=DEV) * 5).to(BF16)
-    w = (torch.rand(H, generator=g, device=DEV) * 2).to(BF16)
+    x = torch.randn(32, H, generator=generator, device=DEV).to(BF16)
+    h = (torch.randn(32, H, generator=generator, device=DEV) * 5).to(BF16)
+    w = (torch.rand(H, generator=generator, device=DEV) * 2).to(BF16)
     scalar = torch.tensor([0.6], device=DEV, dtype=BF16)
     _assert_rounding_close(k_rms_norm(h, w, 1e-6), on_cpu(rms_norm, h, w, 1e-6))
     _assert_rounding_close(k_rms_norm(h, None, 1e-6), on_cpu(rms_norm, h, None, 1e-6))
@@ -251,11 +257,11 @@ def test_norms_real_shapes():
     "heads,hd,theta,pairs", [(32, 256, 1e4, 128), (32, 512, 1e6, 64), (16, 256, 1e4, 128)]
 )
 def test_rmsnorm_rope_real_shapes(heads, hd, theta, pairs):
-    g = torch.Generator(DEV).manual_seed(1)
+    generator = torch.Generator(DEV).manual_seed(1)
     T = 40
-    x = (torch.randn(T, heads, hd, generator=g, device=DEV) * 3).to(BF16)
-    w = (torch.rand(hd, generator=g, device=DEV) * 2).to(BF16)
-    pos = torch.randint(0, 100000, (T,), generator=g, device=DEV)
+    x = (torch.randn(T, heads, hd, generator=generator, device=DEV) * 3).to(BF16)
+    w = (torch.rand(hd, generator=generator, device=DEV) * 2).to(BF16)
+    pos = torch.randint(0, 100000, (T,), generator=generator, device=DEV)
     cos, sin = rope_cos_sin(
         rope_inv_freq(RopeSpec(theta=theta, head_dim=hd, rotated_pairs=pairs)).to(DEV), pos, BF16
     )
@@ -269,7 +275,7 @@ def test_gelu_tanh_mul_real_shape():
     _assert_rounding_close(gelu_tanh_mul(gu), on_cpu(_gelu_mul_ref, gu))
 
 
-# ---------------------------------------------------------------------------------------------- skinny GEMM
+# -------------------------------------------------------------------------------------- skinny GEMM
 @pytest.mark.parametrize("M", [1, 5, 16])
 @pytest.mark.parametrize(
     "N,K",
@@ -284,10 +290,13 @@ def test_gelu_tanh_mul_real_shape():
     ],
 )
 def test_gemv_real_shapes(M, N, K):
-    """The 31B's projections, its drafter's LM head and split-K input projection, at decode / verify / tile rows."""
-    g = torch.Generator(DEV).manual_seed(M)
-    x = torch.randn(M, K, generator=g, device=DEV).to(BF16)
-    w = (torch.randn(N, K, generator=g, device=DEV) * 0.02).to(BF16)
+    """The 31B's projections, its drafter's LM head and split-K input projection.
+
+    At decode / verify / tile rows.
+    """
+    generator = torch.Generator(DEV).manual_seed(M)
+    x = torch.randn(M, K, generator=generator, device=DEV).to(BF16)
+    w = (torch.randn(N, K, generator=generator, device=DEV) * 0.02).to(BF16)
     ref = x.float() @ w.float().T
     y = gemv(x, w)
     assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3  # bf16 output rounding only
@@ -297,22 +306,28 @@ def test_gemv_real_shapes(M, N, K):
 @pytest.mark.parametrize("M", [1, 5, 16])
 @pytest.mark.parametrize("inter,H", [(21504, 5376), (8192, 1024), (6144, 1536)])
 def test_gemv_glu_epilogue_equals_activation_kernel(M, inter, H):
-    """The gate_up GEMV's GELU·up epilogue = gemv then the activation kernel, bit for bit (31B, its drafter, E2B)."""
-    g = torch.Generator(DEV).manual_seed(M)
-    x = torch.randn(M, H, generator=g, device=DEV).to(BF16)
-    w = (torch.randn(2 * inter, H, generator=g, device=DEV) * 0.05).to(BF16)
+    """The gate_up GEMV's GELU·up epilogue = gemv then the activation kernel, bit for bit.
+
+    At the shapes of the 31B, its drafter and the E2B.
+    """
+    generator = torch.Generator(DEV).manual_seed(M)
+    x = torch.randn(M, H, generator=generator, device=DEV).to(BF16)
+    w = (torch.randn(2 * inter, H, generator=generator, device=DEV) * 0.05).to(BF16)
     assert torch.equal(gemv(x, w, glu=True), gelu_tanh_mul(gemv(x, w)))
 
 
 @pytest.mark.parametrize("M", [1, 5, 16])
 @pytest.mark.parametrize("inter,H", [(21504, 5376), (8192, 1024), (6144, 1536)])
 def test_gemv_mlp_equals_two_gemvs(M, inter, H):
-    """gemv_mlp, down awaiting gate_up's flags under PDL, = the GLU GEMV then down with the same K splits, bit for
-    bit, launch after launch (31B, its drafter, E2B; the narrow two chained with an explicit down tile)."""
-    g = torch.Generator(DEV).manual_seed(M)
-    x = torch.randn(M, H, generator=g, device=DEV).to(BF16)
-    gate_up = (torch.randn(2 * inter, H, generator=g, device=DEV) * 0.05).to(BF16)
-    down = (torch.randn(H, inter, generator=g, device=DEV) * 0.02).to(BF16)
+    """gemv_mlp = the GLU GEMV then down with the same K splits, bit for bit, launch after launch.
+
+    In gemv_mlp down awaits gate_up's flags under PDL. At the shapes of the 31B, its drafter and the
+    E2B; the narrow two chained with an explicit down tile.
+    """
+    generator = torch.Generator(DEV).manual_seed(M)
+    x = torch.randn(M, H, generator=generator, device=DEV).to(BF16)
+    gate_up = (torch.randn(2 * inter, H, generator=generator, device=DEV) * 0.05).to(BF16)
+    down = (torch.randn(H, inter, generator=generator, device=DEV) * 0.02).to(BF16)
     cfg = mlp_down_config(H, inter, DEV) or (32, 256, 4, 4, 12)
     two = gemv(gemv(x, gate_up, glu=True), down, config=cfg)
     for _ in range(5):
@@ -322,18 +337,22 @@ def test_gemv_mlp_equals_two_gemvs(M, inter, H):
 
 @pytest.mark.parametrize("K", [5376, 1536])
 def test_greedy_head_real_shapes(K):
-    """The greedy head = the first argmax of softcap(gemv) at the 31B's and E2B's head shapes (262,144 tokens),
-    64 rows in chunks of 1 / 5 / 16, over random, peaked (x along a token's row, so the winner stands out) and
-    saturated logits (many tokens tie at the cap), with graph replay of the whole head."""
+    """The greedy head = the first argmax of softcap(gemv) at the 31B's and E2B's head shapes.
+
+    262,144 tokens, 64 rows in chunks of 1 / 5 / 16, over random, peaked (x along a token's row, so
+    the winner stands out) and saturated logits (many tokens tie at the cap), with graph replay of
+    the whole head.
+    """
     from gemma4serve_kernels import quantize_rows, value_table
 
-    g = torch.Generator(DEV).manual_seed(K)
-    w = (torch.randn(262144, K, generator=g, device=DEV) * 0.02).to(BF16)
+    generator = torch.Generator(DEV).manual_seed(K)
+    w = (torch.randn(262144, K, generator=generator, device=DEV) * 0.02).to(BF16)
     q, scale = quantize_rows(w)
     softcap = lambda v: torch.tanh(v / 30.0) * 30.0  # noqa: E731
     table = value_table(softcap, DEV)
-    x = torch.randn(64, K, generator=g, device=DEV)
-    x[16:32] += 3 * w[torch.randint(0, 262144, (16,), generator=g, device=DEV)].float() / 0.02
+    x = torch.randn(64, K, generator=generator, device=DEV)
+    peaked = torch.randint(0, 262144, (16,), generator=generator, device=DEV)
+    x[16:32] += 3 * w[peaked].float() / 0.02
     x[32:48] *= 40
     x = x.to(BF16)
     for M in (1, 5, 16):
@@ -355,8 +374,11 @@ def test_greedy_head_real_shapes(K):
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_step_inputs_equal_torch_ops(dtype):
-    """The RoPE tables (31B sliding and proportional full specs) and write slots of one launch each equal the torch
-    ops they replace bit for bit: the same fp32 angles, libdevice cos/sin as torch's CUDA kernels."""
+    """The RoPE tables and write slots of one launch each equal the torch ops they replace.
+
+    Bit for bit, at the 31B's sliding and proportional full specs: the same fp32 angles, libdevice
+    cos/sin as torch's CUDA kernels.
+    """
     pos = torch.arange(0, 262144, 7, device=DEV)
     for spec in (RopeSpec(1e4, 256, 128), RopeSpec(1e6, 512, 64)):
         inv = rope_inv_freq(spec).to(DEV)
@@ -364,13 +386,13 @@ def test_step_inputs_equal_torch_ops(dtype):
         emb = torch.cat([emb, emb], dim=-1)
         cos, sin = rope_tables(inv, pos, dtype)
         assert torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
-    g = torch.Generator(DEV).manual_seed(3)
+    generator = torch.Generator(DEV).manual_seed(3)
     tables = {
-        k: torch.randint(0, 5000, (9, 300), generator=g, device=DEV, dtype=torch.int32)
+        k: torch.randint(0, 5000, (9, 300), generator=generator, device=DEV, dtype=torch.int32)
         for k in ("a", "b")
     }
-    token_seq = torch.randint(0, 9, (64,), generator=g, device=DEV, dtype=torch.int32)
-    p = torch.randint(0, 300 * 16, (64,), generator=g, device=DEV)
+    token_seq = torch.randint(0, 9, (64,), generator=generator, device=DEV, dtype=torch.int32)
+    p = torch.randint(0, 300 * 16, (64,), generator=generator, device=DEV)
     kv_end, slots = write_slots(token_seq, p, tables, 16)
     assert torch.equal(kv_end, (p + 1).to(torch.int32))
     for k, t in tables.items():
@@ -379,16 +401,19 @@ def test_step_inputs_equal_torch_ops(dtype):
 
 @pytest.mark.parametrize("dataflow_mlp", [False, True])
 def test_pdl_chain_graph_replay_is_stable(dataflow_mlp):
-    """A decode-like chain of PDL kernels (each may launch while its producer drains; with `dataflow_mlp` down
-    also starts before gate_up has ended, on flags) in one CUDA graph: every replay equals the eager run bit for
-    bit, and the eager run matches the torch reference. A missing wait would show up as replays that differ
-    from each other or from the reference."""
-    g = torch.Generator(DEV).manual_seed(7)
-    H, I = 5376, 21504
-    w_in = (torch.randn(2 * I, H, generator=g, device=DEV) * 0.02).to(BF16)
-    w_out = (torch.randn(H, I, generator=g, device=DEV) * 0.02).to(BF16)
-    norm_w = (torch.rand(H, generator=g, device=DEV) * 2).to(BF16)
-    x = torch.randn(1, H, generator=g, device=DEV).to(BF16)
+    """A decode-like chain of PDL kernels in one CUDA graph replays bit for bit.
+
+    Each kernel may launch while its producer drains; with `dataflow_mlp` down also starts before
+    gate_up has ended, on flags. Every replay equals the eager run bit for bit, and the eager run
+    matches the torch reference. A missing wait would show up as replays that differ from each
+    other or from the reference.
+    """
+    generator = torch.Generator(DEV).manual_seed(7)
+    H, inter = 5376, 21504
+    w_in = (torch.randn(2 * inter, H, generator=generator, device=DEV) * 0.02).to(BF16)
+    w_out = (torch.randn(H, inter, generator=generator, device=DEV) * 0.02).to(BF16)
+    norm_w = (torch.rand(H, generator=generator, device=DEV) * 2).to(BF16)
+    x = torch.randn(1, H, generator=generator, device=DEV).to(BF16)
 
     def chain():
         h, normed = x, None
@@ -425,7 +450,7 @@ def test_pdl_chain_graph_replay_is_stable(dataflow_mlp):
     assert ((eager.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
 
 
-# ---------------------------------------------------------------------------------------------- MoE (26B-A4B)
+# ------------------------------------------------------------------------------------ MoE (26B-A4B)
 E, TOP_K, H_MOE, I_MOE = 128, 8, 2816, 704
 
 
@@ -436,20 +461,22 @@ def experts():
         num_experts=E, top_k_experts=TOP_K, hidden_size=H_MOE, moe_intermediate_size=I_MOE
     )
     mod = Experts(cfg)
-    g = torch.Generator().manual_seed(3)
+    generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        mod.gate_up_proj.copy_(torch.randn(mod.gate_up_proj.shape, generator=g) * H_MOE**-0.5)
-        mod.down_proj.copy_(torch.randn(mod.down_proj.shape, generator=g) * I_MOE**-0.5)
+        mod.gate_up_proj.copy_(
+            torch.randn(mod.gate_up_proj.shape, generator=generator) * H_MOE**-0.5
+        )
+        mod.down_proj.copy_(torch.randn(mod.down_proj.shape, generator=generator) * I_MOE**-0.5)
     mod = mod.to(BF16)
     return mod, mod.gate_up_proj.detach().to(DEV), mod.down_proj.detach().to(DEV)
 
 
 def test_moe_route_real_shape():
-    g = torch.Generator(DEV).manual_seed(4)
+    generator = torch.Generator(DEV).manual_seed(4)
     logits = (
-        torch.randn(257, E, generator=g, device=DEV) * 3
+        torch.randn(257, E, generator=generator, device=DEV) * 3
     )  # fp32: no exact ties, so the top-k is unique
-    scale = torch.rand(E, generator=g, device=DEV) + 0.5
+    scale = torch.rand(E, generator=generator, device=DEV) + 0.5
     w, ids = moe_route(logits, scale, TOP_K)
     probs = torch.softmax(logits, -1, dtype=torch.float32)
     ref_w, ref_i = torch.topk(probs, TOP_K, dim=-1)
@@ -460,11 +487,11 @@ def test_moe_route_real_shape():
 
 @pytest.mark.parametrize("T", [1, 32, 257])
 def test_moe_experts_real_shapes(experts, T):
-    g = torch.Generator(DEV).manual_seed(T)
-    x = torch.randn(T, H_MOE, generator=g, device=DEV).to(BF16)
+    generator = torch.Generator(DEV).manual_seed(T)
+    x = torch.randn(T, H_MOE, generator=generator, device=DEV).to(BF16)
     weights, ids = moe_route(
-        torch.randn(T, E, generator=g, device=DEV),
-        torch.rand(E, generator=g, device=DEV) + 0.5,
+        torch.randn(T, E, generator=generator, device=DEV),
+        torch.rand(E, generator=generator, device=DEV) + 0.5,
         TOP_K,
     )
     ref_mod, gate_up, down = experts
