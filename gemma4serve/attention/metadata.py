@@ -5,15 +5,16 @@ Layout (shared by the torch and Triton backends):
   arena of equal-byte pages (`KVCache`), with a page stride of a whole page. Physical page 0 is
   a never-allocated null page: page-table entries that map nothing point there.
 - A sequence has one page table per kind, indexed by *logical* page = position //
-  page_tokens[kind] over the whole sequence. Sliding pages that no reader can reach are freed and their entries reset to
-  0; kernels only read entries inside the visible window.
+  page_tokens[kind] over the whole sequence. Sliding pages that no reader can reach are freed
+  and their entries reset to 0; kernels only read entries inside the visible window.
 - Query token t (of sequence `token_seq[t]`) sees the keys at positions
   [kv_end[t] - window, kv_end[t]) ∩ [0, ∞), where window is the kind's visible-key count
   (0 = unlimited). The target is causal: kv_end = pos + 1 and window = W (a query at p sees
   p-W+1 … p). The drafter reads the committed rows only: kv_end = P and window = W_a + 1
   (docs/gemma4.md §12.2).
-- Writes: the K/V of query token t go to slot `write_slot[kind][t]` (= page * page_tokens[kind] +
-  offset) of the writing layer, before attention reads; -1 means no write (the drafter never writes).
+- Writes: the K/V of query token t go to slot `write_slot[kind][t]` (= page * page_tokens[kind]
+  + offset) of the writing layer, before attention reads; -1 means no write (the drafter never
+  writes).
 """
 
 from __future__ import annotations

@@ -188,9 +188,12 @@ def load_models(args: EngineArgs) -> ModelState:
         dtype,
         device,
     )
+    # Bound before loading: the weights load straight into the layout the ops read (fused q/k/v
+    # and gate/up), with no temporaries the allocator would keep cached.
     target = _empty_module(Gemma4Model, cfg, device, dtype)
-    _load(target, target_dir, args, device, dtype, "target")
     target.bind(device)
+    _load(target, target_dir, args, device, dtype, "target")
+    target.finish_loading()
 
     draft, draft_dir = None, None
     if args.draft:
@@ -200,8 +203,9 @@ def load_models(args: EngineArgs) -> ModelState:
             raise ConfigError(f"draft model {args.draft} is not a gemma4_assistant checkpoint")
         dcfg.check_fits(cfg)
         draft = _empty_module(Gemma4Assistant, dcfg, device, dtype)
-        _load(draft, draft_dir, args, device, dtype, "draft")
         draft.bind(cfg, device)
+        _load(draft, draft_dir, args, device, dtype, "draft")
+        draft.finish_loading()
 
     k = args.num_draft_tokens if draft is not None else 0
     tokens = page_tokens(cfg, args.page_size)

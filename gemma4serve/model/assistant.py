@@ -68,11 +68,15 @@ class Gemma4Assistant(nn.Module):
         ops = fused.select_ops(device)
         bind_ops(self, ops)
         self.rotary = Rotary(self.cfg.text, device, ops)
+        self.ops = ops
         for layer in self.model.layers:
             layer.self_attn.kv_layer = target_cfg.store_layer(layer.spec.kind)
             ops.prepare(layer)
+
+    def finish_loading(self) -> None:
+        """What needs the loaded weights: the greedy head of a full (not centroid) LM head."""
         if self.masked_embedding is None:  # drafts are the argmax of the raw logits
-            self.greedy_head = ops.greedy_head(
+            self.greedy_head = self.ops.greedy_head(
                 self.model.embed_tokens.weight, lambda logits: logits
             )
 

@@ -214,14 +214,18 @@ class Gemma4Model(nn.Module):
 
     def bind(self, device) -> None:
         """Choose the ops for `device`, where the weights live (fused kernels on CUDA, else the
-        torch reference), and set up what is not a weight: RoPE tables, the weight layout those ops
-        read, the greedy head."""
+        torch reference), and set up what is not a weight: RoPE tables and the weight layout those
+        ops read. Called before the weights are loaded, so they load straight into that layout."""
         ops = fused.select_ops(device)
         bind_ops(self, ops)
+        self.ops = ops
         self.rotary = Rotary(self.cfg, device, ops)
         for layer in self.layers:
             ops.prepare(layer)
-        self.greedy_head = ops.greedy_head(self.embed_tokens.weight, self.softcap)
+
+    def finish_loading(self) -> None:
+        """What needs the loaded weights: the greedy head's int8 copy of the LM head."""
+        self.greedy_head = self.ops.greedy_head(self.embed_tokens.weight, self.softcap)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The scaled embedding E[ids] * dtype(sqrt(H)); the drafter embeds its tokens with it

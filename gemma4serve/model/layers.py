@@ -64,11 +64,13 @@ def write_kv(
     v: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Store the new rows' K/V [T, nkv, hd] at their physical slots (page * page_size + offset) of
-    the caches [num_pages, page_size, nkv, hd]. Every slot must be a real one (>= 0)."""
-    nkv, hd = k_cache.shape[-2:]
-    k_cache.view(-1, nkv, hd).index_copy_(0, slots, k)
-    v_cache.view(-1, nkv, hd).index_copy_(0, slots, v)
+    """Store the new rows' K/V [T, nkv, hd] at their slots (page * page_tokens + offset) of the
+    caches [num_pages, page_tokens, nkv, hd], whose pages lie at any stride. Every slot must be a
+    real one (>= 0)."""
+    page_tokens = k_cache.shape[1]
+    pages, offsets = slots // page_tokens, slots % page_tokens
+    k_cache[pages, offsets] = k
+    v_cache[pages, offsets] = v
 
 
 def moe_route(logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):

@@ -131,7 +131,7 @@ class EngineStatsCollector(Collector):
         used = s.kv_pages_total - s.kv_pages_free
         yield gauge(
             "kv_cache_usage_perc",
-            "KV arena pages held by running sequences (1 = full); idle prefix-cache pages are free.",
+            "KV arena pages held by running sequences (1 = full); idle cached pages count as free.",
             used / s.kv_pages_total if s.kv_pages_total else 0.0,
         )
         yield gauge("kv_cache_free_pages", "KV arena pages no sequence holds.", s.kv_pages_free)
