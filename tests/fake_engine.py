@@ -1,9 +1,11 @@
-"""A stand-in for `gemma4serve.engine.async_engine.AsyncEngine`: same interface, canned text, a trivial
-tokenizer, and page accounting, so that the HTTP layer can be tested fast and without weights. Also the
-harness both server test modules share: a server subprocess, SSE and /metrics readers.
+"""A stand-in for `gemma4serve.engine.async_engine.AsyncEngine`: same interface, canned text, a
+trivial tokenizer, and page accounting, so that the HTTP layer can be tested fast and without
+weights. Also the harness both server test modules share: a server subprocess, SSE and /metrics
+readers.
 
-The fake records what the server did to it (aborts, closed generators, the threads that rendered templates)
-for the tests to assert on. Run as a script it serves itself through `gemma4serve.cli.serve` (SIGTERM tests):
+The fake records what the server did to it (aborts, closed generators, the threads that rendered
+templates) for the tests to assert on. Run as a script it serves itself through
+`gemma4serve.cli.serve` (SIGTERM tests):
 
     python tests/fake_engine.py --port 0 [--token-delay 0.05] [--drain-timeout 3]
 """
@@ -109,9 +111,18 @@ class FakeEngine:
 
     default_sampling_params: dict = {}
 
-    def __init__(self, *, max_model_len: int = 256, token_delay: float = 0.001, tokens_per_step: int = 2,
-                 reply: str = REPLY, full_pages: int = 4096, sliding_pages: int = 512, page_size: int = 16,
-                 fail_after_steps: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 256,
+        token_delay: float = 0.001,
+        tokens_per_step: int = 2,
+        reply: str = REPLY,
+        full_pages: int = 4096,
+        sliding_pages: int = 512,
+        page_size: int = 16,
+        fail_after_steps: int | None = None,
+    ):
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.model_name = "fake/gemma-4-fake"
@@ -139,10 +150,11 @@ class FakeEngine:
         self._stats = EngineStats(kv_pages_total=full_pages + sliding_pages)
         self._lock = threading.Lock()
 
-    # ---- interface ------------------------------------------------------------------------------------------
+    # ---- interface ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        asyncio.get_running_loop()  # like the real engine: called from the server's startup, on the loop
+        # Like the real engine: called from the server's startup, on the loop.
+        asyncio.get_running_loop()
         self.started = self.ready = True
 
     def abort(self, request_id: str) -> None:
@@ -166,14 +178,19 @@ class FakeEngine:
         with self._lock:
             s = self._stats
             return EngineStats(
-                num_running=s.num_running, num_waiting=s.num_waiting,
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
                 kv_pages_total=self.full_pages + self.sliding_pages,
                 kv_pages_free=free["full"] + free["sliding"],
-                num_preemptions=0, prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
-                requests_finished=dict(s.requests_finished), spec_num_steps=s.spec_num_steps,
-                spec_drafted_tokens=s.spec_drafted_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
+                num_preemptions=0,
+                prompt_tokens=s.prompt_tokens,
+                generation_tokens=s.generation_tokens,
+                requests_finished=dict(s.requests_finished),
+                spec_num_steps=s.spec_num_steps,
+                spec_drafted_tokens=s.spec_drafted_tokens,
+                spec_accepted_tokens=s.spec_accepted_tokens,
                 spec_accepted_per_position=list(s.spec_accepted_per_position),
-            )  # fmt: skip
+            )
 
     async def generate(self, prompt_token_ids, params, request_id):
         if not prompt_token_ids:
@@ -185,7 +202,8 @@ class FakeEngine:
         )
         if len(prompt_token_ids) + max_tokens > self.max_model_len:
             raise ValueError(
-                f"prompt ({len(prompt_token_ids)}) + max_tokens ({max_tokens}) > {self.max_model_len}"
+                f"prompt ({len(prompt_token_ids)}) + max_tokens ({max_tokens})"
+                f" > {self.max_model_len}"
             )
         self.requests[request_id] = (list(prompt_token_ids), params)
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -215,8 +233,13 @@ class FakeEngine:
                 if finished:
                     metrics.finished_time = time.monotonic()
                     self._count_finished(choices)
-                yield RequestOutput(request_id, list(prompt_token_ids), deltas, finished,
-                                    metrics if finished else None)  # fmt: skip
+                yield RequestOutput(
+                    request_id,
+                    list(prompt_token_ids),
+                    deltas,
+                    finished,
+                    metrics if finished else None,
+                )
                 if finished:
                     return
         except (
@@ -234,7 +257,7 @@ class FakeEngine:
                 self.active.pop(request_id, None)
             self._abort_requested.discard(request_id)
 
-    # ---- internals ------------------------------------------------------------------------------------------
+    # ---- internals ------------------------------------------------------------------------------
 
     async def _admit(self, request_id: str, need: tuple[int, int]) -> None:
         with self._lock:
@@ -301,10 +324,15 @@ class FakeEngine:
         new_text = c.full_text[c.emitted : upto]
         c.emitted = upto
         return CompletionOutput(
-            index=c.index, text=c.full_text[:upto], token_ids=list(c.token_ids), new_text=new_text,
-            new_token_ids=new_ids, new_logprobs=new_logprobs if params.logprobs is not None else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-        )  # fmt: skip
+            index=c.index,
+            text=c.full_text[:upto],
+            token_ids=list(c.token_ids),
+            new_text=new_text,
+            new_token_ids=new_ids,
+            new_logprobs=new_logprobs if params.logprobs is not None else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
 
     def _count_finished(self, choices: list[_Choice]) -> None:
         with self._lock:
@@ -316,7 +344,7 @@ class FakeEngine:
             self._stats.requests_finished[reason] = self._stats.requests_finished.get(reason, 0) + 1
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Harness shared by the server tests
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -324,15 +352,23 @@ READY = re.compile(r"^gemma4serve ready: (http://\S+) \(model (.+)\)$")
 
 
 class ServerProcess:
-    """A server started as a real subprocess on a loopback port. Its output is collected by a reader thread
-    (so that a full pipe never blocks it); the URL comes from its `gemma4serve ready:` line."""
+    """A server started as a real subprocess on a loopback port.
+
+    Its output is collected by a reader thread (so that a full pipe never blocks it); the URL comes
+    from its `gemma4serve ready:` line."""
 
     def __init__(self, args: list[str], *, ready_timeout: float, env: dict | None = None):
         env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""
@@ -375,7 +411,9 @@ class ServerProcess:
 
 
 def sse_data(lines) -> list[str]:
-    """The `data:` payloads of an SSE stream, given its lines; asserts the framing (blank line after each)."""
+    """The `data:` payloads of an SSE stream, given its lines.
+
+    Asserts the framing (a blank line after each)."""
     payloads, expect_blank = [], False
     for line in lines:
         if expect_blank:
@@ -397,7 +435,7 @@ def metric(text: str, sample_name: str, **labels) -> float:
     raise KeyError(f"{sample_name} {labels} not in /metrics")
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def main() -> None:
@@ -412,8 +450,14 @@ def main() -> None:
 
     setup_logging("info")
     engine = FakeEngine(token_delay=ns.token_delay, max_model_len=4096)
-    serve(engine, host="127.0.0.1", port=ns.port, served_model_name="fake", api_key=ns.api_key,
-          drain_timeout=ns.drain_timeout)  # fmt: skip
+    serve(
+        engine,
+        host="127.0.0.1",
+        port=ns.port,
+        served_model_name="fake",
+        api_key=ns.api_key,
+        drain_timeout=ns.drain_timeout,
+    )
 
 
 if __name__ == "__main__":

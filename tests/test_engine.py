@@ -1,9 +1,10 @@
 """The engine end to end on the tiny dense checkpoint: CPU, fp32, MTP drafter on (k=3).
 
-The oracle for a batch is the same engine running one request alone: greedy and seeded requests must come out
-identical whatever else shares their steps (chunked prefill, preemption, aborts, other sampling settings),
-because the sampler's randomness is keyed by (seed, position). Every run also checks the streaming contract:
-the deltas of a request, concatenated, are exactly its final tokens and text (nothing emitted twice or lost).
+The oracle for a batch is the same engine running one request alone: greedy and seeded requests
+must come out identical whatever else shares their steps (chunked prefill, preemption, aborts, other
+sampling settings), because the sampler's randomness is keyed by (seed, position). Every run also
+checks the streaming contract: the deltas of a request, concatenated, are exactly its final tokens
+and text (nothing emitted twice or lost).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ VOCAB = 512
 BYTE_TOKENS = range(107, 363)  # <0x00>..<0xFF> in the tiny tokenizer
 MAX_STEPS = 5000  # a run that needs more is stuck: fail rather than hang
 
-# The main engine: a full pool of 64 pages of 4 tokens that 64 growing requests cannot share (preemption, also
-# of sequences that are decoding), and a 48-token budget that long prompts need several steps for (chunked
-# prefill). max_model_len is above what the pool holds, so the "does not fit the KV cache" check is reachable.
+# The main engine: a full pool of 64 pages of 4 tokens that 64 growing requests cannot share
+# (preemption, also of sequences that are decoding), and a 48-token budget that long prompts need
+# several steps for (chunked prefill). max_model_len is above what the pool holds, so the "does not
+# fit the KV cache" check is reachable.
 MAIN = dict(
     kv_cache_tokens=256, page_size=4, max_num_batched_tokens=48, max_num_seqs=64, max_model_len=1024
 )
@@ -45,15 +47,21 @@ _ids = itertools.count()
 
 def engine_args(tiny_checkpoints, **kw) -> EngineArgs:
     return EngineArgs(
-        model=str(tiny_checkpoints.get("dense")), draft=str(tiny_checkpoints.get_assistant("dense")),
-        device="cpu", dtype="float32", num_draft_tokens=K, **kw,
-    )  # fmt: skip
+        model=str(tiny_checkpoints.get("dense")),
+        draft=str(tiny_checkpoints.get_assistant("dense")),
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=K,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """The tiny model's ops are far too small to split across threads; with two threads on a busy 2-core
-    machine the OpenMP hand-offs make every step 10-30x slower."""
+    """Run torch on one thread for this module.
+
+    The tiny model's ops are far too small to split across threads; with two threads on a busy
+    2-core machine the OpenMP hand-offs make every step 10-30x slower."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -67,10 +75,19 @@ def engine(tiny_checkpoints) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def forced(tiny_checkpoints) -> LLMEngine:
-    """Every draft accepted: after the prefill each step emits k+1 = 4 tokens, so a step regularly runs past a
-    stop condition and must be cut. (The tokens are the drafter's, not the model's: fine for stop logic.)"""
-    return LLMEngine(engine_args(tiny_checkpoints, forced_acceptance=float(K + 1), kv_cache_tokens=2048,
-                                 max_model_len=64, max_num_batched_tokens=256))  # fmt: skip
+    """An engine with every draft accepted.
+
+    After the prefill each step emits k+1 = 4 tokens, so a step regularly runs past a stop condition
+    and must be cut. (The tokens are the drafter's, not the model's: fine for stop logic.)"""
+    return LLMEngine(
+        engine_args(
+            tiny_checkpoints,
+            forced_acceptance=float(K + 1),
+            kv_cache_tokens=2048,
+            max_model_len=64,
+            max_num_batched_tokens=256,
+        )
+    )
 
 
 @pytest.fixture(params=["mtp", "forced"])
@@ -78,7 +95,7 @@ def any_engine(request, engine, forced) -> LLMEngine:
     return engine if request.param == "mtp" else forced
 
 
-# ---- helpers ------------------------------------------------------------------------------------------------
+# ---- helpers ------------------------------------------------------------------------------------
 
 
 def all_free(engine: LLMEngine) -> int:
@@ -112,7 +129,9 @@ class Run:
             self.final[out.request_id] = out
 
     def check_streams(self) -> None:
-        """Streamed deltas concatenated == the final tokens and text: no token emitted twice, none lost."""
+        """Streamed deltas concatenated == the final tokens and text.
+
+        No token emitted twice, none lost."""
         for rid, out in self.final.items():
             for c in out.outputs:
                 key = (rid, c.index)
@@ -130,7 +149,9 @@ def step(engine: LLMEngine, run: Run) -> list[RequestOutput]:
 
 
 def run_requests(engine: LLMEngine, requests: dict, on_step=None) -> Run:
-    """Add {rid: (prompt, params)}, step until idle; `on_step(run, outputs)` is called after every step."""
+    """Add {rid: (prompt, params)}, step until idle.
+
+    `on_step(run, outputs)` is called after every step."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     run = Run()
@@ -161,27 +182,54 @@ def choices(out: RequestOutput) -> list[tuple]:
     return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
 
 
-# ---- 64 concurrent requests ------------------------------------------------------------------------------
+# ---- 64 concurrent requests ---------------------------------------------------------------------
 
 
 def mixed_requests(n: int) -> list[tuple[list[int], SamplingParams, bool]]:
-    """(prompt, params, reproducible) for n requests of mixed prompt lengths and sampling settings."""
+    """(prompt, params, reproducible) for n requests of mixed prompt lengths and sampling
+    settings."""
     rng = random.Random(1234)
     settings = [
         lambda s, m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True),
         lambda s, m: SamplingParams(temperature=0.0, max_tokens=m),  # may stop on EOS
-        lambda s, m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2,
-                                    repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
-        lambda s, m: SamplingParams(temperature=0.8, top_k=20, seed=s, max_tokens=m, ignore_eos=True),
-        lambda s, m: SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=m, ignore_eos=True, logprobs=3),
-        lambda s, m: SamplingParams(temperature=1.3, min_p=0.05, seed=s, max_tokens=m, ignore_eos=True),
-        lambda s, m: SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02, frequency_penalty=0.5,
-                                    repetition_penalty=1.1, seed=s, max_tokens=m, ignore_eos=True),
+        lambda s, m: SamplingParams(
+            temperature=0.0,
+            max_tokens=m,
+            ignore_eos=True,
+            logprobs=2,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.4,
+        ),
+        lambda s, m: SamplingParams(
+            temperature=0.8, top_k=20, seed=s, max_tokens=m, ignore_eos=True
+        ),
+        lambda s, m: SamplingParams(
+            temperature=1.0, top_p=0.9, seed=s, max_tokens=m, ignore_eos=True, logprobs=3
+        ),
+        lambda s, m: SamplingParams(
+            temperature=1.3, min_p=0.05, seed=s, max_tokens=m, ignore_eos=True
+        ),
+        lambda s, m: SamplingParams(
+            temperature=0.7,
+            top_k=50,
+            top_p=0.95,
+            min_p=0.02,
+            frequency_penalty=0.5,
+            repetition_penalty=1.1,
+            seed=s,
+            max_tokens=m,
+            ignore_eos=True,
+        ),
         lambda s, m: SamplingParams(temperature=1.0, n=2, seed=s, max_tokens=m, ignore_eos=True),
         lambda s, m: SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True),  # unseeded
-        lambda s, m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, stop_token_ids=[200, 300]),
-        lambda s, m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, stop=["a", " t"]),
-    ]  # fmt: skip
+        lambda s, m: SamplingParams(
+            temperature=0.0, max_tokens=m, ignore_eos=True, stop_token_ids=[200, 300]
+        ),
+        lambda s, m: SamplingParams(
+            temperature=0.0, max_tokens=m, ignore_eos=True, stop=["a", " t"]
+        ),
+    ]
     out = []
     for i in range(n):
         # Lengths around the windows (target 8, drafter 12), and beyond the 48-token step budget.
@@ -242,7 +290,7 @@ def test_64_concurrent_mixed_requests(engine):
                 )
 
 
-# ---- aborts ---------------------------------------------------------------------------------------------
+# ---- aborts -------------------------------------------------------------------------------------
 
 
 def held_pages(engine: LLMEngine, rid: str) -> int:
@@ -256,7 +304,9 @@ def held_pages(engine: LLMEngine, rid: str) -> int:
 
 
 def abort_and_check(engine: LLMEngine, run: Run, rid: str, scheduled: bool = True) -> RequestOutput:
-    """Abort between steps: the output says "abort" and exactly the request's pages return to the pools."""
+    """Abort between steps.
+
+    The output says "abort" and exactly the request's pages return to the pools."""
     held = held_pages(engine, rid)
     assert (held > 0) == scheduled
     free = engine.kv_pool_free()
@@ -276,11 +326,19 @@ def test_abort_mid_prefill_mid_decode_mid_draft(engine):
     keep = {
         "keep-greedy": (prompt_of(30, 11), greedy(10)),
         "keep-long": (prompt_of(90, 12), greedy(6)),
-        "keep-seeded": (prompt_of(9, 13), SamplingParams(temperature=1.0, top_k=40, seed=3, max_tokens=10,
-                                                         ignore_eos=True)),
-        "keep-n2": (prompt_of(15, 14), SamplingParams(temperature=0.9, n=2, seed=4, max_tokens=8, ignore_eos=True)),
-        "keep-penalty": (prompt_of(20, 15), greedy(10, repetition_penalty=1.5, frequency_penalty=1.0)),
-    }  # fmt: skip
+        "keep-seeded": (
+            prompt_of(9, 13),
+            SamplingParams(temperature=1.0, top_k=40, seed=3, max_tokens=10, ignore_eos=True),
+        ),
+        "keep-n2": (
+            prompt_of(15, 14),
+            SamplingParams(temperature=0.9, n=2, seed=4, max_tokens=8, ignore_eos=True),
+        ),
+        "keep-penalty": (
+            prompt_of(20, 15),
+            greedy(10, repetition_penalty=1.5, frequency_penalty=1.0),
+        ),
+    }
     solos = {rid: solo(engine, p, sp)[0] for rid, (p, sp) in keep.items()}
     victims = {
         "prefill": (prompt_of(200, 21), greedy(8)),  # 200 prompt tokens at <= 48 a step
@@ -329,7 +387,7 @@ def test_abort_mid_prefill_mid_decode_mid_draft(engine):
     assert not engine.has_unfinished() and not engine.scheduler.has_work()
 
 
-# ---- stop conditions ----------------------------------------------------------------------------------
+# ---- stop conditions ----------------------------------------------------------------------------
 
 
 def reference(engine: LLMEngine, prompt, max_tokens: int):
@@ -346,7 +404,9 @@ def reference(engine: LLMEngine, prompt, max_tokens: int):
 
 def overshoots(engine: LLMEngine, steps: list[list[int]]) -> set[int]:
     """Indices j whose step also emitted token j+1: stopping at j must drop the rest of that step.
-    On the forced-acceptance engine, the positions a stop test must use (else every position qualifies)."""
+
+    On the forced-acceptance engine, the positions a stop test must use (else every position
+    qualifies)."""
     if engine.runner.forced is None:
         return set(range(sum(map(len, steps))))
     assert max(map(len, steps)) == K + 1, "forced acceptance should emit k+1 tokens per step"
@@ -365,8 +425,11 @@ def test_eos_ids_stop_unless_ignore_eos(any_engine):
     assert all(
         len(o.token_ids) == 24 for o in run.final.values()
     )  # ignore_eos: EOS does not end them
-    hits = [(rid, next(j for j, t in enumerate(o.token_ids) if t in EOS))
-            for rid, o in run.final.items() if EOS & set(o.token_ids)]  # fmt: skip
+    hits = [
+        (rid, next(j for j, t in enumerate(o.token_ids) if t in EOS))
+        for rid, o in run.final.items()
+        if EOS & set(o.token_ids)
+    ]
     assert hits, "no greedy output met an EOS id; try more prompts"
     for rid, j in hits[:3]:
         ids = run.final[rid].token_ids
@@ -406,8 +469,8 @@ def test_stop_string_across_tokens(any_engine):
     prompt = prompt_of(10, 78)
     ids, steps, texts = reference(eng, prompt, 24)
     mid = overshoots(eng, steps)
-    # A 2-character stop string whose first character is token j's last and whose second is token j+1's first,
-    # that does not occur earlier in the text; token j+1 completes it.
+    # A 2-character stop string whose first character is token j's last and whose second is token
+    # j+1's first, that does not occur earlier in the text; token j+1 completes it.
     for j in range(1, len(ids) - 1):
         a, b = texts[j - 1], texts[j]
         if len(b) > len(a) and len(texts[j + 1]) > len(b) and j + 1 in mid:
@@ -457,13 +520,15 @@ def test_context_length_ends_generation(forced, prompt_len):
     assert forced.kv_pool_free() == all_free(forced)
 
 
-# ---- multi-byte characters ----------------------------------------------------------------------------------
+# ---- multi-byte characters ----------------------------------------------------------------------
 
 
 def test_multibyte_output_streams_whole_characters(engine, monkeypatch):
-    """Force the engine to emit a text whose CJK and emoji characters are byte-fallback tokens (one per step,
-    as drafts are rejected): no delta may carry a U+FFFD or half a character, and a stop string made of one
-    multi-byte character ends the output at the byte token that completes it."""
+    """Multi-byte characters are streamed whole.
+
+    Force the engine to emit a text whose CJK and emoji characters are byte-fallback tokens (one
+    per step, as drafts are rejected): no delta may carry a U+FFFD or half a character, and a stop
+    string made of one multi-byte character ends the output at the byte token that completes it."""
     tok = engine.tokenizer
     text = "日本語 😀 café — ok"
     script = tok.encode(text)
@@ -473,7 +538,8 @@ def test_multibyte_output_streams_whole_characters(engine, monkeypatch):
     real_accept = runner_module.accept
 
     def scripted_accept(logits, drafts, num_drafts, first_position, sb, chosen=None):
-        # Run the real verification, then replace each emitted token by the script's token for its position.
+        # Run the real verification, then replace each emitted token by the script's token for its
+        # position.
         res = real_accept(logits, drafts, num_drafts, first_position, sb, chosen)
         pos = first_position[:, None] + torch.arange(1, res.tokens.shape[1] + 1) - n_prompt
         forced_tokens = torch.tensor(script)[pos.clamp(0, len(script) - 1)]
@@ -513,11 +579,12 @@ def test_detokenizer_byte_tokens(engine):
     assert pieces[-1] == ("", "😀") and d.text == "語"
 
 
-# ---- seeds --------------------------------------------------------------------------------------------------
+# ---- seeds --------------------------------------------------------------------------------------
 
 
 def sampled(seed, **kw) -> SamplingParams:
-    # Temperature 1.5 on the tiny model's spread logits: flat enough that different seeds part quickly.
+    # Temperature 1.5 on the tiny model's spread logits: flat enough that different seeds part
+    # quickly.
     return SamplingParams(temperature=1.5, seed=seed, max_tokens=8, ignore_eos=True, **kw)
 
 
@@ -525,14 +592,20 @@ def test_seeds_reproduce_across_runs_and_batches(engine):
     prompt = prompt_of(12, 42)
     alone = solo(engine, prompt, sampled(7))[0].token_ids
     assert solo(engine, prompt, sampled(7))[0].token_ids == alone
-    run = run_requests(engine, {
-        "a": (prompt, sampled(7)),
-        "b": (prompt, sampled(7)),
-        "c": (prompt, sampled(8)),
-        "d": (prompt, sampled(9)),
-        "e": (prompt_of(70, 1), greedy(8)),
-        "f": (prompt_of(5, 2), SamplingParams(temperature=1.0, top_p=0.8, max_tokens=12, ignore_eos=True)),
-    })  # fmt: skip
+    run = run_requests(
+        engine,
+        {
+            "a": (prompt, sampled(7)),
+            "b": (prompt, sampled(7)),
+            "c": (prompt, sampled(8)),
+            "d": (prompt, sampled(9)),
+            "e": (prompt_of(70, 1), greedy(8)),
+            "f": (
+                prompt_of(5, 2),
+                SamplingParams(temperature=1.0, top_p=0.8, max_tokens=12, ignore_eos=True),
+            ),
+        },
+    )
     tokens = {rid: out.token_ids for rid, out in run.final.items()}
     assert tokens["a"] == tokens["b"] == alone
     assert len({tuple(tokens[r]) for r in "acd"}) == 3, (
@@ -548,18 +621,27 @@ def test_seeds_reproduce_across_runs_and_batches(engine):
 
 
 def test_speculation_is_lossless(tiny_checkpoints, engine):
-    """Greedy and seeded outputs do not depend on whether the drafter runs (spec §12: the choice at a position
-    depends only on the seed, the position and the target distribution)."""
+    """Greedy and seeded outputs do not depend on whether the drafter runs.
+
+    (Spec §12: the choice at a position depends only on the seed, the position and the target
+    distribution.)"""
     args = engine_args(tiny_checkpoints, **MAIN)
     args.draft, args.num_draft_tokens = None, 0
     plain = LLMEngine(args)
     reqs = {
         "g": (prompt_of(25, 5), greedy(12)),
         "p": (prompt_of(60, 6), greedy(10, presence_penalty=1.0, repetition_penalty=1.2)),
-        "s": (prompt_of(9, 7), SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)),
-        "n": (prompt_of(14, 8), SamplingParams(temperature=1.2, min_p=0.05, n=2, seed=12, max_tokens=12,
-                                               ignore_eos=True)),
-    }  # fmt: skip
+        "s": (
+            prompt_of(9, 7),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True),
+        ),
+        "n": (
+            prompt_of(14, 8),
+            SamplingParams(
+                temperature=1.2, min_p=0.05, n=2, seed=12, max_tokens=12, ignore_eos=True
+            ),
+        ),
+    }
     with_mtp = run_requests(engine, reqs)
     without = run_requests(plain, reqs)
     assert with_mtp.final and engine.snapshot().spec_num_steps > 0
@@ -567,12 +649,14 @@ def test_speculation_is_lossless(tiny_checkpoints, engine):
         assert choices(with_mtp.final[rid]) == choices(without.final[rid]), rid
 
 
-# ---- async scheduling ---------------------------------------------------------------------------------------
+# ---- async scheduling ---------------------------------------------------------------------------
 
 
 def async_requests() -> dict:
-    """Decoding requests that end in every way (length, EOS, stop id, stop string, context) at different steps,
-    sampled and greedy, so that a continued step often runs past where its sequence already ended."""
+    """Decoding requests, sampled and greedy, that end in every way at different steps.
+
+    The ways are length, EOS, stop id, stop string and context; the steps differ so that a continued
+    step often runs past where its sequence already ended."""
     out = {}
     for i in range(12):
         prompt = prompt_of(5 + 7 * i, 900 + i)
@@ -592,9 +676,10 @@ def async_requests() -> dict:
 
 @pytest.mark.parametrize("which", ["mtp", "forced", "plain"])
 def test_async_scheduling_changes_no_output(tiny_checkpoints, which):
-    """A step queued before the previous one is read must not change any output: the same tokens, text,
-    finish reasons and streamed deltas as the synchronous engine, and every page back after. Eight running
-    sequences at most, so requests wait while others decode."""
+    """A step queued before the previous one is read must not change any output.
+
+    The same tokens, text, finish reasons and streamed deltas as the synchronous engine, and every
+    page back after. Eight running sequences at most, so requests wait while others decode."""
     kw = dict(
         kv_cache_tokens=4096,
         page_size=4,
@@ -626,8 +711,9 @@ def test_async_scheduling_changes_no_output(tiny_checkpoints, which):
 
 
 def test_abort_while_a_step_is_in_flight(engine):
-    """Aborting a request whose next step is already queued returns its pages at once; the queued step's
-    tokens for it are dropped, and the other request goes on unchanged."""
+    """Aborting a request whose next step is already queued returns its pages at once.
+
+    The queued step's tokens for it are dropped, and the other request goes on unchanged."""
     ref = solo(engine, prompt_of(20, 61), greedy(16))[0]
     engine.add_request("fly-a", prompt_of(20, 61), greedy(16))
     engine.add_request("fly-b", prompt_of(9, 62), greedy(16))
@@ -642,7 +728,7 @@ def test_abort_while_a_step_is_in_flight(engine):
     assert engine.kv_pool_free() == all_free(engine)
 
 
-# ---- adaptive draft length ----------------------------------------------------------------------------------
+# ---- adaptive draft length ----------------------------------------------------------------------
 
 
 def test_draft_length_policy():
@@ -671,8 +757,10 @@ def test_draft_length_policy():
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_adaptive_draft_length_is_lossless(tiny_checkpoints, async_scheduling):
-    """Drafting on for a lone sequence and off for a batch (the step costs say so), switching both ways as
-    requests come and go: the same tokens as without a drafter, and pages all back."""
+    """Drafting on for a lone sequence and off for a batch (the step costs say so) is lossless.
+
+    It switches both ways as requests come and go: the same tokens as without a drafter, and pages
+    all back."""
     kw = dict(
         kv_cache_tokens=4096,
         page_size=4,
@@ -704,7 +792,7 @@ def test_adaptive_draft_length_is_lossless(tiny_checkpoints, async_scheduling):
     assert eng.kv_pool_free() == all_free(eng)
 
 
-# ---- input validation ---------------------------------------------------------------------------------------
+# ---- input validation ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -741,7 +829,11 @@ def test_bad_sampling_values(engine, kwargs, message):
         ([], 4, "prompt is empty"),
         ("", 4, "prompt is empty"),
         ([5] * 1024, 4, "maximum context length is 1024 tokens. However, your request has 1024 "),
-        ([5] * 2000, None, "maximum context length is 1024 tokens. However, your request has 2000 "),
+        (
+            [5] * 2000,
+            None,
+            "maximum context length is 1024 tokens. However, your request has 2000 ",
+        ),
         ([5] * 1000, 100, r"requested 1100 tokens \(1000 in the input, 100 in the completion\)"),
         ([5, VOCAB, 6], 4, f"token id {VOCAB} is outside the vocabulary"),
         ([5, -1], 4, "token id -1 is outside the vocabulary"),
@@ -767,7 +859,7 @@ def test_duplicate_request_id(engine):
     assert engine.kv_pool_free() == all_free(engine)
 
 
-# ---- AsyncEngine --------------------------------------------------------------------------------------------
+# ---- AsyncEngine --------------------------------------------------------------------------------
 
 
 def test_async_engine_concurrent_consumers(tiny_checkpoints, engine):
@@ -799,7 +891,8 @@ def test_async_engine_concurrent_consumers(tiny_checkpoints, engine):
 
     async def main():
         results = await asyncio.gather(*(consume(i) for i in range(len(prompts))), quitter(), bad())
-        # The quitter's abort reaches the engine thread asynchronously: wait for the pools to fill up again.
+        # The quitter's abort reaches the engine thread asynchronously: wait for the pools to fill
+        # up again.
         for _ in range(200):
             if ae.num_unfinished() == 0 and ae.kv_pool_free() == initial:
                 break
@@ -824,8 +917,10 @@ def test_async_engine_concurrent_consumers(tiny_checkpoints, engine):
 
 
 def test_generation_config_supplies_the_default_sampling_settings(tiny_checkpoints):
-    """The IT checkpoints' generation_config (temperature 1.0, top_k 64, top_p 0.95) is what a request that
-    says nothing samples with, as in vLLM; fields the file does not set stay unset."""
+    """generation_config supplies the sampling settings of a request that says nothing.
+
+    The IT checkpoints' generation_config (temperature 1.0, top_k 64, top_p 0.95) is what a request
+    that says nothing samples with, as in vLLM; fields the file does not set stay unset."""
     from gemma4serve.engine.engine import generation_defaults
 
     assert generation_defaults(tiny_checkpoints.get("dense")) == {
@@ -845,8 +940,9 @@ def test_text_prompts_start_with_bos(tiny_checkpoints):
 
 
 def test_attention_backend_choice_on_cpu():
-    """auto is the torch reference off CUDA; FlashInfer (an optional extra, CUDA only) is refused with a clear
-    error, never half-used."""
+    """auto is the torch reference off CUDA.
+
+    FlashInfer (an optional extra, CUDA only) is refused with a clear error, never half-used."""
     from gemma4serve.attention.torch_backend import TorchAttention
     from gemma4serve.config import ConfigError
     from gemma4serve.engine.models import make_attention_backend

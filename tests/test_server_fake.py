@@ -1,6 +1,8 @@
-"""The HTTP layer against the fake engine: the official `openai` client and raw HTTP on a loopback port,
-streamed and not, every refusal in OpenAI's error schema, auth, health, metrics, disconnects, concurrency,
-SIGTERM draining, and the CLI's argument handling. Fast: no weights."""
+"""The HTTP layer against the fake engine.
+
+The official `openai` client and raw HTTP on a loopback port, streamed and not, every refusal in
+OpenAI's error schema, auth, health, metrics, disconnects, concurrency, SIGTERM draining, and the
+CLI's argument handling. Fast: no weights."""
 
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def assert_openai_error(response: httpx.Response, status: int, param=..., code=.
     return error
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Happy paths through the official client
 
 
@@ -139,8 +141,16 @@ def test_chat_alias_and_missing_model(server, client):
 
 def test_chat_streaming_equals_non_streaming(client):
     full = client.chat.completions.create(model="fake", messages=HI, max_tokens=30, temperature=0)
-    chunks = list(client.chat.completions.create(model="fake", messages=HI, max_tokens=30, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="fake",
+            messages=HI,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert (
         chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     )
@@ -163,8 +173,14 @@ def test_chat_stream_wire_format(server):
         payloads = sse_data(r.iter_lines())
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
-    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}]  # fmt: skip
+    assert chunks[0]["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
     for c in chunks:
         assert c["object"] == "chat.completion.chunk" and set(c) == {
             "id",
@@ -219,8 +235,16 @@ def test_n_choices_usage_adds_up(client):
     assert all(c.message.content == REPLY[:7] for c in r.choices)
     assert r.usage.completion_tokens == 21 and r.usage.total_tokens == r.usage.prompt_tokens + 21
 
-    chunks = list(client.chat.completions.create(model="fake", messages=HI, max_tokens=7, n=3, stream=True,
-                                                 stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="fake",
+            messages=HI,
+            max_tokens=7,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     for i in range(3):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
         assert mine[0].delta.role == "assistant"
@@ -238,11 +262,20 @@ def test_stop_strings_and_stop_token_ids(client, engine):
         r.choices[0].message.content == "The quick brown " and r.choices[0].finish_reason == "stop"
     )
     assert r.choices[0].model_extra["stop_reason"] == "fox"
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="fake", messages=HI, stop="fox", max_tokens=100, stream=True) if c.choices)  # fmt: skip
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="fake", messages=HI, stop="fox", max_tokens=100, stream=True
+        )
+        if c.choices
+    )
     assert text == "The quick brown "
-    r = client.completions.create(model="fake", prompt="x", max_tokens=50,
-                                  extra_body={"stop_token_ids": [engine.tokenizer.encode("q")[0]]})  # fmt: skip
+    r = client.completions.create(
+        model="fake",
+        prompt="x",
+        max_tokens=50,
+        extra_body={"stop_token_ids": [engine.tokenizer.encode("q")[0]]},
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == "The "
 
 
@@ -255,9 +288,14 @@ def test_chat_logprobs(client):
     for t in content:
         assert t.logprob == -0.25 and t.bytes == list(t.token.encode()) and len(t.top_logprobs) == 2
         assert t.top_logprobs[0].token == t.token
-    streamed = [lp for c in client.chat.completions.create(model="fake", messages=HI, max_tokens=4, logprobs=True,
-                                                           top_logprobs=2, stream=True)
-                if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]  # fmt: skip
+    streamed = [
+        lp
+        for c in client.chat.completions.create(
+            model="fake", messages=HI, max_tokens=4, logprobs=True, top_logprobs=2, stream=True
+        )
+        if c.choices and c.choices[0].logprobs
+        for lp in c.choices[0].logprobs.content
+    ]
     assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
     assert (
         client.chat.completions.create(model="fake", messages=HI, max_tokens=2).choices[0].logprobs
@@ -335,9 +373,19 @@ def test_engine_sampling_defaults_fill_unset_fields():
 
 
 def test_unknown_fields_ignored_nulls_accepted(server):
-    body = {"model": "fake", "messages": HI, "max_tokens": None, "temperature": None, "stop": None,
-            "some_future_field": {"x": 1}, "metadata": {"a": "b"}, "store": False,
-            "chat_template_kwargs": {"enable_thinking": True}, "tools": [], "tool_choice": "auto"}  # fmt: skip
+    body = {
+        "model": "fake",
+        "messages": HI,
+        "max_tokens": None,
+        "temperature": None,
+        "stop": None,
+        "some_future_field": {"x": 1},
+        "metadata": {"a": "b"},
+        "store": False,
+        "chat_template_kwargs": {"enable_thinking": True},
+        "tools": [],
+        "tool_choice": "auto",
+    }
     assert httpx.post(server.url + CHAT, json=body).status_code == 200
 
 
@@ -345,10 +393,15 @@ def test_multipart_text_content_and_tool_messages(client):
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "content": "42", "tool_call_id": "1"},
-    ]  # fmt: skip
+    ]
     assert (
         client.chat.completions.create(model="fake", messages=messages, max_tokens=2)
         .choices[0]
@@ -362,7 +415,7 @@ def test_templating_runs_off_the_event_loop(server, client, engine):
     assert all(t is not server.thread for t in engine.tokenizer.template_threads)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Every refusal: its status and OpenAI's error body
 
 M = HI
@@ -656,7 +709,7 @@ def test_engine_stopping_short_ends_the_stream_as_abort():
         )
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Auth, health, lifecycle
 
 
@@ -716,7 +769,7 @@ def test_drain_timeout_aborts_running_requests_cleanly():
         wait_until(lambda: _pools_back(engine), what="KV pages to return")
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Metrics
 
 
@@ -742,16 +795,21 @@ def test_metrics_parse_and_move(server, client):
     assert 0.0 <= metric(after, "gemma4serve:kv_cache_usage_perc") <= 1.0
     assert metric(after, "gemma4serve:prefix_cache_queries_total") >= 0
     assert metric(after, "gemma4serve:prefix_cache_hits_total") >= 0
-    for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total",
-                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-                 "spec_decode_mean_accepted_length"):  # fmt: skip
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "num_preemptions_total",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+        "spec_decode_mean_accepted_length",
+    ):
         metric(after, "gemma4serve:" + name)
     assert (
         metric(after, "gemma4serve:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
     )
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Disconnects and load
 
 
@@ -841,7 +899,7 @@ def test_100_concurrent_streams(server, engine):
     wait_until(lambda: _pools_back(engine), what="KV pages to return")
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The real process: ready line, SIGTERM drain, exit code
 
 
@@ -892,7 +950,7 @@ def test_sigint_drains_too():
         assert proc.wait(15) == 0
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -900,18 +958,59 @@ def test_cli_maps_vllm_flags_to_engine_args(monkeypatch):
     from gemma4serve.cli import engine_args, parse_args
 
     monkeypatch.delenv("GEMMA4SERVE_API_KEY", raising=False)
-    ns = parse_args([
-        "--model", "google/gemma-4-31B-it", "--draft", "google/gemma-4-31B-it-assistant", "--max-model-len", "32K",
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.8",
-        "--num-speculative-tokens", "3", "--kv-cache-memory", "2GiB", "--dtype", "half", "--device", "cpu",
-        "--attention-backend", "torch", "--enforce-eager", "--seed", "5", "--forced-acceptance", "0.9,0.7",
-        "--served-model-name", "gemma", "alias", "--load-format", "dummy", "--block-size", "32",
-    ])  # fmt: skip
+    ns = parse_args(
+        [
+            "--model",
+            "google/gemma-4-31B-it",
+            "--draft",
+            "google/gemma-4-31B-it-assistant",
+            "--max-model-len",
+            "32K",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "4096",
+            "--gpu-memory-utilization",
+            "0.8",
+            "--num-speculative-tokens",
+            "3",
+            "--kv-cache-memory",
+            "2GiB",
+            "--dtype",
+            "half",
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch",
+            "--enforce-eager",
+            "--seed",
+            "5",
+            "--forced-acceptance",
+            "0.9,0.7",
+            "--served-model-name",
+            "gemma",
+            "alias",
+            "--load-format",
+            "dummy",
+            "--block-size",
+            "32",
+        ]
+    )
     a = engine_args(ns)
     assert (a.model, a.draft, a.max_model_len, a.max_num_seqs, a.max_num_batched_tokens) == (
-        "google/gemma-4-31B-it", "google/gemma-4-31B-it-assistant", 32768, 8, 4096)  # fmt: skip
+        "google/gemma-4-31B-it",
+        "google/gemma-4-31B-it-assistant",
+        32768,
+        8,
+        4096,
+    )
     assert (a.gpu_memory_utilization, a.num_draft_tokens, a.kv_cache_memory, a.dtype, a.device) == (
-        0.8, 3, 2 * 1024**3, "float16", "cpu")  # fmt: skip
+        0.8,
+        3,
+        2 * 1024**3,
+        "float16",
+        "cpu",
+    )
     assert (a.attention_backend, a.enforce_eager, a.seed, a.forced_acceptance) == (
         "torch",
         True,
@@ -938,9 +1037,17 @@ def test_cli_api_key_from_env(monkeypatch):
     assert parse_args(["--model", "m", "--api-key", "flag"]).api_key == "flag"
 
 
-@pytest.mark.parametrize("argv", [[], ["--demo", "--model", "m"], ["--model", "m", "--port", "70000"],
-                                  ["--model", "m", "--max-model-len", "lots"], ["--model", "m", "--dtype", "int3"],
-                                  ["--model", "m", "--gpu-memory-utilization", "1.5"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--demo", "--model", "m"],
+        ["--model", "m", "--port", "70000"],
+        ["--model", "m", "--max-model-len", "lots"],
+        ["--model", "m", "--dtype", "int3"],
+        ["--model", "m", "--gpu-memory-utilization", "1.5"],
+    ],
+)
 def test_cli_rejects_bad_arguments(argv, capsys):
     from gemma4serve.cli import parse_args
 
@@ -953,7 +1060,13 @@ def test_cli_rejects_bad_arguments(argv, capsys):
 @pytest.mark.parametrize("module", ["gemma4serve", "gemma4serve.cli"])
 def test_cli_help_runs_without_an_engine(module):
     env = {"PYTHONPATH": str(REPO_ROOT), "GEMMA4SERVE_API_KEY": "do-not-print"}
-    r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
-                       timeout=30, env=env)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
     assert r.returncode == 0 and "--draft" in r.stdout and "--demo" in r.stdout
     assert "do-not-print" not in r.stdout

@@ -1,5 +1,7 @@
-"""The real server: `python -m gemma4serve.cli` as a subprocess on a loopback port, serving the tiny demo
-Gemma 4 with its MTP assistant on CPU, talked to by the official `openai` client and raw HTTP."""
+"""The real server.
+
+`python -m gemma4serve.cli` as a subprocess on a loopback port, serving the tiny demo Gemma 4 with
+its MTP assistant on CPU, talked to by the official `openai` client and raw HTTP."""
 
 from __future__ import annotations
 
@@ -33,11 +35,30 @@ def demo_root(tmp_path_factory):
 
 def start_server(target, assistant, *extra: str) -> ServerProcess:
     return ServerProcess(
-        ["-m", "gemma4serve.cli", "--model", str(target), "--draft", str(assistant), "--device", "cpu",
-         "--host", "127.0.0.1", "--port", "0", "--served-model-name", MODEL, "--max-model-len", "1024",
-         "--num-draft-tokens", "3", "--disable-uvicorn-access-log", *extra],
+        [
+            "-m",
+            "gemma4serve.cli",
+            "--model",
+            str(target),
+            "--draft",
+            str(assistant),
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--served-model-name",
+            MODEL,
+            "--max-model-len",
+            "1024",
+            "--num-draft-tokens",
+            "3",
+            "--disable-uvicorn-access-log",
+            *extra,
+        ],
         ready_timeout=240,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +104,9 @@ def test_greedy_chat_stream_equals_non_stream(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == full.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-        full.choices[0].finish_reason]  # fmt: skip
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == [full.choices[0].finish_reason]
     assert chunks[-1].usage.model_dump() == full.usage.model_dump()
     u = full.usage
     assert (
@@ -100,20 +122,36 @@ def test_greedy_completion_stream_equals_non_stream(client):
 
 
 def test_usage_adds_up_over_n_choices(client):
-    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=12, n=3, seed=1,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=12, n=3, seed=1, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert r.usage.completion_tokens == 36
     assert r.usage.total_tokens == r.usage.prompt_tokens + 36
-    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=12, n=3, seed=1, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=HI,
+            max_tokens=12,
+            n=3,
+            seed=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[-1].usage.model_dump() == r.usage.model_dump()
 
 
 def test_logprobs_shapes(client):
-    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, logprobs=True, top_logprobs=3,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
     r = client.completions.create(
@@ -217,10 +255,22 @@ def test_100_concurrent_streams(server):
 def test_demo_flag_and_sigterm_exits_0(demo_root):
     root, _, _ = demo_root
     proc = ServerProcess(
-        ["-m", "gemma4serve.cli", "--demo", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
-         "--drain-timeout", "20"],
-        ready_timeout=240, env={"GEMMA4SERVE_CACHE": str(root)},
-    )  # fmt: skip
+        [
+            "-m",
+            "gemma4serve.cli",
+            "--demo",
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--drain-timeout",
+            "20",
+        ],
+        ready_timeout=240,
+        env={"GEMMA4SERVE_CACHE": str(root)},
+    )
     with proc:
         assert proc.ready_lines()[0].endswith("(model gemma4serve-demo)")
         body = {
