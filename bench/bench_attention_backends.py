@@ -60,7 +60,7 @@ def make_step(kind: str, seqs: int, q_len: int, ctx: int):
         WINDOW,
         cu.cuda(),
         q_len,
-        PAGE,
+        {kind: PAGE},
         host,
     )
     keys = min(ctx, WINDOW[kind] or ctx)

@@ -568,8 +568,8 @@ def main(argv=None) -> None:
           f"draft: {draft if k else None} ({draft_params / 1e9:.3f}B), k={k}, "
           f"forced acceptance: {forced}, weights: {args.load_format}")  # fmt: skip
     print(
-        f"KV pool: {engine.kv.full.capacity} full + {engine.kv.sliding.capacity} sliding pages "
-        f"of {state.page_size}, max_model_len {engine.max_model_len}, "
+        f"KV arena: {engine.kv.pool.capacity} pages, positions per page "
+        f"{engine.kv.page_tokens}, max_model_len {engine.max_model_len}, "
         f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}"
     )
     if args.bandwidth_gbps:

@@ -308,11 +308,12 @@ def test_rope_tables(dtype):
 
 
 def test_write_slots():
-    """kv_end = pos + 1 and each token's slot through its row of both page tables, as the torch ops.
+    """kv_end = pos + 1 and each token's slot through its row of both page tables, as the torch ops,
+    with each table's own positions per page.
 
-    Padding rows on the null-page row write slot 0..page_size-1 of page 0.
+    Padding rows on the null-page row write slots of page 0.
     """
-    page_size = 4
+    page_tokens = {"full": 8, "sliding": 4}
     tables = {
         "full": torch.tensor([[3, 5, 8], [2, 0, 0], [0, 0, 0]], dtype=torch.int32),
         "sliding": torch.tensor([[1, 4, 6], [7, 0, 0], [0, 0, 0]], dtype=torch.int32),
@@ -320,11 +321,11 @@ def test_write_slots():
     token_seq = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
     pos = torch.tensor([5, 9, 2, 0], dtype=torch.int64)
     kv_end, slots = write_slots(
-        token_seq.to(DEV), pos.to(DEV), {k: t.to(DEV) for k, t in tables.items()}, page_size
+        token_seq.to(DEV), pos.to(DEV), {k: t.to(DEV) for k, t in tables.items()}, page_tokens
     )
     assert kv_end.tolist() == [6, 10, 3, 1] and kv_end.dtype == torch.int32
     assert (
-        slots["full"].tolist() == [5 * 4 + 1, 8 * 4 + 1, 2 * 4 + 2, 0]
+        slots["full"].tolist() == [3 * 8 + 5, 5 * 8 + 1, 2 * 8 + 2, 0]
         and slots["full"].dtype == torch.int64
     )
     assert slots["sliding"].tolist() == [4 * 4 + 1, 6 * 4 + 1, 7 * 4 + 2, 0]

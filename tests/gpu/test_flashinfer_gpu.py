@@ -65,7 +65,7 @@ def mixed_step(kind: str, free_old_pages: bool):
         WINDOW,
         cu.cuda(),
         max(n for _, n in groups),
-        PAGE,
+        {kind: PAGE},
         host,
     )
     return q, k, v, meta

@@ -393,10 +393,12 @@ def test_step_inputs_equal_torch_ops(dtype):
     }
     token_seq = torch.randint(0, 9, (64,), generator=generator, device=DEV, dtype=torch.int32)
     p = torch.randint(0, 300 * 16, (64,), generator=generator, device=DEV)
-    kv_end, slots = write_slots(token_seq, p, tables, 16)
-    assert torch.equal(kv_end, (p + 1).to(torch.int32))
+    page_tokens = {"a": 16, "b": 40}
+    kv_end, slots = write_slots(token_seq, p // 3, tables, page_tokens)
+    assert torch.equal(kv_end, (p // 3 + 1).to(torch.int32))
     for k, t in tables.items():
-        assert torch.equal(slots[k], t[token_seq.long(), p // 16].long() * 16 + p % 16)
+        n = page_tokens[k]
+        assert torch.equal(slots[k], t[token_seq.long(), p // 3 // n].long() * n + p // 3 % n)
 
 
 @pytest.mark.parametrize("dataflow_mlp", [False, True])
