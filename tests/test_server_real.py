@@ -336,3 +336,27 @@ def test_completion_returns_token_ids(server):
     assert streamed == choice["token_ids"]
     plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
     assert "token_ids" not in plain
+
+
+def test_model_without_tokenizer_serves_token_ids(demo_root, tmp_path):
+    """Checkpoints made of configs alone (the GPU benchmarks' dummy weights) have no tokenizer:
+    token-id prompts are served, text prompts and chat get a clear 400."""
+    import shutil
+
+    _, target, assistant = demo_root
+    bare = tmp_path / "bare"
+    shutil.copytree(target, bare)
+    (bare / "tokenizer.json").unlink()
+    with start_server(bare, assistant) as proc:
+        body = {"model": MODEL, "prompt": [2, 300, 301], "max_tokens": 4, "return_token_ids": True}
+        r = httpx.post(proc.url + "/v1/completions", json=body)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+        outside = httpx.post(proc.url + "/v1/completions", json={**body, "prompt": [2, 10**6]})
+        assert outside.status_code == 400 and "vocabulary" in outside.json()["error"]["message"]
+        for path, request in [
+            ("/v1/completions", {**body, "prompt": "hello"}),
+            (CHAT, {"model": MODEL, "messages": HI, "max_tokens": 4}),
+        ]:
+            refused = httpx.post(proc.url + path, json=request)
+            assert refused.status_code == 400
+            assert "no tokenizer" in refused.json()["error"]["message"]

@@ -92,7 +92,7 @@ class PrefixCache:
         """Cache a sequence's full pages wholly below `committed` (rows whose KV is final) and its
         windows at `boundaries` (each <= committed) while their sliding pages are mapped.
         `pages` is the sequence's SeqPages (its chain hashes and cached count are kept there)."""
-        num_full = committed // self.full_page_tokens
+        num_full = min(committed // self.full_page_tokens, len(pages.full))
         hashes = self.chain(token_ids, num_full, pages.hashes)
         for i in range(pages.num_cached_full, num_full):
             page, key = pages.full[i], hashes[i]

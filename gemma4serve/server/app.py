@@ -427,7 +427,18 @@ class Prompt:
     echo_text: str = ""  # what `echo` puts before the completion ("" without echo)
 
 
+def _needs_tokenizer(tokenizer, what: str, param: str) -> None:
+    if tokenizer is None:
+        raise ApiError(
+            400,
+            f"This model has no tokenizer, so {what} cannot be served: send token ids to "
+            "/v1/completions.",
+            param=param,
+        )
+
+
 def _render_chat(tokenizer, req: ChatCompletionRequest) -> Prompt:
+    _needs_tokenizer(tokenizer, "chat messages", "messages")
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = RESERVED_TEMPLATE_KWARGS & kwargs.keys()
     if reserved:
@@ -452,12 +463,15 @@ def _render_chat(tokenizer, req: ChatCompletionRequest) -> Prompt:
 
 def _completion_prompt(tokenizer, req: CompletionRequest) -> Prompt:
     prompt = req.single_prompt()
+    if isinstance(prompt, str) or req.echo:
+        _needs_tokenizer(tokenizer, "a text prompt or echo", "prompt")
     if isinstance(prompt, str):
         ids = encode_text(tokenizer, prompt, param="prompt")
         if req.add_special_tokens:
             ids = with_bos(ids, tokenizer.bos_token_id)
         return Prompt(ids, prompt if req.echo else "")
-    check_token_ids(prompt, tokenizer.vocab_size, param="prompt")
+    if tokenizer is not None:  # else the engine checks against the model's vocabulary
+        check_token_ids(prompt, tokenizer.vocab_size, param="prompt")
     echo = tokenizer.decode(prompt, skip_special_tokens=False) if req.echo else ""
     return Prompt(list(prompt), echo)
 
