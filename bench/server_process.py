@@ -33,20 +33,21 @@ def start_server(model: str, draft: str | None, load_format: str, extra: list[st
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
     )
-    ready = threading.Event()
+    ready, started = threading.Event(), []
 
     def pump() -> None:
         for line in proc.stdout:
             print("server:", line, end="", flush=True)
             if "gemma4serve ready" in line:
+                started.append(True)
                 ready.set()
         ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
     start = time.monotonic()
     ready.wait()
-    if proc.poll() is not None:
-        raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+    if not started:
+        raise RuntimeError(f"the server exited with {proc.wait()} before it was ready")
     print(f"server ready after {time.monotonic() - start:.1f}s", flush=True)
     url = f"http://127.0.0.1:{port}"
     try:
