@@ -62,10 +62,6 @@ class KVCache:
         """[num_pages, page_tokens, nkv, hd] K and V of producer layer `index`."""
         return self.layers[index]
 
-    @property
-    def page_bytes(self) -> int:
-        return self.page_elements * self.arena.element_size()
-
     @staticmethod
     def bytes_per_page(cfg: TextConfig, tokens: dict[str, int], dtype: torch.dtype) -> int:
         elements = max(tokens[kind] * token_elements(cfg, kind) for kind in tokens)

@@ -79,12 +79,6 @@ class KVManager:
         full = max(0, self.pages_for(end, FULL) - len(pages.full))
         return full + len(self._missing_sliding(pages, start, end))
 
-    def request_pages(self, length: int, chunk: int) -> int:
-        """The most pages one sequence of `length` tokens holds, prefilled in chunks of `chunk`."""
-        keep = self.sliding_keep + (self.cache.boundary if self.cache is not None else 0)
-        sliding_rows = min(length, keep + chunk)
-        return self.pages_for(length, FULL) + self.pages_for(sliding_rows, SLIDING) + 1
-
     def can_grow(self, seq: PagedSequence, start: int, end: int) -> bool:
         return self.pages_needed(seq.pages, start, end) <= self.pool.num_free
 

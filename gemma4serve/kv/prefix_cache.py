@@ -22,6 +22,15 @@ from gemma4serve.kv.pool import PagePool
 
 
 @dataclass
+class Window:
+    """The sliding pages that cover the rows [tokens - keep, tokens) of a cached prefix."""
+
+    tokens: int  # the boundary
+    sliding_first: int  # logical sliding page of the window's first row
+    sliding_pages: list[int]
+
+
+@dataclass
 class CacheHit:
     tokens: int  # the prefix length served from the cache (a boundary)
     full_pages: list[int]  # the full-layer pages of positions [0, tokens)
@@ -51,7 +60,7 @@ class PrefixCache:
         self.root = hashlib.blake2b(salt.encode(), digest_size=16).digest()
         self.full: dict[bytes, int] = {}  # chain hash -> physical full page
         self.hash_of_page: dict[int, bytes] = {}
-        self.windows: dict[bytes, CacheHit] = {}  # chain hash at a boundary -> its sliding pages
+        self.windows: dict[bytes, Window] = {}  # chain hash at a boundary -> its window
         self.windows_of_page: dict[int, set[bytes]] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -111,7 +120,7 @@ class PrefixCache:
             window = pages.sliding[first : b // self.sliding_page_tokens]
             if not window or 0 in window:
                 continue
-            self.windows[key] = CacheHit(b, [], first, list(window), [])
+            self.windows[key] = Window(b, first, list(window))
             for page in window:
                 self.windows_of_page.setdefault(page, set()).add(key)
                 self.pool.claim(page)
