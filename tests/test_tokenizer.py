@@ -3,6 +3,7 @@ transformers."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -203,3 +204,34 @@ def test_template_environment(tok):
         tok.apply_chat_template([], chat_template="{{ ''.__class__.__mro__ }}")
     # Explicit keyword arguments override the special tokens, as in transformers.
     assert tok.apply_chat_template([], chat_template="{{ bos_token }}", bos_token="X") == "X"
+
+
+def test_openai_tool_call_arguments_render_as_transformers_renders_a_mapping(reference_dir):
+    """An OpenAI client's assistant turn carries `arguments` as a JSON string: the server parses it,
+    so the prompt is the one the template writes for the mapping (not the string pasted as is)."""
+    from gemma4serve.server.protocol import ChatMessage
+
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(reference_dir)
+    ours = Tokenizer.from_dir(reference_dir)
+    arguments = {"city": "Paris, {France}", "days": 3, "metric": True}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather"}}
+    history = [{"role": "user", "content": "Weather in Paris?"}]
+    openai_turn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {**call, "function": {**call["function"], "arguments": json.dumps(arguments)}}
+        ],
+    }
+    mapping_turn = {
+        "role": "assistant",
+        "tool_calls": [{**call, "function": {**call["function"], "arguments": arguments}}],
+    }
+    messages = [ChatMessage.model_validate(m).to_template() for m in [*history, openai_turn]]
+    got = ours.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=False)
+    expected = hf.apply_chat_template(
+        [*history, mapping_turn], tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=False
+    )
+    assert got == expected
+    assert '"city"' not in got  # the template's notation, not the JSON string

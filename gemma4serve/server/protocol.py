@@ -134,7 +134,21 @@ class ChatMessage(BaseModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        for call in message.get("tool_calls", ()):
+            function = call.get("function")
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                function["arguments"] = _arguments_mapping(function["arguments"])
         return message
+
+
+def _arguments_mapping(arguments: str):
+    """OpenAI clients send a call's arguments as a JSON string; the Gemma template writes a mapping
+    in its own notation (and would paste a string verbatim). Anything but a JSON object stays."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 class StreamOptions(_Request):
