@@ -233,6 +233,23 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, if set). "
         "/health and /metrics stay open.",
     )
+    # Chat completions always split Gemma 4's reasoning and tool calls out of the text; vLLM's
+    # switches for that are accepted so that vLLM command lines run unchanged.
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Accepted for vLLM compatibility: tool calls are always parsed.",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=["gemma4"],
+        help="Accepted for vLLM compatibility: Gemma 4's tool-call parser is always on.",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=["gemma4"],
+        help="Accepted for vLLM compatibility: Gemma 4's reasoning parser is always on.",
+    )
     server.add_argument(
         "--drain-timeout",
         type=float,

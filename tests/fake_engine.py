@@ -67,6 +67,13 @@ class FakeTokenizer:
                 i += 1
         return ids
 
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self.SPECIALS.values())
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.SPECIALS.get(token)
+
     def id_to_token(self, token_id: int) -> str:
         if token_id < self.OFFSET:
             return self._names.get(token_id, f"<unused{token_id}>")

@@ -994,9 +994,16 @@ def test_cli_maps_vllm_flags_to_engine_args(monkeypatch):
             "dummy",
             "--block-size",
             "32",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "gemma4",
+            "--reasoning-parser",
+            "gemma4",
+            "--no-enable-prefix-caching",
         ]
     )
     a = engine_args(ns)
+    assert not a.enable_prefix_caching
     assert (a.model, a.draft, a.max_model_len, a.max_num_seqs, a.max_num_batched_tokens) == (
         "google/gemma-4-31B-it",
         "google/gemma-4-31B-it-assistant",

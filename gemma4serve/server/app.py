@@ -36,6 +36,7 @@ from starlette.routing import Route
 from gemma4serve.engine.client import EngineClient
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.server.chat_output import ChatMarkers
 from gemma4serve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from gemma4serve.server.metrics import ServerMetrics
 from gemma4serve.server.protocol import (
@@ -96,6 +97,7 @@ class ServerState:
     api_key: str | None
     metrics: ServerMetrics
     token_strings: TokenStrings
+    chat_markers: ChatMarkers | None  # the tokenizer's channel and tool-call tokens, if any
     sampling_defaults: dict
     drain_timeout: float
     created: int = field(default_factory=lambda: int(time.time()))
@@ -518,7 +520,16 @@ async def _generation(
         max_tokens=max_tokens, logprobs=req.num_logprobs, defaults=state.sampling_defaults
     )
     header = ResponseHeader(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), model)
-    fmt = response_format(header, req, state.token_strings, len(prompt.token_ids), prompt.echo_text)
+    fmt = response_format(
+        header,
+        req,
+        state.token_strings,
+        len(prompt.token_ids),
+        prompt.echo_text,
+        markers=state.chat_markers,
+    )
+    if fmt.parses_output:  # the parser reads the special tokens the model writes
+        params.skip_special_tokens = False
     return GenerationResponse(state, fmt, header.id, prompt.token_ids, params, req.stream)
 
 
@@ -627,6 +638,7 @@ def build_app(
         api_key=api_key or None,
         metrics=ServerMetrics(engine.stats, names[0]),
         token_strings=TokenStrings(engine.tokenizer),
+        chat_markers=ChatMarkers.from_tokenizer(engine.tokenizer),
         sampling_defaults=dict(engine.default_sampling_params),
         drain_timeout=drain_timeout,
     )

@@ -4,6 +4,7 @@ RequestOutputs in, OpenAI stream chunks or one final body out."""
 from __future__ import annotations
 
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from gemma4serve.server.chat_output import ChatDelta, ChatMarkers, ChatOutputParser
 from gemma4serve.server.protocol import (
     ResponseHeader,
     TokenStrings,
@@ -27,8 +28,10 @@ class ResponseFormat:
         strings: TokenStrings,
         prompt_len: int,
         echo_text: str = "",
+        markers: ChatMarkers | None = None,
     ):
         self.header = header
+        self.markers = markers
         self.request = request
         self.strings = strings
         self.prompt_len = prompt_len
@@ -45,12 +48,18 @@ class ResponseFormat:
         self.completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         self.cached_tokens = output.num_cached_tokens
 
+    @property
+    def parses_output(self) -> bool:
+        """Whether choices are split into reasoning, content and tool calls (chat only)."""
+        return False
+
     def step(self, output: RequestOutput) -> list[dict]:
         self.count(output)
         chunks = []
         for c in output.outputs:
-            if self.has_delta(c):
-                chunks.append(self._chunk([self.delta_choice(c)]))
+            choice = self.delta_choice(c, output)
+            if choice is not None:
+                chunks.append(self._chunk([choice]))
             if c.finish_reason is not None and c.index not in self._finish_sent:
                 self._finish_sent.add(c.index)
                 chunks.append(self._chunk([self.finish_choice(c)]))
@@ -68,9 +77,6 @@ class ResponseFormat:
             usage = self.usage()
         return self.envelope(choices, usage, with_usage=self.request.include_usage)
 
-    def has_delta(self, c: CompletionOutput) -> bool:
-        return bool(c.new_text or c.new_logprobs)
-
     # Per-endpoint parts
     def opening(self, n: int) -> list[dict]:
         raise NotImplementedError
@@ -78,7 +84,8 @@ class ResponseFormat:
     def envelope(self, choices, usage, *, with_usage) -> dict:
         raise NotImplementedError
 
-    def delta_choice(self, c: CompletionOutput) -> dict:
+    def delta_choice(self, c: CompletionOutput, output: RequestOutput) -> dict | None:
+        """The choice's delta in this output, or None when it has none."""
         raise NotImplementedError
 
     def finish_choice(self, c: CompletionOutput) -> dict:
@@ -89,6 +96,14 @@ class ResponseFormat:
 
 
 class ChatFormat(ResponseFormat):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._parsers: dict[int, ChatOutputParser] = {}  # per choice, while streaming
+
+    @property
+    def parses_output(self) -> bool:
+        return self.markers is not None and self.request.skip_special_tokens
+
     def opening(self, n: int) -> list[dict]:
         # OpenAI's first chunk of each choice carries the role and an empty content.
         return [
@@ -99,28 +114,86 @@ class ChatFormat(ResponseFormat):
     def envelope(self, choices, usage, *, with_usage) -> dict:
         return self.header.chat_chunk(choices, usage, with_usage=with_usage)
 
-    def delta_choice(self, c: CompletionOutput) -> dict:
+    def delta_choice(self, c: CompletionOutput, output: RequestOutput) -> dict | None:
         logprobs = (
             chat_logprobs(c.new_logprobs, self.strings) if c.new_logprobs is not None else None
         )
-        return chat_delta_choice(c.index, {"content": c.new_text}, logprobs)
+        if not self.parses_output:
+            if not (c.new_text or c.new_logprobs):
+                return None
+            return chat_delta_choice(c.index, {"content": c.new_text}, logprobs)
+        if c.index not in self._parsers:
+            self._parsers[c.index] = self._parser(output.prompt_token_ids)
+        parser = self._parsers[c.index]
+        delta = parser.feed(c.new_text)
+        if c.finish_reason is not None:
+            delta += parser.finish()
+        fields = self._fields(delta, streamed=True)
+        if not fields and not c.new_logprobs:
+            return None
+        return chat_delta_choice(c.index, fields, logprobs)
 
     def finish_choice(self, c: CompletionOutput) -> dict:
-        return chat_delta_choice(c.index, {}, None, c.finish_reason, c.stop_reason)
+        parser = self._parsers.get(c.index)
+        reason = _finish_reason(c.finish_reason, parser)
+        return chat_delta_choice(c.index, {}, None, reason, c.stop_reason)
 
     def body(self, output, logprobs) -> dict:
         want = self.request.logprobs
-        choices = [
-            chat_choice(
-                c.index,
-                c.text,
-                chat_logprobs(logprobs.get(c.index, []), self.strings) if want else None,
-                c.finish_reason,
-                c.stop_reason,
+        choices = []
+        for c in output.outputs:
+            message, parser = {"content": c.text}, None
+            if self.parses_output:
+                parser = self._parser(output.prompt_token_ids)
+                delta = parser.feed(c.text)
+                delta += parser.finish()
+                message = self._fields(delta, streamed=False)
+                message.setdefault("content", None if delta.tool_calls else "")
+            choices.append(
+                chat_choice(
+                    c.index,
+                    message,
+                    chat_logprobs(logprobs.get(c.index, []), self.strings) if want else None,
+                    _finish_reason(c.finish_reason, parser),
+                    c.stop_reason,
+                )
             )
-            for c in output.outputs
-        ]
         return self.header.chat_completion(choices, self.usage())
+
+    def _parser(self, prompt_ids: list[int]) -> ChatOutputParser:
+        schemas = {
+            tool["function"]["name"]: tool["function"].get("parameters")
+            for tool in self.request.tools or ()
+            if isinstance(tool.get("function"), dict) and "name" in tool["function"]
+        }
+        return ChatOutputParser(self.markers, schemas, self.markers.starts_in_reasoning(prompt_ids))
+
+    def _fields(self, delta: ChatDelta, *, streamed: bool) -> dict:
+        """OpenAI's message (or delta) fields for what the parser returned."""
+        fields = {}
+        if delta.content:
+            fields["content"] = delta.content
+        if delta.reasoning and self.request.include_reasoning:
+            # vLLM's two names for it: reasoning_content (before 0.18) and reasoning
+            fields["reasoning_content"] = fields["reasoning"] = delta.reasoning
+        if delta.tool_calls:
+            fields["tool_calls"] = [
+                {
+                    **({"index": call.index} if streamed else {}),
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in delta.tool_calls
+            ]
+        return fields
+
+
+def _finish_reason(reason: str | None, parser: ChatOutputParser | None) -> str | None:
+    """ "tool_calls" for a choice that stopped after writing calls."""
+    if reason == "stop" and parser is not None and parser.num_calls:
+        return "tool_calls"
+    return reason
 
 
 class CompletionFormat(ResponseFormat):
@@ -142,10 +215,10 @@ class CompletionFormat(ResponseFormat):
         self._offsets[index] = offset + sum(len(t) for t in body["tokens"])
         return body
 
-    def has_delta(self, c: CompletionOutput) -> bool:
-        return super().has_delta(c) or bool(self.request.return_token_ids and c.new_token_ids)
-
-    def delta_choice(self, c: CompletionOutput) -> dict:
+    def delta_choice(self, c: CompletionOutput, output: RequestOutput) -> dict | None:
+        ids = self.request.return_token_ids and c.new_token_ids
+        if not (c.new_text or c.new_logprobs or ids):
+            return None
         logprobs = self._logprobs(c.index, c.new_logprobs) if c.new_logprobs is not None else None
         choice = completion_choice(c.index, c.new_text, logprobs, None)
         if self.request.return_token_ids:

@@ -263,6 +263,7 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    include_reasoning: bool = True  # vLLM's: False drops the reasoning from the response
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -448,10 +449,15 @@ class ResponseHeader:
         return chunk
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason, stop_reason) -> dict:
+def chat_choice(
+    index: int, message: dict | str, logprobs: dict | None, finish_reason, stop_reason
+) -> dict:
+    """`message`: the assistant message's fields, or just its content."""
+    if isinstance(message, str):
+        message = {"content": message}
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": {"role": "assistant", **message},
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
