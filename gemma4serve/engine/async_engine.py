@@ -91,8 +91,8 @@ class AsyncEngine:
         return self._stats.kv_pages_free
 
     def num_unfinished(self) -> int:
-        st = self._stats
-        return st.num_running + st.num_waiting
+        stats = self._stats
+        return stats.num_running + stats.num_waiting
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop admitting, let running requests finish for up to drain_timeout s, abort the rest."""

@@ -37,8 +37,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class CudaGraphs:
     def __init__(self, state, max_batch: int, max_model_len: int, num_draft_tokens: int):
-        self.s = state
-        self.k = num_draft_tokens
+        self.state = state
+        self.num_draft_tokens = num_draft_tokens
         self.buckets = batch_buckets(max_batch)
         self.q_lens = sorted({1, num_draft_tokens + 1})
         B, T = self.buckets[-1], self.buckets[-1] * max(self.q_lens)
@@ -76,25 +76,26 @@ class CudaGraphs:
     # ---- capture --------------------------------------------------------------------------------
 
     def _target_fn(self, B: int, Q: int, greedy: bool):
-        s, T = self.s, B * Q
+        state, T = self.state, B * Q
 
         def run():
             meta = causal_metadata(
                 self.token_seq[:T],
                 self.pos[:T],
                 self.tables,
-                {SLIDING: s.target.cfg.sliding_window, FULL: 0},
+                {SLIDING: state.target.cfg.sliding_window, FULL: 0},
                 self.cu_seqlens[Q][: B + 1],
                 Q,
-                s.kv.page_tokens,
+                state.kv.page_tokens,
             )
-            hidden = s.target(self.ids[:T], self.pos[:T], ForwardContext(meta, s.kv, s.attn))
-            return hidden, (s.target.greedy(hidden) if greedy else s.target.logits(hidden))
+            context = ForwardContext(meta, state.kv, state.attn)
+            hidden = state.target(self.ids[:T], self.pos[:T], context)
+            return hidden, (state.target.greedy(hidden) if greedy else state.target.logits(hidden))
 
         return run
 
     def _has_greedy(self, B: int, Q: int) -> bool:
-        return self.s.target.greedy_head is not None and B * Q <= fused.gemv_max_rows()
+        return self.state.target.greedy_head is not None and B * Q <= fused.gemv_max_rows()
 
     def _draft_fn(self, B: int):
         def run():
@@ -104,7 +105,7 @@ class CudaGraphs:
                 self.d_pos[:B],
                 self.d_rows[:B],
                 self.tables,
-                self.k,
+                self.num_draft_tokens,
             )
 
         return run
@@ -147,7 +148,7 @@ class CudaGraphs:
         return {
             B: StepCost(
                 self._time(self.target_graphs[(B, 1, False)][0]),
-                self._time(self.target_graphs[(B, self.k + 1, False)][0]),
+                self._time(self.target_graphs[(B, self.num_draft_tokens + 1, False)][0]),
                 self._time(self.draft_graphs[B][0]),
             )
             for B in self.buckets
@@ -184,7 +185,7 @@ class CudaGraphs:
         T = ids.shape[0]
         n = T // Q
         B = self.bucket(n)
-        dev = self.s.device
+        dev = self.state.device
         copy_into(self.ids[:T], ids)
         copy_into(self.pos[:T], pos)
         self.pos[T : B * Q].zero_()
