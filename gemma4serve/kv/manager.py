@@ -132,7 +132,7 @@ class KVManager:
         """The cached prefix a new sequence can start from (at least its last token is computed)."""
         if self.cache is None or seq.pages.full:
             return None
-        return self.cache.lookup(seq.token_ids, seq.num_tokens - 1)
+        return self.cache.lookup(seq.token_ids, seq.num_tokens - 1, seq.pages.hashes)
 
     def record_lookup(self, seq: PagedSequence, hit: CacheHit | None) -> None:
         if self.cache is not None:

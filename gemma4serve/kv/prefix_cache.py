@@ -79,9 +79,10 @@ class PrefixCache:
             known.append(hashlib.blake2b(parent + page, digest_size=16).digest())
         return known[:num_pages]
 
-    def lookup(self, token_ids: list[int], limit: int) -> CacheHit | None:
-        """The longest cached prefix of at most `limit` tokens, or None."""
-        hashes = self.chain(token_ids, limit // self.full_page_tokens, [])
+    def lookup(self, token_ids: list[int], limit: int, known: list[bytes]) -> CacheHit | None:
+        """The longest cached prefix of at most `limit` tokens, or None. `known`: the chain
+        hashes computed already (extended in place, so a waiting prompt is hashed once)."""
+        hashes = self.chain(token_ids, limit // self.full_page_tokens, known)
         matched = 0
         while matched < len(hashes) and hashes[matched] in self.full:
             matched += 1

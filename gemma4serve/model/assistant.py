@@ -68,7 +68,6 @@ class Gemma4Assistant(nn.Module):
         ops = fused.select_ops(device)
         bind_ops(self, ops)
         self.rotary = Rotary(self.cfg.text, device, ops)
-        self.ops = ops
         for layer in self.model.layers:
             layer.self_attn.kv_layer = target_cfg.store_layer(layer.spec.kind)
             ops.prepare(layer)

@@ -218,7 +218,6 @@ class Gemma4Model(nn.Module):
         ops read. Called before the weights are loaded, so they load straight into that layout."""
         ops = fused.select_ops(device)
         bind_ops(self, ops)
-        self.ops = ops
         self.rotary = Rotary(self.cfg, device, ops)
         for layer in self.layers:
             ops.prepare(layer)

@@ -12,6 +12,7 @@ sent.
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ class ChatMarkers:
         turn_open = tokenizer.token_to_id(TURN_OPEN)
         return cls(specials, ids[CHANNEL_OPEN], ids[CHANNEL_CLOSE], turn_open)
 
+    @functools.cached_property
+    def splitter(self) -> re.Pattern:
+        """Splits text into plain runs and special tokens (odd items), compiled once."""
+        return re.compile("(" + "|".join(map(re.escape, self.specials)) + ")")
+
     def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves a thought channel open (the completion begins inside it):
         a `<|channel>` after the last turn opener with no `<channel|>` after it."""
@@ -85,7 +91,7 @@ class ChatOutputParser:
 
     def __init__(self, markers: ChatMarkers, tool_schemas: dict[str, dict], in_reasoning: bool):
         self.tool_schemas = tool_schemas
-        self._split = re.compile("(" + "|".join(map(re.escape, markers.specials)) + ")")
+        self._split = markers.splitter
         self.state = "reasoning" if in_reasoning else "content"
         self._label = in_reasoning  # the next reasoning text may start with the label
         self._held = ""  # text not final yet: a partial label, or trailing content whitespace
