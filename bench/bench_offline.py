@@ -156,6 +156,28 @@ class Level:
     step_s: list = field(
         default_factory=list
     )  # wall time of every engine step that delivered tokens
+    split: StepSplit | None = None
+
+
+@dataclass
+class StepSplit:
+    """Where a level's engine time went: steps carrying prompt tokens against decode-only ones."""
+
+    prefill_steps: int
+    prefill_s: float
+    prefill_tokens: int
+    decode_steps: int
+    decode_s: float
+    decode_p50_ms: float
+
+    @classmethod
+    def of(cls, step_s: list[float], prefill_tokens: list[int]) -> StepSplit:
+        mixed = [t for t, n in zip(step_s, prefill_tokens) if n]
+        decode = [t for t, n in zip(step_s, prefill_tokens) if not n]
+        return cls(
+            len(mixed), sum(mixed), sum(prefill_tokens), len(decode), sum(decode),
+            percentile([t * 1e3 for t in decode], 50),
+        )  # fmt: skip
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -177,6 +199,7 @@ def run_level(
     done: list[Req] = []
     start = time.perf_counter()
     step_times = []
+    prefill_tokens = []  # prompt tokens of the step each step() call launched (0: decode only)
     while pending or inflight:
         while pending and len(inflight) < concurrency:
             i, prompt = pending.pop()
@@ -187,6 +210,7 @@ def run_level(
         outs = engine.step()  # returns after the step's device -> host copy: the tokens exist now
         now = time.perf_counter()
         step_times.append((now - t0, engine.runner.last_launch, bool(outs)))
+        prefill_tokens.append(engine.runner.last_prefill_tokens)
         for out in outs:
             req = inflight[out.request_id]
             n = len(out.outputs[0].new_token_ids)
@@ -212,6 +236,7 @@ def run_level(
         concurrency, done, elapsed, sum(map(len, prompts)), len(prompts) * output_len,
         1.0 + accepted / steps if steps else 1.0, steps / seq_steps if seq_steps else 0.0, slow,
         [t for t, _, delivered in step_times if delivered],
+        StepSplit.of([t for t, _, _ in step_times], prefill_tokens),
     )  # fmt: skip
 
 
@@ -521,9 +546,15 @@ def triton_cache_entries() -> set[str]:
 
 
 def trace_launches(runner) -> None:
-    """Remember the shape of the last scheduled step (continued steps keep their predecessor's)."""
-    launch = runner.launch
+    """Remember the shape of the last scheduled step (continued steps keep their predecessor's)
+    and the prompt tokens of the last launch (a continued step carries none)."""
+    launch, launch_continued = runner.launch, runner.launch_continued
     runner.last_launch = ""
+    runner.last_prefill_tokens = 0
+
+    def traced_continued(previous, pages):
+        runner.last_prefill_tokens = 0
+        return launch_continued(previous, pages)
 
     def traced(chunks, draft_len):
         prefill = [ch.length for ch in chunks if ch.length > 1 or not ch.samples]
@@ -531,9 +562,11 @@ def trace_launches(runner) -> None:
             f"{len(chunks)} sequences, {sum(ch.num_query for ch in chunks)} tokens, "
             f"prefill chunks {prefill}"
         )
+        runner.last_prefill_tokens = sum(prefill)
         return launch(chunks, draft_len)
 
     runner.launch = traced
+    runner.launch_continued = traced_continued
 
 
 def main(argv=None) -> None:
@@ -608,6 +641,15 @@ def main(argv=None) -> None:
             f"ms p10 {percentile(step_ms, 10):.2f} p50 {percentile(step_ms, 50):.2f} "
             f"p90 {percentile(step_ms, 90):.2f} p99 {percentile(step_ms, 99):.2f} "
             f"max {max(step_ms):.2f}",
+            flush=True,
+        )
+        split = level.split
+        prefill_rate = split.prefill_tokens / max(split.prefill_s, 1e-9)
+        print(
+            f"      steps with prompt tokens: {split.prefill_steps} taking {split.prefill_s:.2f} s "
+            f"({split.prefill_tokens} prompt tokens, {prefill_rate:.0f}/s); "
+            f"decode-only: {split.decode_steps} taking {split.decode_s:.2f} s "
+            f"(p50 {split.decode_p50_ms:.2f} ms); level {level.elapsed:.2f} s",
             flush=True,
         )
         for t, what in level.slow_steps:  # tail-latency hunting: what the slowest steps ran
