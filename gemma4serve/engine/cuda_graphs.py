@@ -8,7 +8,7 @@ ids, positions and page tables are copied into static buffers; write slots and k
 derived inside the graph. Rows past B point at a dummy page-table row of null pages at position
 0, so they write into the null page. The graph for the smallest bucket >= B is replayed and the
 first B*Q rows of the outputs are the step's. Steps that carry prefill chunks, or uneven draft
-counts, run eagerly.
+counts, run their target forward eagerly; their draft loop still replays its graph.
 
 All graphs share one memory pool, so a graph's outputs are only valid until the next replay of
 any graph: read or copy them first.
@@ -208,7 +208,25 @@ class CudaGraphs:
         graph.replay()
         return (hidden[:T], None, out[:T]) if greedy else (hidden[:T], out[:T], None)
 
-    def run_draft(self, token, hidden, P, table_rows) -> torch.Tensor:
+    def fits_draft(self, n: int, tables: dict) -> bool:
+        """Whether the draft loop of n sequences over an eager step's device page tables has a
+        graph (the tables are copied into the graph's own)."""
+        return (
+            self.draft_loop is not None
+            and self.bucket(n) is not None
+            and all(
+                t.shape[0] <= self.dummy_row and t.shape[1] <= self.width[kind]
+                for kind, t in tables.items()
+            )
+        )
+
+    def run_draft(self, token, hidden, P, table_rows, tables: dict | None = None) -> torch.Tensor:
+        """Replay the draft-loop graph. `tables`: an eager step's device page tables, copied in
+        first (a replayed target step left its own there)."""
+        if tables is not None:
+            for kind, table in tables.items():
+                self.tables[kind][: table.shape[0], : table.shape[1]].copy_(table)
+            self._copied_tables.clear()  # the next target replay copies its tables again
         n = token.shape[0]
         B = self.bucket(n)
         self.d_token[:n].copy_(token)

@@ -295,12 +295,15 @@ class ModelRunner:
         tables = {kind: to_device(t, device) for kind, t in batch.page_tables.items()}
         if batch.group_starts is not None:  # packed on the host
             sizes = batch.group_starts.diff()
+            # On the device, sized by the host: the host's repeat_interleave took milliseconds.
             token_group = torch.repeat_interleave(
-                torch.arange(batch.num_groups, dtype=torch.int32), sizes
+                torch.arange(batch.num_groups, dtype=torch.int32, device=device),
+                to_device(sizes, device),
+                output_size=positions.shape[0],
             )
             host = HostBatch(batch.group_starts, batch.key_lengths, batch.page_tables)
             return causal_metadata(
-                to_device(token_group, device),
+                token_group,
                 positions,
                 tables,
                 self.window,
@@ -360,8 +363,15 @@ class ModelRunner:
         seed_hidden = target.hidden[inputs.rows.gather(1, last).squeeze(1)]
         seed_token = outputs.tokens.gather(1, last).squeeze(1)
         P = inputs.first_position + outputs.num_emitted  # position of the newest token
+        graphs = self.graphs
         if target.graphed:
-            return self.graphs.run_draft(seed_token, seed_hidden, P, inputs.table_rows)
+            return graphs.run_draft(seed_token, seed_hidden, P, inputs.table_rows)
+        if graphs is not None and graphs.fits_draft(len(inputs.sequences), target.page_tables):
+            # Eager steps (prefill chunks) draft in the graph too: eagerly the loop's launches
+            # cost the host more than the GPU's work.
+            return graphs.run_draft(
+                seed_token, seed_hidden, P, inputs.table_rows, target.page_tables
+            )
         return self.draft_loop.run(
             seed_token, seed_hidden, P, inputs.table_rows, target.page_tables, draft_len
         )
