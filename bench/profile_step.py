@@ -3,11 +3,16 @@
   python bench/profile_step.py --model configs/gemma-4-31B-it \\
       --draft configs/gemma-4-31B-it-assistant
   python bench/profile_step.py --engine-loop --draft ''   # the served decode loop, graphs and all
+  python bench/profile_step.py --mixed 2048 --batch 32   # a prefill chunk beside 32 decodes
 
 --engine-loop profiles the engine's own step loop (one greedy request, async scheduling) instead of
 bare graph replays: it prints the wall time per step next to the graph replay alone, and the kernels
 launched outside the graph (continuation inputs, acceptance, the copy to the host), which is what
 TPOT pays on top of a step.
+
+--mixed N times the steps that carry an N-token prompt beside `--batch` decoding sequences (what
+every arriving request costs the running ones): wall time per step against the GPU's busy time,
+and where that busy time goes.
 
 With programmatic dependent launch a kernel starts while its predecessor drains, so its profiled
 time includes that wait; the "charged" column (see `report`) is what each kernel adds to the step
@@ -125,6 +130,52 @@ def engine_loop(args) -> None:
         print(f"{t:9.1f} us x{c:<4.1f} {name[:110]}")
 
 
+def mixed_step(args) -> None:
+    """Wall time against GPU busy time of steps carrying an `args.mixed`-token prompt."""
+    from gemma4serve.sampling_params import SamplingParams
+
+    k = args.k if args.draft else 0
+    engine = LLMEngine(
+        EngineArgs(
+            model=args.model,
+            draft=args.draft or None,
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=args.batch + 1,
+            num_draft_tokens=k,
+            max_model_len=max(args.context, args.mixed) + 512,
+            max_num_batched_tokens=args.mixed + args.batch * (k + 1),
+        )
+    )
+    decoding = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(
+            f"r{i}", [(7 * i + j) % 1000 + 10 for j in range(args.context)], decoding
+        )
+    for _ in range(40):  # prefill, graph warm-up
+        engine.step()
+    one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    probes, walls = 5, []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(probes):
+            engine.add_request(
+                f"p{i}", [(11 * i + j) % 1000 + 10 for j in range(args.mixed)], one_token
+            )
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()  # the step that carries the prompt: not continuable, so it is awaited
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+            engine.step()
+    wall = sorted(walls)[probes // 2]
+    print(
+        f"\n## steps with a {args.mixed}-token prompt beside {args.batch} decodes (k={k}): "
+        f"{wall * 1e3:.2f} ms wall (median of {probes})"
+    )
+    report(prof, "each probe and the decode step after it", probes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="configs/gemma-4-31B-it")
@@ -135,7 +186,12 @@ def main() -> None:
     parser.add_argument(
         "--engine-loop", action="store_true", help="profile the served step loop (see above)"
     )
+    parser.add_argument(
+        "--mixed", type=int, default=0, help="time steps carrying a prompt this long (see above)"
+    )
     args = parser.parse_args()
+    if args.mixed:
+        return mixed_step(args)
     if args.engine_loop:
         return engine_loop(args)
     engine = LLMEngine(
