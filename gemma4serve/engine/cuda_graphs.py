@@ -7,8 +7,13 @@ A decode step of B sequences with d drafts each is B groups of Q = d + 1 query t
 ids, positions and page tables are copied into static buffers; write slots and key ranges are
 derived inside the graph. Rows past B point at a dummy page-table row of null pages at position
 0, so they write into the null page. The graph for the smallest bucket >= B is replayed and the
-first B*Q rows of the outputs are the step's. Steps that carry prefill chunks, or uneven draft
-counts, run their target forward eagerly; their draft loop still replays its graph.
+first B*Q rows of the outputs are the step's.
+
+Steps that carry prefill chunks (or uneven draft counts) replay a mixed graph, captured per bucket
+of tokens and of sequences: their rows are packed as in an eager step and padded to the bucket with
+one group of null-page rows at position 0; the attention grid covers the bucket's rows in every
+group, and groups past the step's own are empty. Eagerly, launching such a step cost the host more
+time than the GPU's work for the smaller models. Their draft loop replays the decode graphs' one.
 
 All graphs share one memory pool, so a graph's outputs are only valid until the next replay of
 any graph: read or copy them first.
@@ -21,7 +26,7 @@ import time
 
 import torch
 
-from gemma4serve.attention.metadata import causal_metadata, copy_into
+from gemma4serve.attention.metadata import causal_metadata, copy_into, to_device
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.spec import DraftLoop, StepCost
 from gemma4serve.model import fused
@@ -35,13 +40,36 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [b for b in sizes if b < max_batch] + [max_batch]
 
 
+def mixed_token_buckets(max_tokens: int) -> list[int]:
+    """Rows of the mixed graphs: small steps, then 256-row steps (a budget-filling chunk is the
+    common case, so the padding is rare where it costs compute)."""
+    sizes = [64, 128] + list(range(256, max_tokens, 256))
+    return [t for t in sizes if t < max_tokens] + [max_tokens]
+
+
+def mixed_group_buckets(max_batch: int) -> list[int]:
+    """Sequences of the mixed graphs: coarse, as every group adds programs to the attention grid."""
+    return [g for g in (4, 16, 64) if g < max_batch] + [max_batch]
+
+
 class CudaGraphs:
-    def __init__(self, state, max_batch: int, max_model_len: int, num_draft_tokens: int):
+    def __init__(
+        self,
+        state,
+        max_batch: int,
+        max_model_len: int,
+        num_draft_tokens: int,
+        max_mixed_tokens: int = 0,
+    ):
         self.state = state
         self.num_draft_tokens = num_draft_tokens
         self.buckets = batch_buckets(max_batch)
         self.q_lens = sorted({1, num_draft_tokens + 1})
-        B, T = self.buckets[-1], self.buckets[-1] * max(self.q_lens)
+        # No mixed graphs (max_mixed_tokens 0) where attention plans on the host (FlashInfer).
+        self.mixed_tokens = mixed_token_buckets(max_mixed_tokens) if max_mixed_tokens else []
+        self.mixed_groups = mixed_group_buckets(max_batch) if max_mixed_tokens else []
+        B = self.buckets[-1]
+        T = max(B * max(self.q_lens), max_mixed_tokens)
         dev, page_tokens = state.device, state.kv.page_tokens
         # Page-table columns: a step queued behind another writes up to 2(k+1) rows past a
         # sequence's end.
@@ -61,6 +89,8 @@ class CudaGraphs:
         # Built once and kept: a tensor a graph reads must outlive the capture (its memory is not
         # the graph's).
         self.cu_seqlens = {q: torch.arange(0, B * q + 1, q, **i32) for q in self.q_lens}
+        # A mixed step's group starts: its own groups, one of padding rows, then empty ones.
+        self.mixed_cu_seqlens = torch.zeros(B + 2, **i32)
         H = state.target.cfg.hidden_size
         self.d_token = torch.zeros(B, **i64)
         self.d_hidden = torch.zeros(B, H, dtype=state.dtype, device=dev)
@@ -68,6 +98,7 @@ class CudaGraphs:
         self.d_rows = torch.full((B,), B, **i32)
         self.pool = torch.cuda.graph_pool_handle()
         self.target_graphs: dict = {}  # (B, Q, greedy) -> (graph, hidden, logits or greedy tokens)
+        self.mixed_graphs: dict = {}  # (tokens, groups) -> (graph, hidden)
         self.draft_graphs: dict = {}  # B -> (graph, drafts)
         self.draft_loop = (
             DraftLoop(state) if (state.draft is not None and num_draft_tokens) else None
@@ -91,6 +122,25 @@ class CudaGraphs:
             context = ForwardContext(meta, state.kv, state.attn)
             hidden = state.target(self.ids[:T], self.pos[:T], context)
             return hidden, (state.target.greedy(hidden) if greedy else state.target.logits(hidden))
+
+        return run
+
+    def _mixed_fn(self, T: int, G: int):
+        state = self.state
+
+        def run():
+            meta = causal_metadata(
+                self.token_seq[:T],
+                self.pos[:T],
+                self.tables,
+                {SLIDING: state.target.cfg.sliding_window, FULL: 0},
+                self.mixed_cu_seqlens[: G + 2],
+                T,
+                state.kv.page_tokens,
+            )
+            return state.target(
+                self.ids[:T], self.pos[:T], ForwardContext(meta, state.kv, state.attn)
+            )
 
         return run
 
@@ -122,6 +172,10 @@ class CudaGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
+        # Largest first, so smaller graphs reuse its memory pool. Captured with every group empty.
+        for T in reversed(self.mixed_tokens):
+            for G in reversed(self.mixed_groups):
+                self.mixed_graphs[(T, G)] = self._capture(self._mixed_fn(T, G))
         for B in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             for Q in self.q_lens:
                 for greedy in (False, True) if self._has_greedy(B, Q) else (False,):
@@ -132,9 +186,12 @@ class CudaGraphs:
                 self.draft_graphs[B] = (graph, drafts)
         torch.cuda.synchronize()
         log.info(
-            "captured %d CUDA graphs (batch buckets %s) in %.1fs",
-            len(self.target_graphs) + len(self.draft_graphs),
+            "captured %d CUDA graphs (batch buckets %s; mixed steps: token buckets %s x sequence "
+            "buckets %s) in %.1fs",
+            len(self.target_graphs) + len(self.draft_graphs) + len(self.mixed_graphs),
             self.buckets,
+            self.mixed_tokens,
+            self.mixed_groups,
             time.monotonic() - t0,
         )
 
@@ -174,6 +231,45 @@ class CudaGraphs:
         """Whether n sequences of Q query rows each, with these host page tables, have a graph."""
         wide = any(t.shape[1] >= self.width[kind] for kind, t in tables.items())
         return Q in self.q_lens and self.bucket(n) is not None and not wide
+
+    def fits_mixed(self, num_tokens: int, num_groups: int, tables: dict) -> bool:
+        """Whether a packed step of these rows and sequences, with these host page tables, has a
+        mixed graph."""
+        return (
+            bool(self.mixed_tokens)
+            and num_tokens <= self.mixed_tokens[-1]
+            and num_groups <= self.mixed_groups[-1]
+            and all(t.shape[1] < self.width[kind] for kind, t in tables.items())
+        )
+
+    def run_mixed(self, batch) -> torch.Tensor:
+        """Replay the mixed graph of the smallest buckets that hold `batch` (a TargetBatch packed on
+        the host) -> hidden [T, H]."""
+        T, G = batch.token_ids.shape[0], batch.num_groups
+        T_bucket = next(t for t in self.mixed_tokens if t >= T)
+        G_bucket = next(g for g in self.mixed_groups if g >= G)
+        dev = self.state.device
+        copy_into(self.ids[:T], batch.token_ids)
+        copy_into(self.pos[:T], batch.positions)
+        self.pos[T:T_bucket].zero_()
+        group_starts = batch.group_starts.tolist() + [T_bucket] * (G_bucket + 1 - G)
+        copy_into(
+            self.mixed_cu_seqlens[: G_bucket + 2], torch.tensor(group_starts, dtype=torch.int32)
+        )
+        token_group = torch.repeat_interleave(
+            torch.arange(G, device=dev, dtype=torch.int32),
+            to_device(batch.group_starts.diff(), dev),
+            output_size=T,
+        )
+        self.token_seq[:T].copy_(token_group)
+        self.token_seq[T:T_bucket].fill_(self.dummy_row)
+        self._token_seq_key = None  # the decode graphs' map must be rebuilt
+        for kind, host in batch.page_tables.items():
+            copy_into(self.tables[kind][:G, : host.shape[1]], host)
+            self._copied_tables[kind] = host
+        graph, hidden = self.mixed_graphs[(T_bucket, G_bucket)]
+        graph.replay()
+        return hidden[:T]
 
     def run_target(
         self, ids: torch.Tensor, pos: torch.Tensor, Q: int, tables: dict, greedy: bool = False

@@ -167,7 +167,9 @@ class LLMEngine:
             or self.state.attn.name == "torch"
         ):
             return None, None
-        graphs = CudaGraphs(self.state, args.max_num_seqs, self.max_model_len, k)
+        # Mixed steps run FlashInfer's prefill (planned on the host) eagerly where it is installed.
+        mixed_tokens = 0 if self.state.attn.name == "flashinfer" else args.max_num_batched_tokens
+        graphs = CudaGraphs(self.state, args.max_num_seqs, self.max_model_len, k, mixed_tokens)
         graphs.capture()
         costs = graphs.measure() if args.adaptive_draft_length else None
         if costs:

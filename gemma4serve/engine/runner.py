@@ -283,6 +283,11 @@ class ModelRunner:
                 batch.token_ids, batch.positions, Q, batch.page_tables, greedy=greedy
             )
             return TargetOutputs(hidden, logits, tokens, graphs.tables, graphed=True)
+        if graphs is not None and graphs.fits_mixed(
+            batch.token_ids.shape[0], batch.num_groups, batch.page_tables
+        ):
+            hidden = graphs.run_mixed(batch)
+            return TargetOutputs(hidden, None, None, graphs.tables, graphed=True)
         state = self.state
         positions = to_device(batch.positions, state.device)
         meta = self._eager_metadata(batch, positions)
