@@ -11,12 +11,12 @@ import random
 
 import pytest
 
+from gemma4serve.chat.arguments import NotationError, arguments_json
+from gemma4serve.chat.output import LABEL, ChatDelta, ChatMarkers, ChatOutputParser
 from gemma4serve.demo.tokenizer import build_tiny_tokenizer
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput
-from gemma4serve.server.chat_output import ChatDelta, ChatMarkers, ChatOutputParser
 from gemma4serve.server.formats import ChatFormat
 from gemma4serve.server.protocol import ChatCompletionRequest, ResponseHeader, TokenStrings
-from gemma4serve.server.tool_arguments import NotationError, arguments_json
 from gemma4serve.tokenizer import Tokenizer
 
 Q = '<|"|>'
@@ -105,6 +105,12 @@ COMPLETIONS = {
     f"<|tool_call>call:get_weather(city:{Q}Rome{Q})<tool_call|>",
     "stray closers": "<channel|>Hi<tool_call|> there<turn|>",
     "unclosed call": f"<|tool_call>call:get_weather{{city:{Q}Par",
+    "bare opener": f"Checking.\ncall:get_weather{{days:108}} call:get_weather(city:{Q}Oslo{Q})",
+    "text with call:": "Please call: 555. recall:get_weather{x} or call:unknown{a:1}<turn|>",
+    "not a call head": "<|tool_call>hello, world<tool_call|>Bye",
+    "nested and typed": f'<|tool_call>call:get_weather{{city:{Q}{{a:[1]}}, "q": x{Q},'
+    f"detail:{{hourly:false}},scale:-2.5e3,tags:[{Q}x{Q},{Q}y{Q}],zip:00,other:null}}"
+    "<tool_call|>",
 }
 EXPECTED = {
     "thinking then answer": ("The answer is 4.", "Let me add.", []),
@@ -125,38 +131,128 @@ EXPECTED = {
         [("get_weather", {"days": 1}), ("get_weather", {"city": "Rome"})],
     ),
     "stray closers": ("Hi there", "", []),
-    "unclosed call": ('call:get_weather{city:"Par', "", []),
+    "unclosed call": ("", "", [("get_weather", {"city": "Par"})]),
+    "bare opener": (
+        "Checking.",
+        "",
+        [("get_weather", {"days": 108}), ("get_weather", {"city": "Oslo"})],
+    ),
+    "text with call:": ("Please call: 555. recall:get_weather{x} or call:unknown{a:1}", "", []),
+    "not a call head": ("hello, worldBye", "", []),
+    "nested and typed": (
+        "",
+        "",
+        [
+            (
+                "get_weather",
+                {
+                    "city": '{a:[1]}, "q": x',
+                    "detail": {"hourly": False},
+                    "scale": -2500.0,
+                    "tags": ["x", "y"],
+                    "zip": "00",
+                    "other": None,
+                },
+            )
+        ],
+    ),
 }
 
 
-def special_safe_splits(markers, text: str, rng: random.Random) -> list[str]:
-    """`text` cut at random points that never fall inside a special token (they arrive whole)."""
-    spans = []
-    for special in markers.specials:
-        start = text.find(special)
-        while start >= 0:
-            spans.append((start, start + len(special)))
-            start = text.find(special, start + 1)
-    cuts = sorted(
-        cut
-        for cut in rng.sample(range(1, len(text)), min(6, len(text) - 1))
-        if not any(a < cut < b for a, b in spans)
-    )
+def random_splits(text: str, rng: random.Random) -> list[str]:
+    """`text` cut at random points, also inside special tokens (a model may write one's text)."""
+    cuts = sorted(rng.sample(range(1, len(text)), min(rng.randint(1, 12), len(text) - 1)))
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def streamed_deltas(markers, pieces: list[str], in_reasoning=False) -> list[ChatDelta]:
+    parser = ChatOutputParser(markers, {"get_weather": WEATHER}, in_reasoning)
+    return [parser.feed(piece) for piece in pieces] + [parser.finish()]
 
 
 @pytest.mark.parametrize("name", list(COMPLETIONS))
 def test_parser_one_shot_and_streamed_agree(markers, name):
+    """Whole, character by character, and cut anywhere: the same reasoning, content and calls."""
     content, reasoning, calls = EXPECTED[name]
+    text = COMPLETIONS[name]
     rng = random.Random(name)
-    for pieces in [[COMPLETIONS[name]]] + [
-        special_safe_splits(markers, COMPLETIONS[name], rng) for _ in range(20)
-    ]:
+    splits = [[text], list(text)] + [random_splits(text, rng) for _ in range(30)]
+    for pieces in splits:
         got = parse(markers, pieces)
         assert (got.content, got.reasoning) == (content, reasoning), pieces
-        assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == calls
+        assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == calls, pieces
         assert [c.index for c in got.tool_calls] == list(range(len(calls)))
         assert len({c.id for c in got.tool_calls}) == len(calls)
+
+
+@pytest.mark.parametrize("name", list(COMPLETIONS))
+def test_streamed_deltas_follow_the_rules(markers, name):
+    """A call's first delta has its id and name and the others only argument pieces, in order of
+    index; no delta holds special-token text or the label."""
+    text = COMPLETIONS[name]
+    whole = parse(markers, [text])
+    rng = random.Random(name)
+    for pieces in [list(text)] + [random_splits(text, rng) for _ in range(30)]:
+        deltas = streamed_deltas(markers, pieces)
+        started: list[int] = []
+        for delta in deltas:
+            for piece in delta.content, delta.reasoning:
+                assert not any(special in piece for special in markers.specials), piece
+                assert "<|" not in piece and "|>" not in piece, piece
+            assert LABEL not in delta.reasoning
+            for call in delta.tool_calls:
+                if call.id is not None:
+                    assert call.index == len(started) and call.name
+                    started.append(call.index)
+                else:
+                    assert started and call.index == started[-1] and call.arguments
+        for field in "content", "reasoning":
+            assert "".join(getattr(d, field) for d in deltas) == getattr(whole, field)
+        arguments = [
+            "".join(c.arguments for d in deltas for c in d.tool_calls if c.index == i)
+            for i in started
+        ]
+        assert arguments == [c.arguments for c in whole.tool_calls]
+
+
+def test_arguments_stream_holds_back_what_may_change(markers):
+    parser = ChatOutputParser(markers, {"get_weather": WEATHER}, False)
+
+    def arguments(piece: str) -> str:
+        return "".join(c.arguments for c in parser.feed(piece).tool_calls)
+
+    assert arguments("<|tool_call>call:get_weather{days:10") == '{"days": '  # 10 may go on
+    assert arguments("8.") == ""
+    assert arguments("5,detail:{hourly:tr") == '108.5, "detail": {"hourly": '
+    assert arguments("ue") == ""
+    assert arguments("},city:<") == 'true}, "city": '  # `<` may start `<|"|>`
+    assert arguments('|"|>Par') == '"Par'
+    assert arguments("is<|") == "is"
+    assert arguments('"|>') == '"'
+    assert arguments("}") == "}"
+    assert parser.feed("<tool_call|>") == ChatDelta()
+
+
+def test_calls_closing_and_opening_in_one_delta(markers):
+    """MTP commits several tokens at once: a call closes, the next opens, text follows."""
+    first, second = CALL, CALL.replace("Paris", "Oslo")
+    deltas = streamed_deltas(markers, ["<|channel>thought\nHm", f".<channel|>{first}{second}ok"])
+    assert [d.reasoning for d in deltas] == ["Hm", ".", ""]
+    calls = deltas[1].tool_calls
+    assert [(c.index, c.name) for c in calls] == [(0, "get_weather"), (1, "get_weather")]
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Oslo"]
+    assert deltas[1].content == "ok"
+
+
+def test_bare_opener_needs_the_request_tools(markers):
+    parser = ChatOutputParser(markers, {}, False)
+    got = parser.feed("call:get_weather{days:1}")
+    got += parser.finish()
+    assert got == ChatDelta(content="call:get_weather{days:1}")
+    # Held while it may be an opener, released when it is not one.
+    parser = ChatOutputParser(markers, {"get_weather": WEATHER}, False)
+    assert parser.feed("Now call:get_wea") == ChatDelta(content="Now")
+    assert parser.feed("ther!") == ChatDelta(content=" call:get_weather!")
 
 
 def test_label_split_over_deltas_and_a_prompt_ending_inside_the_channel(markers):
@@ -202,9 +298,34 @@ def outputs(pieces: list[str]) -> list[RequestOutput]:
     return result
 
 
+def stream_deltas(fmt: ChatFormat, steps: list[RequestOutput]) -> tuple[dict, dict]:
+    """Each choice's deltas and finish reason, from the chunks `fmt` streams."""
+    deltas, finish = {}, {}
+    for output in steps:
+        for chunk in fmt.step(output):
+            for choice in chunk["choices"]:
+                deltas.setdefault(choice["index"], []).append(choice["delta"])
+                finish[choice["index"]] = choice["finish_reason"] or finish.get(choice["index"])
+    return deltas, finish
+
+
+def joined_calls(deltas: list[dict]) -> list[tuple[str, dict]]:
+    """The calls of streamed deltas as OpenAI clients join them, checking each delta's shape."""
+    calls: list[dict] = []
+    for delta in deltas:
+        for call in delta.get("tool_calls", []):
+            if "id" in call:
+                assert call["index"] == len(calls) and call["type"] == "function"
+                calls.append({"name": call["function"]["name"], "arguments": ""})
+            else:
+                assert set(call) == {"index", "function"} and set(call["function"]) == {"arguments"}
+            calls[call["index"]]["arguments"] += call["function"].get("arguments", "")
+    return [(c["name"], json.loads(c["arguments"])) for c in calls]
+
+
 def test_chat_format_streamed_and_whole_agree(tokenizer, markers):
     text = COMPLETIONS["thinking then call"] + CALL.replace("Paris", "Oslo")
-    pieces = special_safe_splits(markers, text, random.Random(3))
+    pieces = random_splits(text, random.Random(3))
     body = chat_format(tokenizer, markers).body(outputs(pieces)[-1], {})
     message = body["choices"][0]["message"]
     assert body["choices"][0]["finish_reason"] == "tool_calls"
@@ -218,22 +339,32 @@ def test_chat_format_streamed_and_whole_agree(tokenizer, markers):
         ("get_weather", {"city": "Paris", "days": 2}),
         ("get_weather", {"city": "Oslo", "days": 2}),
     ]
+    deltas, finish = stream_deltas(chat_format(tokenizer, markers), outputs(pieces))
+    assert finish == {0: "tool_calls"}
+    assert "".join(d.get("reasoning_content", "") for d in deltas[0]) == "Need weather."
+    assert not any(d.get("content") for d in deltas[0])
+    assert joined_calls(deltas[0]) == calls
 
-    stream = chat_format(tokenizer, markers)
-    deltas, finish = [], None
-    for output in outputs(pieces):
-        for chunk in stream.step(output):
-            for choice in chunk["choices"]:
-                deltas.append(choice["delta"])
-                finish = choice["finish_reason"] or finish
-    assert finish == "tool_calls"
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need weather."
-    assert not any(d.get("content") for d in deltas)
-    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert [c["index"] for c in streamed] == [0, 1]
-    assert [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed
-    ] == calls
+
+def test_choices_have_their_own_parsers(tokenizer, markers):
+    """n=2: one choice stops inside a call's string while the other writes plain text; the
+    parser state of one never reaches the other."""
+    texts = [f"<|tool_call>call:get_weather{{city:{Q}a}}b", "plain}{ text<channel|> end"]
+    steps, sofar = [], ["", ""]
+    for i in range(max(map(len, texts))):
+        choices = []
+        for index, text in enumerate(texts):
+            if i < len(text):
+                sofar[index] += text[i]
+                finish = "stop" if i == len(text) - 1 else None
+                choices.append(
+                    CompletionOutput(index, sofar[index], new_text=text[i], finish_reason=finish)
+                )
+        steps.append(RequestOutput("r", [2, 105], choices, i == max(map(len, texts)) - 1))
+    deltas, finish = stream_deltas(chat_format(tokenizer, markers, n=2), steps)
+    assert finish == {0: "tool_calls", 1: "stop"}
+    assert joined_calls(deltas[0]) == [("get_weather", {"city": "a}b"})]
+    assert "".join(d.get("content", "") for d in deltas[1]) == "plain}{ text end"
 
 
 def test_include_reasoning_false_and_raw_special_tokens(tokenizer, markers):

@@ -33,10 +33,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gemma4serve.chat.output import ChatMarkers
 from gemma4serve.engine.client import EngineClient
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
-from gemma4serve.server.chat_output import ChatMarkers
 from gemma4serve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from gemma4serve.server.metrics import ServerMetrics
 from gemma4serve.server.protocol import (

@@ -3,8 +3,8 @@ RequestOutputs in, OpenAI stream chunks or one final body out."""
 
 from __future__ import annotations
 
+from gemma4serve.chat.output import ChatDelta, ChatMarkers, ChatOutputParser, ToolCallDelta
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from gemma4serve.server.chat_output import ChatDelta, ChatMarkers, ChatOutputParser
 from gemma4serve.server.protocol import (
     ResponseHeader,
     TokenStrings,
@@ -177,16 +177,21 @@ class ChatFormat(ResponseFormat):
             # vLLM's two names for it: reasoning_content (before 0.18) and reasoning
             fields["reasoning_content"] = fields["reasoning"] = delta.reasoning
         if delta.tool_calls:
-            fields["tool_calls"] = [
-                {
-                    **({"index": call.index} if streamed else {}),
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-                for call in delta.tool_calls
-            ]
+            fields["tool_calls"] = [_tool_call(call, streamed) for call in delta.tool_calls]
         return fields
+
+
+def _tool_call(call: ToolCallDelta, streamed: bool) -> dict:
+    """A call's fields: streamed, its first delta carries the id and name, the others only
+    `index` and a piece of the arguments; whole (joined), the complete call."""
+    fields: dict = {"index": call.index} if streamed else {}
+    function = {}
+    if call.id is not None:
+        fields.update(id=call.id, type="function")
+        function["name"] = call.name
+    if call.arguments or not streamed:
+        function["arguments"] = call.arguments
+    return {**fields, "function": function}
 
 
 def _finish_reason(reason: str | None, parser: ChatOutputParser | None) -> str | None:
