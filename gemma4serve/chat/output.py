@@ -79,6 +79,15 @@ class ChatMarkers:
 
 
 @dataclass
+class ToolCall:
+    """A whole call, as the offline API returns it."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object's text
+
+
+@dataclass
 class ToolCallDelta:
     """A piece of one call: the first carries its id and name, the others argument text."""
 
@@ -93,6 +102,10 @@ class ChatDelta:
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def whole_calls(self) -> list[ToolCall]:
+        """The calls of a delta that holds every piece of them (one entry per call)."""
+        return [ToolCall(call.id, call.name, call.arguments) for call in self.tool_calls]
 
     def __iadd__(self, other: ChatDelta) -> ChatDelta:
         self.content += other.content
@@ -129,6 +142,12 @@ class ChatOutputParser:
         self._openers = tuple(f"call:{name}{bracket}" for name in tool_schemas for bracket in "{(")
         names = "|".join(map(re.escape, sorted(tool_schemas, key=len, reverse=True)))
         self._bare_opener = re.compile(rf"(?<!\S)call:({names})[({{(]") if names else None
+
+    def parse(self, text: str) -> ChatDelta:
+        """A whole choice at once (the same result as fed in any pieces)."""
+        delta = self.feed(text)
+        delta += self.finish()
+        return delta
 
     def feed(self, text: str) -> ChatDelta:
         self._unread += text

@@ -1,9 +1,13 @@
-"""The offline API: `LLM(model=..., draft=...).generate(prompts, SamplingParams(...))`."""
+"""The offline API: `LLM(model=..., draft=...).generate(prompts, SamplingParams(...))`, and
+`chat(messages, tools=...)` through the checkpoint's chat template."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
+from gemma4serve.chat.messages import template_message, tool_schemas
+from gemma4serve.chat.output import ChatMarkers, ChatOutputParser
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.outputs import RequestOutput
@@ -14,6 +18,7 @@ class LLM:
     def __init__(self, model: str, draft: str | None = None, **kwargs):
         self.engine = LLMEngine(EngineArgs(model=model, draft=draft, **kwargs))
         self._ids = itertools.count()
+        self._markers = ChatMarkers.from_tokenizer(self.engine.tokenizer)
 
     @property
     def tokenizer(self):
@@ -40,3 +45,47 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[r] for r in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (or a list of them) rendered by the checkpoint's chat template, as
+        the server renders it. Each choice's `text` is the answer, `reasoning` the thought text
+        and `tool_calls` the calls (arguments as JSON typed by the tool's schema), split out as
+        the server splits them, unless the params ask for raw text (skip_special_tokens=False)."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(
+                    [template_message(m) for m in conversation],
+                    add_generation_prompt=add_generation_prompt,
+                    tools=tools,
+                    **(chat_template_kwargs or {}),
+                )
+            )
+            for conversation in conversations
+        ]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        parse = [self._markers is not None and p.skip_special_tokens for p in params]
+        params = [
+            dataclasses.replace(p, skip_special_tokens=False) if wanted else p
+            for p, wanted in zip(params, parse)
+        ]
+        outputs = self.generate(prompts, params)
+        for output, wanted in zip(outputs, parse):
+            if wanted:
+                self._split(output, tool_schemas(tools))
+        return outputs
+
+    def _split(self, output: RequestOutput, schemas: dict) -> None:
+        in_reasoning = self._markers.starts_in_reasoning(output.prompt_token_ids)
+        for choice in output.outputs:
+            parsed = ChatOutputParser(self._markers, schemas, in_reasoning).parse(choice.text)
+            choice.text, choice.reasoning = parsed.content, parsed.reasoning
+            choice.tool_calls = parsed.whole_calls()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gemma4serve.chat.output import ToolCall
+
 
 @dataclass
 class TokenLogprob:
@@ -22,6 +24,9 @@ class CompletionOutput:
     new_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # LLM.chat only: `text` is the answer; the thought text and the calls the model wrote.
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass

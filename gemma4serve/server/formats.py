@@ -3,6 +3,7 @@ RequestOutputs in, OpenAI stream chunks or one final body out."""
 
 from __future__ import annotations
 
+from gemma4serve.chat.messages import tool_schemas
 from gemma4serve.chat.output import ChatDelta, ChatMarkers, ChatOutputParser, ToolCallDelta
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from gemma4serve.server.protocol import (
@@ -145,8 +146,7 @@ class ChatFormat(ResponseFormat):
             message, parser = {"content": c.text}, None
             if self.parses_output:
                 parser = self._parser(output.prompt_token_ids)
-                delta = parser.feed(c.text)
-                delta += parser.finish()
+                delta = parser.parse(c.text)
                 message = self._fields(delta, streamed=False)
                 message.setdefault("content", None if delta.tool_calls else "")
             choices.append(
@@ -161,12 +161,11 @@ class ChatFormat(ResponseFormat):
         return self.header.chat_completion(choices, self.usage())
 
     def _parser(self, prompt_ids: list[int]) -> ChatOutputParser:
-        schemas = {
-            tool["function"]["name"]: tool["function"].get("parameters")
-            for tool in self.request.tools or ()
-            if isinstance(tool.get("function"), dict) and "name" in tool["function"]
-        }
-        return ChatOutputParser(self.markers, schemas, self.markers.starts_in_reasoning(prompt_ids))
+        return ChatOutputParser(
+            self.markers,
+            tool_schemas(self.request.tools),
+            self.markers.starts_in_reasoning(prompt_ids),
+        )
 
     def _fields(self, delta: ChatDelta, *, streamed: bool) -> dict:
         """OpenAI's message (or delta) fields for what the parser returned."""

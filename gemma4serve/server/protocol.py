@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from gemma4serve.chat.messages import template_message
 from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
 
@@ -128,27 +129,7 @@ class ChatMessage(BaseModel):
         return self
 
     def to_template(self) -> dict:
-        """The dict the chat template sees. Text parts are joined into one string (vLLM's
-        "string" content format): the Gemma templates trim a system message's content as a
-        string."""
-        message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
-        for call in message.get("tool_calls", ()):
-            function = call.get("function")
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                function["arguments"] = _arguments_mapping(function["arguments"])
-        return message
-
-
-def _arguments_mapping(arguments: str):
-    """OpenAI clients send a call's arguments as a JSON string; the Gemma template writes a mapping
-    in its own notation (and would paste a string verbatim). Anything but a JSON object stays."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return arguments
-    return value if isinstance(value, dict) else arguments
+        return template_message(self.model_dump(exclude_none=True))
 
 
 class StreamOptions(_Request):

@@ -1,0 +1,212 @@
+"""Tool calls and thinking end to end, with a tiny model trained in the test to write them.
+
+The trained checkpoint (tests/trained_chat.py) writes known completions greedily: the offline
+`LLM.chat` and the real server (with and without its MTP assistant, streamed and not, through the
+official `openai` client) must split each into the same content, reasoning and tool calls, and an
+agent loop written with the SDK runs against the server unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from fake_engine import ServerProcess
+from trained_chat import EXAMPLES, PARIS_ARGUMENTS, PARIS_REASONING, THINK, WEATHER_TOOLS
+
+from gemma4serve.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.timeout(600)]
+
+MODEL = "tiny-agent"
+WEATHER_ROME = ("get_weather", {"city": "Rome", "days": 3})
+# Per example: content, reasoning, calls (name, arguments).
+EXPECTED = {
+    "single call": (None, None, [WEATHER_ROME]),
+    "parallel calls": (
+        None,
+        None,
+        [
+            ("get_weather", {"city": "Oslo", "days": 2}),
+            ("get_weather", {"city": "Lima", "days": 10}),
+        ],
+    ),
+    "nested arguments": (
+        None,
+        None,
+        [
+            (
+                "search",
+                {
+                    "code": "007",  # a string field keeps its digits
+                    "filters": {"in_stock": True, "max_price": 19.5, "tags": ["desk", "led"]},
+                    "note": None,
+                    "query": 'lamp {big}: "red", a,b',
+                },
+            )
+        ],
+    ),
+    "thinking then answer": ("The answer is 4.", "Add two and two.", []),
+    "thinking then call": (None, PARIS_REASONING, [("get_weather", PARIS_ARGUMENTS)]),
+    "agent answer": ("It is sunny in Paris, 21 C.", "The tool says sunny.", []),
+    "open channel": ("Yes, very wide.", "The sea is wide.", []),
+    "answer without tools": ("Once upon a time.", None, []),
+    "colon opener": (None, None, [("get_weather", {"city": "Kyiv"})]),
+    "paren opener": (None, None, [("get_weather", {"city": "Baku", "days": 2})]),
+    "bare opener": ("Let me check.", None, [("get_weather", {"city": "Cairo"})]),
+}
+
+
+def test_llm_chat_splits_what_the_model_wrote(trained_chat_checkpoint):
+    from gemma4serve.engine.llm import LLM
+
+    target, _ = trained_chat_checkpoint
+    llm = LLM(str(target), device="cpu", max_model_len=1024)
+    greedy = SamplingParams(max_tokens=200, temperature=0)
+    for name, example in EXAMPLES.items():
+        (output,) = llm.chat(
+            example.messages, greedy, tools=example.tools, chat_template_kwargs=example.kwargs
+        )
+        (choice,) = output.outputs
+        content, reasoning, calls = EXPECTED[name]
+        assert (choice.text, choice.reasoning) == (content or "", reasoning or ""), name
+        assert [(c.name, json.loads(c.arguments)) for c in choice.tool_calls] == calls, name
+        assert len({c.id for c in choice.tool_calls}) == len(calls)
+    # Raw text on request: the markers stay, nothing is split out.
+    example = EXAMPLES["thinking then answer"]
+    raw = SamplingParams(max_tokens=200, temperature=0, skip_special_tokens=False)
+    (output,) = llm.chat(
+        example.messages, raw, tools=example.tools, chat_template_kwargs=example.kwargs
+    )
+    assert output.outputs[0].text.startswith("<|channel>thought\n")
+    assert output.outputs[0].tool_calls is None
+
+
+def start_server(target, assistant) -> ServerProcess:
+    draft = ["--draft", str(assistant), "--num-draft-tokens", "3"] if assistant else []
+    return ServerProcess(
+        [
+            "-m",
+            "gemma4serve.cli",
+            "--model",
+            str(target),
+            *draft,
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--served-model-name",
+            MODEL,
+            "--max-model-len",
+            "1024",
+            "--disable-uvicorn-access-log",
+        ],
+        ready_timeout=240,
+    )
+
+
+@pytest.fixture(scope="module", params=["mtp", "no-draft"])
+def client(request, trained_chat_checkpoint):
+    target, assistant = trained_chat_checkpoint
+    with start_server(target, assistant if request.param == "mtp" else None) as server:
+        yield openai.OpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+
+
+def message_of(choice) -> tuple:
+    message = choice.message
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    reasoning = getattr(message, "reasoning_content", None)
+    assert getattr(message, "reasoning", None) == reasoning
+    return message.content, reasoning, calls
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_server_splits_the_completion_streamed_or_not(client, name):
+    """Non-streamed: the expected message. Streamed: deltas that follow the rules and join to the
+    same message. The MTP and plain servers run the same test: their outputs agree."""
+    body = EXAMPLES[name].create_kwargs(model=MODEL, max_tokens=200, temperature=0)
+    response = client.chat.completions.create(**body)
+    (choice,) = response.choices
+    assert message_of(choice) == EXPECTED[name]
+    calls = choice.message.tool_calls or []
+    assert choice.finish_reason == ("tool_calls" if calls else "stop")
+    assert all(c.type == "function" and c.id.startswith("chatcmpl-tool-") for c in calls)
+
+    content, reasoning, streamed_calls, finish = "", "", [], None
+    for chunk in client.chat.completions.create(**body, stream=True):
+        (delta_choice,) = chunk.choices
+        delta = delta_choice.delta
+        finish = delta_choice.finish_reason or finish
+        for text in delta.content or "", getattr(delta, "reasoning_content", None) or "":
+            assert "<|" not in text and "|>" not in text and "thought\n" not in text, text
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for call in delta.tool_calls or []:
+            if call.id is not None:  # a call's first delta: its index, id, type and name
+                assert call.index == len(streamed_calls) and call.type == "function"
+                streamed_calls.append([call.function.name, call.function.arguments or "", 1])
+            else:  # later ones: the index and a piece of the arguments
+                assert call.index == len(streamed_calls) - 1 and call.function.name is None
+                streamed_calls[call.index][1] += call.function.arguments
+                streamed_calls[call.index][2] += 1
+    assert finish == choice.finish_reason
+    assert (content or None, reasoning or None) == EXPECTED[name][:2]
+    assert [(n, a) for n, a, _ in streamed_calls] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]  # the joined pieces are exactly the non-streamed JSON text
+    assert all(pieces > 2 for _, _, pieces in streamed_calls)  # sent as written, not whole
+
+
+def test_choices_are_parsed_apart_and_reasoning_can_be_dropped(client):
+    example = EXAMPLES["parallel calls"]
+    body = example.create_kwargs(model=MODEL, max_tokens=200, temperature=0, n=2)
+    response = client.chat.completions.create(**body)
+    assert [message_of(c) for c in response.choices] == [EXPECTED["parallel calls"]] * 2
+    calls = {0: [], 1: []}
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                if call.id is not None:
+                    calls[choice.index].append(call.index)
+    assert calls == {0: [0, 1], 1: [0, 1]}  # each choice numbers its own calls
+
+    example = EXAMPLES["thinking then answer"]
+    body = example.create_kwargs(model=MODEL, max_tokens=200, temperature=0)
+    body["extra_body"]["include_reasoning"] = False
+    response = client.chat.completions.create(**body)
+    assert message_of(response.choices[0]) == ("The answer is 4.", None, [])
+
+
+def test_agent_loop_with_thinking(client):
+    """An agent loop as written against any OpenAI server: the model calls the tool, the loop
+    runs it and sends the result back, the model answers."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    ran = []
+
+    def get_weather(city: str, days: int) -> str:
+        ran.append((city, days))
+        return "sunny, 21 C"
+
+    for _ in range(4):
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=WEATHER_TOOLS,
+            temperature=0,
+            max_tokens=200,
+            extra_body={"chat_template_kwargs": THINK},
+        )
+        message = response.choices[0].message
+        messages.append(message)
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            result = get_weather(**json.loads(call.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    assert ran == [("Paris", 1)]
+    assert message.content == "It is sunny in Paris, 21 C."
+    assert response.choices[0].finish_reason == "stop"
