@@ -24,6 +24,8 @@ logger = logging.getLogger("gemma4serve")
 
 DEMO_MODEL_NAME = "gemma4serve-demo"
 API_KEY_ENV = "GEMMA4SERVE_API_KEY"
+DRAIN_TIMEOUT_ENV = "GEMMA4SERVE_DRAIN_TIMEOUT"  # the Docker image sets it to fit `docker stop`
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 SHUTDOWN_BACKSTOP_S = 5.0  # after the drain timeout's aborts, how long aborted requests get to end
 
 
@@ -253,8 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
-        help="On SIGTERM, seconds to let running requests finish before aborting them.",
+        help="On SIGTERM, seconds to let running requests finish before aborting them "
+        f"(default: ${DRAIN_TIMEOUT_ENV}, if set, else {DEFAULT_DRAIN_TIMEOUT_S:.0f}). Keep it "
+        f"{SHUTDOWN_BACKSTOP_S:.0f}s under the stop grace of whatever sends SIGTERM.",
     )
     server.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
@@ -306,6 +309,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--model is required (or --demo for the built-in tiny model)")
     if ns.port < 0 or ns.port > 65535:
         parser.error(f"--port must be in 0..65535, got {ns.port}")
+    if ns.drain_timeout is None:
+        try:
+            ns.drain_timeout = float(os.environ.get(DRAIN_TIMEOUT_ENV, DEFAULT_DRAIN_TIMEOUT_S))
+        except ValueError:
+            parser.error(f"${DRAIN_TIMEOUT_ENV} must be a number of seconds")
     if ns.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
     return ns

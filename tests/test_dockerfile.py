@@ -1,7 +1,8 @@
-"""Static checks of the Dockerfile's promises (no Docker engine here to build it).
+"""Static checks of the Dockerfile's promises (tests/test_docker_image.py builds and runs it).
 
-CUDA base, the README's install command, a non-root user, the HF cache volume, the port, a health
-check on /health, the entrypoint.
+A base image chosen by build-arg whose CUDA matches the pinned torch, the README's install command,
+a non-root user that an arbitrary uid can stand in for, the HF cache volume, a drain that fits
+`docker stop`, the port, a health check on /health, the entrypoint.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 README = ROOT / "README.md"
+# The CUDA each pinned torch is built for on PyPI (its wheel's `cuda-toolkit==13.0.*` requirement):
+# bumping the pin means checking the new wheel's and moving BASE_IMAGE's CUDA with it.
+TORCH_CUDA = {"2.13.0": "13.0"}
+DOCKER_STOP_GRACE_S = 10  # `docker stop`'s default before SIGKILL
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -62,9 +67,78 @@ def dockerfile_package_install() -> list[str]:
     return installs[0]
 
 
-def test_cuda_base_image():
+def arg_defaults() -> dict[str, str]:
+    """ARG NAME=default -> {NAME: default} ("" for an ARG without a default)."""
+    defaults = {}
+    for arg in args_of("ARG"):
+        name, _, default = arg.partition("=")
+        defaults[name] = default.strip("\"'")
+    return defaults
+
+
+def env_values() -> dict[str, str]:
+    return {
+        name: value
+        for env in args_of("ENV")
+        for name, _, value in (word.partition("=") for word in shlex.split(env))
+    }
+
+
+def test_base_image_is_a_build_arg_matching_torchs_cuda():
     (base,) = args_of("FROM")
-    assert "nvidia/cuda" in base or "pytorch" in base, base
+    assert base == "${BASE_IMAGE}", f"FROM {base}: the base must come from --build-arg BASE_IMAGE"
+    default = arg_defaults()["BASE_IMAGE"]
+    cuda = re.search(r":(\d+\.\d+)\.\d+-", default)
+    assert cuda, f"BASE_IMAGE's default {default!r} names no CUDA version in its tag"
+    torch_version = arg_defaults()["TORCH_VERSION"]
+    assert TORCH_CUDA.get(torch_version) == cuda.group(1), (
+        f"torch {torch_version} on PyPI is built for CUDA {TORCH_CUDA.get(torch_version)}; "
+        f"the base image {default} has CUDA {cuda.group(1)}"
+    )
+
+
+def test_torch_is_pinned_as_in_the_readme_and_ci_in_its_own_layer():
+    torch_version = arg_defaults()["TORCH_VERSION"]
+    pin = f"torch=={torch_version}"
+    assert pin in README.read_text(), f"README.md does not install {pin}"
+    assert pin in (ROOT / ".ci" / "run").read_text(), f".ci/run does not install {pin}"
+    runs = args_of("RUN")
+    torch_run = next(i for i, run in enumerate(runs) if "torch==${TORCH_VERSION}" in run)
+    (package_run,) = [i for i, run in enumerate(runs) if 'pip install "."' in run]
+    assert torch_run < package_run, "torch's layer must come before (and apart from) the package's"
+    assert "&&" not in runs[torch_run], "torch alone in its layer"
+
+
+def test_readme_documents_the_base_and_the_driver_floor():
+    text = README.read_text()
+    default = arg_defaults()["BASE_IMAGE"]
+    assert default in text, f"README.md does not name the default base image {default}"
+    cuda = re.search(r":(\d+\.\d+)", default).group(1)
+    assert re.search(rf"CUDA {re.escape(cuda)}\b", text) and "driver" in text.lower()
+
+
+def test_drain_fits_docker_stop():
+    from gemma4serve.cli import DRAIN_TIMEOUT_ENV, SHUTDOWN_BACKSTOP_S
+
+    assert args_of("STOPSIGNAL") == ["SIGTERM"]
+    drain = float(env_values()[DRAIN_TIMEOUT_ENV])
+    assert drain + SHUTDOWN_BACKSTOP_S <= DOCKER_STOP_GRACE_S, (
+        f"drain {drain}s + {SHUTDOWN_BACKSTOP_S}s to end aborted streams outlasts docker stop's "
+        f"{DOCKER_STOP_GRACE_S}s grace: the container would be killed (exit 137)"
+    )
+
+
+def test_an_arbitrary_uid_in_group_0_can_write_every_cache():
+    user, _, group = args_of("USER")[-1].partition(":")
+    assert user.isdigit() and group == "0", "a numeric uid in group 0 (OpenShift's convention)"
+    env = env_values()
+    commands = [part.split() for run in args_of("RUN") for part in run.split("&&")]
+    (writable,) = [words[3:] for words in commands if words[:3] == ["chmod", "-R", "g=u"]]
+    for name in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "GEMMA4SERVE_CACHE"):
+        assert name in env, f"{name} unset: an arbitrary uid has no home to fall back on"
+        assert any(Path(env[name]).is_relative_to(folder) for folder in writable), (
+            f"{name}={env[name]} is not under a folder made group-writable ({writable})"
+        )
 
 
 def test_installs_the_package_without_test_extras():
