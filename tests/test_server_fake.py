@@ -1044,6 +1044,21 @@ def test_cli_api_key_from_env(monkeypatch):
     assert parse_args(["--model", "m", "--api-key", "flag"]).api_key == "flag"
 
 
+def test_cli_drain_timeout_from_env(monkeypatch):
+    """The Docker image sets GEMMA4SERVE_DRAIN_TIMEOUT to fit `docker stop`'s grace; the flag
+    still wins, and a value that is not a number is a usage error."""
+    from gemma4serve.cli import parse_args
+
+    monkeypatch.delenv("GEMMA4SERVE_DRAIN_TIMEOUT", raising=False)
+    assert parse_args(["--model", "m"]).drain_timeout == 30.0
+    monkeypatch.setenv("GEMMA4SERVE_DRAIN_TIMEOUT", "5")
+    assert parse_args(["--model", "m"]).drain_timeout == 5.0
+    assert parse_args(["--model", "m", "--drain-timeout", "12"]).drain_timeout == 12.0
+    monkeypatch.setenv("GEMMA4SERVE_DRAIN_TIMEOUT", "five")
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m"])
+
+
 @pytest.mark.parametrize(
     "argv",
     [
