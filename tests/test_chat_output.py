@@ -374,3 +374,31 @@ def test_include_reasoning_false_and_raw_special_tokens(tokenizer, markers):
     raw = chat_format(tokenizer, markers, skip_special_tokens=False)
     assert not raw.parses_output
     assert raw.body(final, {})["choices"][0]["message"]["content"] == final.outputs[0].text
+
+
+FRAGMENTS = [
+    *("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", Q, "<turn|>", "<", "|", '"'),
+    *("thought\n", "tho", "call:", "call:get_weather{", "get_weather", "city", "days", "x y"),
+    *("{", "}", "(", ")", "[", "]", ":", ",", " ", "\n", "12", "1.5e", "true", "nul", "l"),
+]
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_random_text_is_parsed_the_same_in_any_pieces(markers, seed):
+    """Any text, even malformed: the same result whole and in pieces, calls with JSON-object
+    arguments, no special-token text in content or reasoning."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 40)))
+    in_reasoning = rng.random() < 0.3
+
+    def result(pieces):
+        got = parse(markers, pieces, in_reasoning)
+        return got.content, got.reasoning, [(c.index, c.name, c.arguments) for c in got.tool_calls]
+
+    whole = result([text])
+    assert result(list(text)) == whole
+    if len(text) > 1:
+        assert result(random_splits(text, rng)) == whole
+    content, reasoning, calls = whole
+    assert not any(special in content + reasoning for special in markers.specials)
+    assert all(isinstance(json.loads(arguments), dict) for _, _, arguments in calls)

@@ -62,6 +62,8 @@ class ArgumentsStream:
                 self.rest += unit
                 continue
             try:
+                if self._bare and (unit in ",]}" or unit == self.stack[-1].closer):
+                    out.append(self._end_bare())  # sent even if what ends it is malformed
                 out.append(self._unit(unit))
             except NotationError as e:
                 self.error, self.rest = str(e), unit
@@ -79,8 +81,8 @@ class ArgumentsStream:
         top = self.stack[-1]
         if self._string == "value":
             out.append('"')
-        elif self._bare.strip():
-            out.append(self._value_json(self._bare))
+        elif self._bare:
+            out.append(self._end_bare())
         elif top.is_object and top.phase in ("value", "colon"):
             out.append("null")  # the key was sent; its value never came
         out.extend("}" if c.is_object else "]" for c in reversed(self.stack))
@@ -102,12 +104,8 @@ class ArgumentsStream:
         if self._string is not None:
             return self._string_unit(unit, top)
         if self._bare:
-            if unit not in ",]}" and unit != top.closer:
-                self._bare += unit
-                return ""
-            value, self._bare = self._value_json(self._bare), ""
-            top.phase = "after"
-            return value + self._after(unit, top)
+            self._bare += unit
+            return ""
         if top.is_object and top.phase == "key":
             return self._key_unit(unit, top)
         if unit.isspace():
@@ -201,10 +199,14 @@ class ArgumentsStream:
             return (schema.get("properties") or {}).get(top.key)
         return schema.get("items")
 
-    def _value_json(self, word: str) -> str:
-        separator, self._separator = self._separator, ""
-        value = bare_value(word.strip(), self._child_schema(self.stack[-1]))
-        return separator + json.dumps(value, ensure_ascii=False)
+    def _end_bare(self) -> str:
+        """The JSON of the bare value just read, typed by its field's schema."""
+        top = self.stack[-1]
+        value = bare_value(self._bare.strip(), self._child_schema(top))
+        text = self._separator + json.dumps(value, ensure_ascii=False)
+        self._bare, self._separator = "", ""
+        top.phase = "after"
+        return text
 
 
 def bare_value(word: str, schema: dict | None):

@@ -238,8 +238,9 @@ class ChatOutputParser:
                 self._held = text
                 return ChatDelta()
             text = text.removeprefix(LABEL)
-        opener = self._bare_opener.search(text) if self._bare_opener else None
-        if opener is not None and (opener.start() > 0 or self._boundary):
+        openers = self._bare_opener.finditer(text) if self._bare_opener else ()
+        opener = next((o for o in openers if o.start() > 0 or self._boundary), None)
+        if opener is not None:
             delta = ChatDelta(content=text[: opener.start()].rstrip())
             self._content_started = self._content_started or bool(delta.content)
             self._held, self._head, self.state = "", text[opener.start() :], "head"
@@ -280,15 +281,23 @@ class ChatOutputParser:
 
     def _not_a_call(self) -> ChatDelta:
         """The head after `<|tool_call>` is no call's: it is content."""
-        text, self._head, self.state = self._head.replace(QUOTE, '"'), "", "content"
-        return self._content_text(text) if text.strip() else ChatDelta()
+        text, self._head, self.state = self._head, "", "content"
+        return self._replay(text) if text.strip() else ChatDelta()
 
     def _arguments_text(self, text: str) -> ChatDelta:
         delta = self._piece(self._arguments.feed(text))
         if self._arguments.done or self._arguments.error is not None:
             rest = self._arguments.rest
             delta += self._close_call()
-            delta += self._content_text(rest) if rest else ChatDelta()
+            delta += self._replay(rest)
+        return delta
+
+    def _replay(self, text: str) -> ChatDelta:
+        """Text a call did not take, read again as content (its only special token is `<|"|>`)."""
+        delta = ChatDelta()
+        for i, part in enumerate(text.split(QUOTE)):
+            delta += self._marker(QUOTE) if i else ChatDelta()
+            delta += self._text(part)
         return delta
 
     def _close_call(self) -> ChatDelta:
