@@ -12,13 +12,16 @@ aborted, and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 from gemma4serve.engine.args import EngineArgs
+from gemma4serve.server.app import DEFAULT_MAX_LOGPROBS, CorsSettings
 
 logger = logging.getLogger("gemma4serve")
 
@@ -95,11 +98,43 @@ def _fraction(text: str) -> float:
 # Parser
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Says a flag's default once: appended unless the help already states it, and never for
+    flags whose default is "not given"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" not in text
+            and action.default is not None
+            and action.default is not False
+            and action.default is not argparse.SUPPRESS
+            and action.option_strings
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+_EPILOG = """examples:
+  gemma4serve google/gemma-4-31B-it --draft google/gemma-4-31B-it-assistant
+  gemma4serve --demo --port 8000
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gemma4serve",
-        description="An OpenAI-compatible server for Gemma 4 with MTP speculative decoding.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="An OpenAI-compatible server for Gemma 4 with MTP speculative decoding.\n"
+        "Flags are spelled as in `vllm serve`.",
+        epilog=_EPILOG,
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="Hugging Face repo id or local directory of the target model (as `vllm serve "
+        "MODEL`; or give --model).",
     )
     model = p.add_argument_group("model")
     model.add_argument(
@@ -113,30 +148,51 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--demo",
         action="store_true",
-        help="Serve the built-in tiny random Gemma 4 and its assistant "
-        "(built on first use; any machine, CPU included).",
+        help="Serve the built-in tiny random Gemma 4 and its assistant (built on first use under "
+        "$GEMMA4SERVE_CACHE, default ~/.cache/gemma4serve; any machine, CPU included).",
     )
     model.add_argument("--tokenizer", help="Tokenizer directory or repo id (default: the model's).")
     model.add_argument("--revision", help="Model revision (branch, tag or commit) on the Hub.")
     model.add_argument(
+        "--download-dir",
+        help="Where Hub checkpoints are downloaded and looked up (default: the Hugging Face "
+        "cache, $HF_HOME).",
+    )
+    model.add_argument(
         "--served-model-name",
         nargs="+",
-        help="Name(s) clients put in `model`; the first is the one reported (default: --model).",
+        metavar="NAME",
+        help="Name(s) clients put in `model`; the first is the one reported (default: the "
+        "model's path or repo id).",
     )
     model.add_argument(
         "--load-format",
         default="auto",
         choices=["auto", "safetensors", "dummy"],
-        help="dummy = random weights of the real shapes (benchmarks).",
+        help="How to load weights: auto/safetensors read the checkpoint; dummy = random weights "
+        "of the real shapes (benchmarks).",
     )
     model.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "half", "float32", "float"],
-        help="auto = bfloat16 on CUDA, float32 on CPU.",
+        help="Weight and activation dtype; auto = bfloat16 on CUDA, float32 on CPU.",
     )
     model.add_argument(
         "--seed", type=int, default=0, help="Seeds dummy weights and requests that give no seed."
+    )
+    model.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="{auto,vllm,FOLDER}",
+        help="Where default sampling settings (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) come from: auto = the model's generation_config.json, vllm = none "
+        "(vLLM's own defaults), or a folder holding a generation_config.json.",
+    )
+    model.add_argument(
+        "--chat-template",
+        help="The chat template: a file path, or the Jinja template itself "
+        "(default: the tokenizer's).",
     )
 
     engine = p.add_argument_group("engine")
@@ -146,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--max-model-len",
         type=_token_count,
-        help="Context length (prompt + output), e.g. 32768 or 32K "
-        "(default: the config's, capped by the KV pool).",
+        metavar="TOKENS",
+        help="Context length (prompt + output), e.g. 32768, 32k (x1000) or 32K (x1024) "
+        "(default: the config's, capped by the KV cache).",
     )
     engine.add_argument(
         "--max-num-seqs",
@@ -156,17 +213,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="Most sequences in the running batch (a cap: KV pages are drawn on demand).",
     )
     engine.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="Token budget of one engine step."
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="Token budget of one engine step (longer prompts are prefilled in chunks).",
     )
     engine.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
         default=0.90,
-        help="Fraction of GPU memory for weights + KV cache.",
+        help="Fraction of GPU memory for weights, activations and the KV cache.",
     )
     engine.add_argument(
         "--kv-cache-memory",
         type=_byte_size,
+        metavar="BYTES",
         help="Bytes for KV pages, e.g. 20GiB; overrides --gpu-memory-utilization.",
     )
     # Test knob: an arena that holds this many positions.
@@ -187,23 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Reuse the KV of earlier requests' prefixes (default: on).",
     )
     engine.add_argument(
-        "--num-draft-tokens",
-        "--num-speculative-tokens",
-        dest="num_draft_tokens",
-        type=int,
-        default=4,
-        help="Draft tokens per step (k); 0 turns MTP off.",
-    )
-    engine.add_argument(
-        "--adaptive-draft-length",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Stop drafting at batch sizes where a verify + draft step costs more than the "
-        "measured acceptance gains (step costs are measured on the CUDA graphs at start; "
-        "default: on).",
-    )
-    engine.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"]
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "flashinfer"],
+        help="auto = Triton on CUDA (FlashInfer's prefill when installed), torch elsewhere.",
     )
     engine.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
     engine.add_argument(
@@ -213,14 +261,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="Queue the next decode step before reading the current one's tokens, so host work "
         "overlaps the GPU (default: on).",
     )
-    engine.add_argument(
+
+    spec = p.add_argument_group("speculative decoding (MTP)")
+    spec.add_argument(
+        "--num-draft-tokens",
+        "--num-speculative-tokens",
+        dest="num_draft_tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="Draft tokens per step; 0 turns MTP off.",
+    )
+    spec.add_argument(
+        "--adaptive-draft-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Stop drafting at batch sizes where a verify + draft step costs more than the "
+        "measured acceptance gains (step costs are measured on the CUDA graphs at start; "
+        "default: on).",
+    )
+    spec.add_argument(
         "--forced-acceptance",
         type=_acceptance,
+        metavar="TOKENS",
         help="BENCHMARK ONLY: force the mean tokens per verify step (a number, or a comma list). "
         "Outputs are then NOT the model's.",
     )
 
-    server = p.add_argument_group("server")
+    server = p.add_argument_group("HTTP server")
     server.add_argument(
         "--host",
         default="0.0.0.0",
@@ -233,41 +301,107 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--api-key",  # the env default is read in parse_args: --help must not print the key
         help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, if set). "
-        "/health and /metrics stay open.",
-    )
-    # Chat completions always split Gemma 4's reasoning and tool calls out of the text; vLLM's
-    # switches for that are accepted so that vLLM command lines run unchanged.
-    server.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="Accepted for vLLM compatibility: tool calls are always parsed.",
+        "/health, /metrics and CORS preflights stay open.",
     )
     server.add_argument(
-        "--tool-call-parser",
-        choices=["gemma4"],
-        help="Accepted for vLLM compatibility: Gemma 4's tool-call parser is always on.",
+        "--root-path",
+        default="",
+        help="The path prefix under which a path-based proxy serves this server and which it "
+        "strips before forwarding (e.g. /gemma); /docs and /openapi.json link with it "
+        "(default: none).",
+    )
+    server.add_argument("--ssl-keyfile", help="Serve HTTPS with this private key (PEM).")
+    server.add_argument("--ssl-certfile", help="Serve HTTPS with this certificate (PEM).")
+    server.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=["*"],
+        metavar="JSON",
+        help='CORS: origins allowed to call the API, a JSON list (default: ["*"]).',
     )
     server.add_argument(
-        "--reasoning-parser",
-        choices=["gemma4"],
-        help="Accepted for vLLM compatibility: Gemma 4's reasoning parser is always on.",
+        "--allowed-methods",
+        type=json.loads,
+        default=["*"],
+        metavar="JSON",
+        help='CORS: HTTP methods allowed, a JSON list (default: ["*"]).',
+    )
+    server.add_argument(
+        "--allowed-headers",
+        type=json.loads,
+        default=["*"],
+        metavar="JSON",
+        help='CORS: request headers allowed, a JSON list (default: ["*"]).',
+    )
+    server.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)."
     )
     server.add_argument(
         "--drain-timeout",
         type=float,
+        metavar="SECONDS",
         help="On SIGTERM, seconds to let running requests finish before aborting them "
         f"(default: ${DRAIN_TIMEOUT_ENV}, if set, else {DEFAULT_DRAIN_TIMEOUT_S:.0f}). Keep it "
         f"{SHUTDOWN_BACKSTOP_S:.0f}s under the stop grace of whatever sends SIGTERM.",
     )
-    server.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+
+    api = p.add_argument_group("API")
+    api.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=DEFAULT_MAX_LOGPROBS,
+        help="Most logprobs (completions) or top_logprobs (chat) a request may ask for; -1 = no "
+        "cap.",
     )
-    server.add_argument(
+    # Chat completions always split Gemma 4's reasoning and tool calls out of the text; vLLM's
+    # switches for that are accepted so that vLLM command lines run unchanged.
+    api.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Accepted for vLLM compatibility: tool calls are always parsed.",
+    )
+    api.add_argument(
+        "--tool-call-parser",
+        choices=["gemma4"],
+        help="Accepted for vLLM compatibility: Gemma 4's tool-call parser is always on.",
+    )
+    api.add_argument(
+        "--reasoning-parser",
+        choices=["gemma4"],
+        help="Accepted for vLLM compatibility: Gemma 4's reasoning parser is always on.",
+    )
+
+    logs = p.add_argument_group("logging")
+    logs.add_argument(
+        "--log-level",
+        default="info",
+        choices=_LOG_LEVELS,
+        help="Level of gemma4serve's own log.",
+    )
+    logs.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=_LOG_LEVELS + ["trace"],
+        help="Level of uvicorn's log (warning and above hide the line per HTTP request).",
+    )
+    logs.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="No line per HTTP request."
+    )
+    logs.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log each generation request: its id, prompt size and sampling settings.",
+    )
+    logs.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="Accepted for vLLM compatibility: requests are not logged unless "
+        "--enable-log-requests is given.",
     )
     return p
 
 
+_LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
@@ -277,6 +411,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         draft=ns.draft,
         tokenizer=ns.tokenizer,
         revision=ns.revision,
+        download_dir=ns.download_dir,
+        generation_config=ns.generation_config,
         dtype=_DTYPE_ALIASES.get(ns.dtype, ns.dtype),
         device=ns.device,
         load_format="auto" if ns.load_format == "safetensors" else ns.load_format,
@@ -299,14 +435,24 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
     )
 
 
+def _is_string_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     ns = parser.parse_args(argv)
     ns.api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        parser.error(
+            f"the model is given twice, as MODEL ({ns.model_tag}) and --model ({ns.model}); "
+            "give one"
+        )
+    ns.model = ns.model or ns.model_tag
     if ns.demo and (ns.model or ns.draft):
-        parser.error("--demo serves the built-in tiny model; leave out --model and --draft")
+        parser.error("--demo serves the built-in tiny model; leave out MODEL/--model and --draft")
     if not ns.demo and not ns.model:
-        parser.error("--model is required (or --demo for the built-in tiny model)")
+        parser.error("a model is required: gemma4serve MODEL (or --demo for the built-in one)")
     if ns.port < 0 or ns.port > 65535:
         parser.error(f"--port must be in 0..65535, got {ns.port}")
     if ns.drain_timeout is None:
@@ -316,7 +462,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"${DRAIN_TIMEOUT_ENV} must be a number of seconds")
     if ns.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
+    if ns.max_logprobs < -1:
+        parser.error("--max-logprobs must be -1 (no cap) or a count")
+    if bool(ns.ssl_keyfile) != bool(ns.ssl_certfile):
+        parser.error("--ssl-keyfile and --ssl-certfile go together")
+    for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        if not _is_string_list(getattr(ns, flag)):
+            parser.error(f"--{flag.replace('_', '-')} must be a JSON list of strings")
+    if ns.root_path and not (ns.root_path.startswith("/") and not ns.root_path.endswith("/")):
+        parser.error("--root-path must start with / and not end with one, e.g. /gemma")
+    if ns.generation_config not in ("auto", "vllm"):
+        folder = Path(ns.generation_config)
+        if not (folder / "generation_config.json").is_file():
+            parser.error(
+                f"--generation-config {ns.generation_config}: no generation_config.json there "
+                "(give auto, vllm or a folder that holds one)"
+            )
+    if ns.chat_template is not None:
+        try:
+            ns.chat_template = load_chat_template(ns.chat_template)
+        except OSError as e:
+            parser.error(f"--chat-template: {e}")
     return ns
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's rule: a value with Jinja's characters ({, } or a newline) is the template itself,
+    anything else a path to read."""
+    if any(ch in value for ch in "{}\n"):
+        return value
+    return Path(value).expanduser().read_text()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,8 +516,8 @@ def setup_logging(level: str) -> None:
     logging.getLogger("uvicorn.error").addFilter(_DropUvicornBanner())
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def serve(
@@ -355,16 +530,29 @@ def serve(
     drain_timeout: float = 30.0,
     log_level: str = "info",
     access_log: bool = True,
+    root_path: str = "",
+    ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None,
+    cors: CorsSettings | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    log_requests: bool = False,
 ) -> None:
     """Serve `engine` until SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks;
-    call it from the main thread (signals are delivered there)."""
+    call it from the main thread (signals are delivered there). `log_level` is uvicorn's."""
     import uvicorn
 
     from gemma4serve.server.app import build_app
 
     app = build_app(
-        engine, served_model_name=served_model_name, api_key=api_key, drain_timeout=drain_timeout
+        engine,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        drain_timeout=drain_timeout,
+        cors=cors,
+        max_logprobs=max_logprobs,
+        log_requests=log_requests,
     )
+    scheme = "https" if ssl_certfile else "http"
     state = app.state.gemma4serve
     names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
 
@@ -373,7 +561,8 @@ def serve(
             await super().startup(sockets)
             if self.started:
                 bound = self.servers[0].sockets[0].getsockname()[1]
-                print(f"gemma4serve ready: {_url(host, bound)} (model {names[0]})", flush=True)
+                url = _url(host, bound, scheme)
+                print(f"gemma4serve ready: {url} (model {names[0]})", flush=True)
 
         def handle_exit(self, sig, frame):
             # Not super(): uvicorn records the signal and re-raises it after its graceful shutdown,
@@ -398,6 +587,9 @@ def serve(
         log_level=log_level,
         log_config=None,  # keep our logging setup
         access_log=access_log,
+        root_path=root_path,
+        ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile,
         # The app aborts what still runs after drain_timeout; uvicorn's own cancel is only the
         # backstop.
         timeout_graceful_shutdown=drain_timeout + SHUTDOWN_BACKSTOP_S,
@@ -421,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         ns.model, ns.draft = (str(p) for p in ensure_demo_model())
         ns.served_model_name = ns.served_model_name or [DEMO_MODEL_NAME]
     args = engine_args(ns)
+    if ns.disable_log_requests:
+        logger.info("--disable-log-requests: requests are only logged with --enable-log-requests")
     if args.forced_acceptance is not None:
         logger.warning(
             "!!! --forced-acceptance %s: BENCHMARK MODE. Acceptance is forced, so the outputs "
@@ -443,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
             exc_info=ns.log_level == "debug",
         )
         return 1
+    if ns.chat_template is not None:
+        if engine.tokenizer is None:
+            logger.error("--chat-template: this model has no tokenizer")
+            return 1
+        engine.tokenizer.chat_template = ns.chat_template
     serve(
         engine,
         host=ns.host,
@@ -450,8 +649,19 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=ns.served_model_name or [engine.model_name],
         api_key=ns.api_key,
         drain_timeout=ns.drain_timeout,
-        log_level=ns.log_level,
+        log_level=ns.uvicorn_log_level,
         access_log=not ns.disable_uvicorn_access_log,
+        root_path=ns.root_path,
+        ssl_keyfile=ns.ssl_keyfile,
+        ssl_certfile=ns.ssl_certfile,
+        cors=CorsSettings(
+            allowed_origins=ns.allowed_origins,
+            allowed_methods=ns.allowed_methods,
+            allowed_headers=ns.allowed_headers,
+            allow_credentials=ns.allow_credentials,
+        ),
+        max_logprobs=ns.max_logprobs,
+        log_requests=ns.enable_log_requests,
     )
     logger.info("stopped")
     return 0

@@ -26,6 +26,11 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's token rules, applied to the logits before sampling:
+    min_tokens: int = 0  # no EOS or stop token before this many output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never write these words (as token sequences)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -54,10 +59,26 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not (self.repetition_penalty > 0.0):
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words is not None and any(not word.strip() for word in self.bad_words):
+            raise ValueError("bad_words must not hold empty words")
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Whether the sampler must edit this request's logits (min_tokens, logit_bias,
+        allowed_token_ids, bad_words)."""
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     @property
     def greedy(self) -> bool:

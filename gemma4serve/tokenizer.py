@@ -191,8 +191,11 @@ class Tokenizer:
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **template_kwargs,
     ) -> str:
+        """The rendered prompt. `continue_final_message` cuts it right after the last message's
+        text (as transformers does), so that the model continues that message."""
         source = chat_template or self.chat_template
         if source is None:
             raise ValueError(
@@ -201,10 +204,27 @@ class Tokenizer:
             )
         # Explicit keywords override the special tokens.
         variables = {**self.special_tokens, **template_kwargs}
-        return compile_chat_template(source).render(
+        rendered = compile_chat_template(source).render(
             messages=messages,
             tools=tools,
             documents=documents,
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
+        if continue_final_message:
+            rendered = _cut_after_final_message(rendered, messages[-1].get("content") or "")
+        return rendered
+
+
+def _cut_after_final_message(rendered: str, final: str) -> str:
+    """transformers' rule: end the prompt where the final message's text ends (its trailing
+    whitespace kept only where the template kept it)."""
+    if final.strip() not in rendered:
+        raise ValueError(
+            "continue_final_message is set but the final message does not appear in the prompt "
+            "the chat template wrote"
+        )
+    start = rendered.rindex(final.strip())
+    if rendered[start : start + len(final.lstrip())] == final.lstrip():
+        return rendered[: start + len(final.lstrip())]
+    return rendered[: start + len(final.strip())]

@@ -355,7 +355,7 @@ class FakeEngine:
 # Harness shared by the server tests
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"^gemma4serve ready: (http://\S+) \(model (.+)\)$")
+READY = re.compile(r"^gemma4serve ready: (https?://\S+) \(model (.+)\)$")
 
 
 class ServerProcess:

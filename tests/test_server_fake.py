@@ -512,7 +512,7 @@ BAD_REQUESTS = [
         400,
         "stream_options",
     ),
-    ("logit-bias", CHAT, {"messages": M, "logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ("logit-bias-not-a-token", CHAT, {"messages": M, "logit_bias": {"x": 5}}, 400, "logit_bias"),
     (
         "response-format-json",
         CHAT,

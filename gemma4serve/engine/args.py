@@ -12,6 +12,10 @@ class EngineArgs:
     draft: str | None = None
     tokenizer: str | None = None  # defaults to the model's directory
     revision: str | None = None
+    download_dir: str | None = None  # where Hub checkpoints go (default: the HF cache)
+    # Default sampling settings: "auto" = the model's generation_config.json, "vllm" = none, or a
+    # folder holding a generation_config.json
+    generation_config: str = "auto"
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto = cuda if available
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights of the real shapes)

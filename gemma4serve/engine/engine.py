@@ -119,7 +119,15 @@ class LLMEngine:
         has_tokenizer = (tokenizer_dir / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if has_tokenizer else None
         self.eos_ids = set(cfg.eos_token_ids)
-        self.default_sampling_params = generation_defaults(self.state.target_dir)
+        self.default_sampling_params = (
+            {}
+            if args.generation_config == "vllm"
+            else generation_defaults(
+                self.state.target_dir
+                if args.generation_config == "auto"
+                else Path(args.generation_config)
+            )
+        )
         plan = self.state.kv_plan
         self.max_model_len = plan.max_model_len
         pool = PagePool(plan.num_pages)

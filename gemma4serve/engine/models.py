@@ -168,7 +168,7 @@ def _checkpoint_dir(name: str, args: EngineArgs) -> Path:
     """A local directory as given when dummy weights need only its config; else the hub's copy."""
     if args.load_format == "dummy" and Path(name).exists():
         return Path(name)
-    return resolve_checkpoint(name, args.revision)
+    return resolve_checkpoint(name, args.revision, cache_dir=args.download_dir)
 
 
 def load_models(args: EngineArgs) -> ModelState:

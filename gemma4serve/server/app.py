@@ -1,7 +1,8 @@
 """The HTTP layer: an OpenAI-compatible Starlette app over one engine.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (SSE streaming or one JSON body),
-GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version. Every refusal is
+GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /health, GET /metrics,
+GET /version, GET /openapi.json, GET /docs. Every refusal is
 OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}` with a 4xx (503 while starting or draining).
 
@@ -29,8 +30,9 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from gemma4serve.chat.output import ChatMarkers
@@ -39,14 +41,20 @@ from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLog
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from gemma4serve.server.metrics import ServerMetrics
+from gemma4serve.server.openapi import docs_page, openapi_document
 from gemma4serve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseHeader,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     TokenStrings,
     error_body,
+    load_json_object,
     parse_request,
+    validate_request,
 )
 from gemma4serve.validation import (
     RequestError,
@@ -65,8 +73,11 @@ RESERVED_TEMPLATE_KWARGS = {
     "tools",
     "documents",
     "add_generation_prompt",
+    "continue_final_message",
     "chat_template",
 }
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+MAX_REQUEST_ID_CHARS = 256  # a longer X-Request-Id is replaced by a generated one
 
 
 def _dumps(obj) -> bytes:
@@ -89,6 +100,16 @@ def _json(status: int, body: dict, headers: dict | None = None) -> Response:
 
 
 @dataclass
+class CorsSettings:
+    """vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+@dataclass
 class ServerState:
     """What the routes share: the engine, the served names, the server's lifecycle switches."""
 
@@ -100,6 +121,8 @@ class ServerState:
     chat_markers: ChatMarkers | None  # the tokenizer's channel and tool-call tokens, if any
     sampling_defaults: dict
     drain_timeout: float
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1 = no cap
+    log_requests: bool = False  # one log line per request: its id, prompt size and settings
     created: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False  # the engine thread runs
     draining: bool = False  # shutting down: refuse new work, let running requests finish
@@ -196,7 +219,11 @@ class ApiGate:
         self._key = state.api_key.encode() if state.api_key else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        # A CORS preflight (OPTIONS) carries no credentials: CORSMiddleware answers it before this.
+        if scope["type"] == "http" and _route_path(scope).startswith("/v1"):
+            if scope["method"] == "OPTIONS":
+                await self.app(scope, receive, send)
+                return
             refusal = self._refusal(scope)
             if refusal is not None:
                 await refusal(scope, receive, send)
@@ -218,6 +245,46 @@ class ApiGate:
         if unavailable:
             return _json(503, error_body(unavailable, type="service_unavailable"))
         return None
+
+
+def _route_path(scope) -> str:
+    """The path the routes see: behind --root-path, uvicorn puts the prefix in front of it."""
+    root = scope.get("root_path", "")
+    path = scope["path"]
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _given_request_id(scope) -> bytes | None:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            return value if 0 < len(value) <= MAX_REQUEST_ID_CHARS else None
+    return None
+
+
+class RequestIdHeader:
+    """Echoes a request's X-Request-Id header in its response, as vLLM does (generation
+    responses send their request id whether or not one was given)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        given = _given_request_id(scope) if scope["type"] == "http" else None
+        if given is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [
+                    (name, value)
+                    for name, value in message.get("headers", [])
+                    if name.lower() != b"x-request-id"
+                ]
+                message = {**message, "headers": headers + [(b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -439,7 +506,7 @@ def _needs_tokenizer(tokenizer, what: str, param: str) -> None:
         )
 
 
-def _render_chat(tokenizer, req: ChatCompletionRequest) -> Prompt:
+def _render_chat(tokenizer, req: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
     _needs_tokenizer(tokenizer, "chat messages", "messages")
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = RESERVED_TEMPLATE_KWARGS & kwargs.keys()
@@ -453,6 +520,7 @@ def _render_chat(tokenizer, req: ChatCompletionRequest) -> Prompt:
         text = tokenizer.apply_chat_template(
             req.template_messages(),
             add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
             tools=req.tools,
             **kwargs,
         )
@@ -509,7 +577,27 @@ async def _generation(
     state = _state(request)
     req = parse_request(request_type, await _read_body(request))
     model = state.resolve_model(req.model)
+    num_logprobs = req.num_logprobs
+    if num_logprobs is not None and 0 <= state.max_logprobs < num_logprobs:
+        param = "top_logprobs" if request_type is ChatCompletionRequest else "logprobs"
+        raise ApiError(
+            400,
+            f"{param} must be at most {state.max_logprobs} (--max-logprobs), got {num_logprobs}",
+            param=param,
+        )
     prompt: Prompt = await run_in_threadpool(build_prompt, state.engine.tokenizer, req)
+    if req.truncate_prompt_tokens is not None:
+        keep = req.truncate_prompt_tokens
+        if keep == -1:
+            keep = state.engine.max_model_len
+        elif keep > state.engine.max_model_len:
+            raise ApiError(
+                400,
+                f"truncate_prompt_tokens ({keep}) is larger than the context length "
+                f"({state.engine.max_model_len}).",
+                param="truncate_prompt_tokens",
+            )
+        prompt.token_ids = prompt.token_ids[-keep:]  # vLLM keeps the prompt's end
     max_tokens = check_context_length(
         len(prompt.token_ids),
         req.requested_max_tokens,
@@ -517,9 +605,21 @@ async def _generation(
         prompt_param=req.prompt_param,
     )
     params = req.sampling_params(
-        max_tokens=max_tokens, logprobs=req.num_logprobs, defaults=state.sampling_defaults
+        max_tokens=max_tokens, logprobs=num_logprobs, defaults=state.sampling_defaults
     )
-    header = ResponseHeader(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+    # vLLM: a client's X-Request-Id names the request (made unique if it is already running)
+    given = _given_request_id(request.scope)
+    request_id = f"{id_prefix}-{given.decode('latin-1') if given else uuid.uuid4().hex}"
+    if request_id in state.inflight:
+        request_id += f"-{uuid.uuid4().hex[:8]}"
+    if state.log_requests:
+        logger.info(
+            "Received request %s: %d prompt tokens, params: %s",
+            request_id,
+            len(prompt.token_ids),
+            params,
+        )
+    header = ResponseHeader(request_id, int(time.time()), model)
     fmt = response_format(
         header,
         req,
@@ -543,6 +643,59 @@ async def completions(request: Request):
     return await _generation(
         request, CompletionRequest, _completion_prompt, CompletionFormat, id_prefix="cmpl"
     )
+
+
+async def tokenize(request: Request):
+    """vLLM's /tokenize: a prompt or chat messages -> {count, max_model_len, tokens}."""
+    state = _state(request)
+    data = load_json_object(await _read_body(request))
+    chat = "messages" in data
+    req = validate_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
+    state.resolve_model(req.model)
+    tokenizer = state.engine.tokenizer
+    _needs_tokenizer(tokenizer, "text", "messages" if chat else "prompt")
+
+    def encode() -> list[int]:
+        if chat:
+            ids = _render_chat(tokenizer, req).token_ids
+        else:
+            ids = encode_text(tokenizer, req.prompt, param="prompt")
+        return with_bos(ids, tokenizer.bos_token_id) if req.add_special_tokens else ids
+
+    ids = await run_in_threadpool(encode)
+    body = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+    body["token_strs"] = [tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+    return _json(200, body)
+
+
+async def detokenize(request: Request):
+    """vLLM's /detokenize: {tokens} -> {prompt} (special tokens kept)."""
+    state = _state(request)
+    req = parse_request(DetokenizeRequest, await _read_body(request))
+    state.resolve_model(req.model)
+    tokenizer = state.engine.tokenizer
+    _needs_tokenizer(tokenizer, "token ids", "tokens")
+    check_token_ids(req.tokens, tokenizer.vocab_size, param="tokens")
+    text = await run_in_threadpool(tokenizer.decode, req.tokens, skip_special_tokens=False)
+    return _json(200, {"prompt": text})
+
+
+def _openapi_url(request: Request) -> str:
+    return request.scope.get("root_path", "") + "/openapi.json"
+
+
+async def openapi(request: Request):
+    from gemma4serve import __version__
+
+    document = openapi_document(__version__)
+    root_path = request.scope.get("root_path", "")
+    if root_path:
+        document = {**document, "servers": [{"url": root_path}]}
+    return _json(200, document)
+
+
+async def docs(request: Request):
+    return HTMLResponse(docs_page(_openapi_url(request)))
 
 
 async def list_models(request: Request):
@@ -619,6 +772,9 @@ def build_app(
     served_model_name: str | list[str],
     api_key: str | None = None,
     drain_timeout: float = 30.0,
+    cors: CorsSettings | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    log_requests: bool = False,
 ) -> Starlette:
     """The ASGI app over `engine` (an AsyncEngine or anything with its interface).
 
@@ -641,7 +797,10 @@ def build_app(
         chat_markers=ChatMarkers.from_tokenizer(engine.tokenizer),
         sampling_defaults=dict(engine.default_sampling_params),
         drain_timeout=drain_timeout,
+        max_logprobs=max_logprobs,
+        log_requests=log_requests,
     )
+    cors = cors or CorsSettings()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -660,13 +819,28 @@ def build_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        Route("/docs", docs, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiGate, state=state)],
+        # Outermost first: CORS answers preflights before the gate asks for a key.
+        middleware=[
+            Middleware(
+                CORSMiddleware,
+                allow_origins=cors.allowed_origins,
+                allow_methods=cors.allowed_methods,
+                allow_headers=cors.allowed_headers,
+                allow_credentials=cors.allow_credentials,
+            ),
+            Middleware(RequestIdHeader),
+            Middleware(ApiGate, state=state),
+        ],
         exception_handlers={
             ApiError: _api_error,
             RequestError: _request_error,

@@ -162,6 +162,12 @@ class _GenerationRequest(_Request):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's extensions
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour rather than silently ignoring it."""
@@ -169,8 +175,18 @@ class _GenerationRequest(_Request):
             raise ApiError(
                 400, "stream_options is only allowed when stream is true.", param="stream_options"
             )
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this server.", param="logit_bias")
+        if self.prompt_logprobs is not None:
+            raise ApiError(
+                400, "prompt_logprobs is not supported by this server.", param="prompt_logprobs"
+            )
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and not (truncate == -1 or truncate >= 1):
+            raise ApiError(
+                400,
+                "truncate_prompt_tokens must be -1 (the context length) or a positive count, "
+                f"got {self.truncate_prompt_tokens}",
+                param="truncate_prompt_tokens",
+            )
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ApiError(
                 400,
@@ -213,6 +229,15 @@ class _GenerationRequest(_Request):
         chosen = {k: v for k, v in (defaults or {}).items() if k in given}
         chosen.update({k: v for k, v in given.items() if v is not None})
         try:
+            # OpenAI's keys are token ids as strings; vLLM clamps the values to [-100, 100].
+            logit_bias = {
+                int(k): min(max(v, -100.0), 100.0) for k, v in (self.logit_bias or {}).items()
+            }
+        except ValueError:
+            raise ApiError(
+                400, "logit_bias keys must be token ids (integers as strings).", param="logit_bias"
+            ) from None
+        try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 seed=self.seed,
@@ -223,6 +248,10 @@ class _GenerationRequest(_Request):
                 n=self.n,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                min_tokens=self.min_tokens,
+                logit_bias=logit_bias or None,
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
                 **chosen,
             )
         except ValueError as e:
@@ -234,20 +263,19 @@ class _GenerationRequest(_Request):
             ) from e
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class _ChatPrompt(_Request):
+    """The fields that render chat messages into a prompt (chat completions and /tokenize)."""
+
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    include_reasoning: bool = True  # vLLM's: False drops the reasoning from the response
+    # vLLM's: leave the last (assistant) message open so that the model continues it
+    continue_final_message: bool = False
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    prompt_param: ClassVar[str] = "messages"  # the field a prompt error names
+
+    def check_messages(self) -> None:
         if not self.messages:
             raise ApiError(
                 400,
@@ -255,12 +283,34 @@ class ChatCompletionRequest(_GenerationRequest):
                 param="messages",
                 code="invalid_value",
             )
-        if self.top_logprobs and not self.logprobs:
-            raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
-        if self.top_logprobs is not None and not (0 <= self.top_logprobs <= 20):
+        if self.continue_final_message and self.add_generation_prompt:
             raise ApiError(
                 400,
-                f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+
+    def template_messages(self) -> list[dict]:
+        return [m.to_template() for m in self.messages]
+
+
+class ChatCompletionRequest(_GenerationRequest, _ChatPrompt):
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM's: False drops the reasoning from the response
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        self.check_messages()
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise ApiError(
+                400,
+                f"top_logprobs must be non-negative, got {self.top_logprobs}",
                 param="top_logprobs",
             )
 
@@ -276,11 +326,6 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    prompt_param: ClassVar[str] = "messages"  # the field a prompt error names
-
-    def template_messages(self) -> list[dict]:
-        return [m.to_template() for m in self.messages]
 
 
 class CompletionRequest(_GenerationRequest):
@@ -334,12 +379,48 @@ class CompletionRequest(_GenerationRequest):
         return prompt
 
 
+class TokenizeCompletionRequest(_Request):
+    """vLLM's /tokenize body for a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        pass
+
+
+class TokenizeChatRequest(_ChatPrompt):
+    """vLLM's /tokenize body for chat messages (the template writes <bos> itself)."""
+
+    model: str | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        self.check_messages()
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+    def check_supported(self) -> None:
+        pass
+
+
 def _no_constants(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
 def parse_request(model: type[_Request], body: bytes) -> Any:
     """A request body -> a validated request model, or ApiError(400) that says what is wrong."""
+    return validate_request(model, load_json_object(body))
+
+
+def load_json_object(body: bytes) -> dict:
+    """A request body -> its JSON object, or ApiError(400)."""
     try:
         data = json.loads(
             body, parse_constant=_no_constants
@@ -350,6 +431,11 @@ def parse_request(model: type[_Request], body: bytes) -> Any:
         ) from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    return data
+
+
+def validate_request(model: type[_Request], data: dict) -> Any:
+    """A JSON object -> a validated request model, or ApiError(400)."""
     try:
         request = model.model_validate(data)
     except ValidationError as e:

@@ -1,0 +1,424 @@
+"""The vLLM-compatible surface of the real server: the flags and endpoints vLLM users reach for.
+
+Real servers (the tiny demo Gemma 4 on CPU, as in test_server_real.py) started with the flags
+under test, talked to with httpx and the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import ssl
+import subprocess
+
+import httpx
+import openai
+import pytest
+from fake_engine import ServerProcess
+
+pytestmark = [pytest.mark.timeout(300)]
+
+API_KEY = "sesame"
+ORIGIN = "http://app.example"
+HI = [{"role": "user", "content": "Tell me a story about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory):
+    from gemma4serve.demo.checkpoints import ensure_demo_model
+
+    root = tmp_path_factory.mktemp("demo-cache")
+    target, assistant = ensure_demo_model(root)
+    return root, target, assistant
+
+
+def start(*args: str, env: dict | None = None) -> ServerProcess:
+    return ServerProcess(
+        [
+            "-m",
+            "gemma4serve.cli",
+            *args,
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--max-model-len",
+            "1024",
+            "--num-draft-tokens",
+            "3",
+        ],
+        ready_timeout=240,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def server(demo_root):
+    """The model given positionally, as `vllm serve MODEL`, with auth, CORS, a root path, a
+    logprobs cap and request logging."""
+    _, target, assistant = demo_root
+    with start(
+        str(target),
+        "--draft",
+        str(assistant),
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        API_KEY,
+        "--allowed-origins",
+        json.dumps([ORIGIN]),
+        "--root-path",
+        "/gemma",
+        "--max-logprobs",
+        "5",
+        "--enable-log-requests",
+        "--disable-uvicorn-access-log",
+    ) as proc:
+        yield proc
+
+
+@pytest.fixture
+def base(server) -> str:
+    return server.url
+
+
+def auth(**headers) -> dict:
+    return {"Authorization": f"Bearer {API_KEY}", **headers}
+
+
+def test_routes_answer_with_the_prefix_stripped_as_a_proxy_does(base):
+    r = httpx.get(base + "/v1/models", headers=auth(), timeout=30)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+    # the gate sees the route's path: /v1 under the root path still needs the key
+    assert httpx.get(base + "/v1/models", timeout=30).status_code == 401
+
+
+def test_openapi_describes_the_real_request_models(server, base):
+    doc = httpx.get(base + "/openapi.json", timeout=30).json()
+    assert doc["openapi"].startswith("3.1") and doc["servers"] == [{"url": "/gemma"}]
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref == "#/components/schemas/ChatCompletionRequest"
+    schemas = doc["components"]["schemas"]
+    fields = schemas["ChatCompletionRequest"]["properties"]
+    for name in ("messages", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words"):
+        assert name in fields
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+    assert "echo" in schemas["CompletionRequest"]["properties"]
+    assert {"/tokenize", "/detokenize", "/v1/completions", "/health"} <= doc["paths"].keys()
+
+    def refs(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "$ref":
+                    yield value
+                else:
+                    yield from refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from refs(value)
+
+    for target in refs(doc):  # every reference resolves
+        assert target.removeprefix("#/components/schemas/") in schemas, target
+    page = httpx.get(base + "/docs", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '"/gemma/openapi.json"' in page.text
+
+
+def test_tokenize_and_detokenize(server, base):
+    client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    r = httpx.post(base + "/tokenize", json={"model": "tiny", "prompt": "Hello there"}, timeout=30)
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 1024
+    assert body["token_strs"] is None
+    completion = client.completions.create(
+        model="tiny", prompt="Hello there", max_tokens=1, temperature=0
+    )
+    assert completion.usage.prompt_tokens == body["count"]
+    with_strs = httpx.post(
+        base + "/tokenize", json={"prompt": "Hello there", "return_token_strs": True}, timeout=30
+    ).json()
+    assert with_strs["token_strs"][0] == "<bos>" and len(with_strs["token_strs"]) == body["count"]
+    plain = httpx.post(
+        base + "/tokenize", json={"prompt": "Hello there", "add_special_tokens": False}, timeout=30
+    ).json()
+    assert plain["tokens"] == body["tokens"][1:]
+    text = httpx.post(base + "/detokenize", json={"tokens": body["tokens"]}, timeout=30).json()
+    assert text == {"prompt": "<bos>Hello there"}
+
+    chat = httpx.post(base + "/tokenize", json={"messages": HI}, timeout=30).json()
+    reply = client.chat.completions.create(model="tiny", messages=HI, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+
+    bad = httpx.post(base + "/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    unknown = httpx.post(base + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=30)
+    assert unknown.status_code == 404
+
+
+def test_continue_final_message(base):
+    messages = HI + [{"role": "assistant", "content": "Once upon a time"}]
+    cont = httpx.post(
+        base + "/tokenize",
+        json={"messages": messages, "add_generation_prompt": False, "continue_final_message": True},
+        timeout=30,
+    ).json()
+    closed = httpx.post(
+        base + "/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=30
+    ).json()
+    detok = [
+        httpx.post(base + "/detokenize", json={"tokens": t["tokens"]}, timeout=30).json()["prompt"]
+        for t in (cont, closed)
+    ]
+    assert detok[0].endswith("Once upon a time")
+    assert detok[1].startswith(detok[0]) and len(detok[1]) > len(detok[0])  # the turn is closed
+    both = httpx.post(
+        base + "/v1/chat/completions",
+        headers=auth(),
+        json={"messages": messages, "continue_final_message": True, "max_tokens": 2},
+        timeout=30,
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    reply = httpx.post(
+        base + "/v1/chat/completions",
+        headers=auth(),
+        json={
+            "messages": messages,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "max_tokens": 2,
+        },
+        timeout=60,
+    ).json()
+    assert reply["usage"]["prompt_tokens"] == cont["count"]
+
+
+def test_x_request_id_is_echoed_and_names_the_request(server, base):
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        headers=auth(**{"X-Request-Id": "trace-42"}),
+        json={"messages": HI, "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "trace-42" and r.json()["id"] == "chatcmpl-trace-42"
+    # also on refusals and other routes
+    refused = httpx.get(base + "/v1/models", headers={"X-Request-Id": "t-1"}, timeout=30)
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "t-1"
+    # without one, the generated id is sent
+    r = httpx.post(
+        base + "/v1/completions",
+        headers=auth(),
+        json={"prompt": "Hi", "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.headers["x-request-id"] == r.json()["id"]
+    # --enable-log-requests: the request was logged under its id
+    assert any("Received request chatcmpl-trace-42" in line for line in server.lines)
+
+
+def test_cors_preflight_passes_auth_and_names_the_origin(base):
+    preflight = httpx.options(
+        base + "/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+        timeout=30,
+    )
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    other = httpx.options(
+        base + "/v1/chat/completions",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+        timeout=30,
+    )
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    r = httpx.get(base + "/v1/models", headers=auth(Origin=ORIGIN), timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_max_logprobs_caps_what_a_request_may_ask(base):
+    def chat(top: int) -> httpx.Response:
+        return httpx.post(
+            base + "/v1/chat/completions",
+            headers=auth(),
+            json={"messages": HI, "max_tokens": 2, "logprobs": True, "top_logprobs": top},
+            timeout=60,
+        )
+
+    refused = chat(6)
+    assert refused.status_code == 400 and "--max-logprobs" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "top_logprobs"
+    content = chat(5).json()["choices"][0]["logprobs"]["content"]
+    assert len(content[0]["top_logprobs"]) == 5
+    completion = httpx.post(
+        base + "/v1/completions",
+        headers=auth(),
+        json={"prompt": "Hi", "max_tokens": 2, "logprobs": 6},
+        timeout=60,
+    )
+    assert completion.status_code == 400 and completion.json()["error"]["param"] == "logprobs"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_end(base):
+    prompt = " ".join(["word"] * 40)
+
+    def usage(**extra) -> int:
+        r = httpx.post(
+            base + "/v1/completions",
+            headers=auth(),
+            json={"prompt": prompt, "max_tokens": 1, **extra},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    assert usage() > 10
+    assert usage(truncate_prompt_tokens=5) == 5
+    refused = httpx.post(
+        base + "/v1/completions",
+        headers=auth(),
+        json={"prompt": prompt, "truncate_prompt_tokens": 5000},
+        timeout=60,
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+# --------------------------------------------------------------------------------------------------
+# Flags that need a server of their own
+
+
+def _hub_cache_with(target, cache, repo: str) -> None:
+    """A Hugging Face cache under `cache` that holds `target` as `repo`'s main snapshot."""
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / ("0" * 40)
+    shutil.copytree(target, snapshot)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("0" * 40)
+
+
+def test_download_dir_generation_config_and_chat_template(demo_root, tmp_path):
+    """A Hub id found offline in --download-dir; defaults from a --generation-config folder
+    (temperature 0: greedy unless the request asks otherwise); an inline --chat-template; uvicorn
+    at its default level logs each request."""
+    _, target, assistant = demo_root
+    _hub_cache_with(target, tmp_path / "hub", "test-org/tiny")
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "gen" / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    with start(
+        "test-org/tiny",
+        "--draft",
+        str(assistant),
+        "--download-dir",
+        str(tmp_path / "hub"),
+        "--generation-config",
+        str(tmp_path / "gen"),
+        "--chat-template",
+        template,
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-home")},
+    ) as proc:
+        assert proc.ready_lines()[0].endswith("(model test-org/tiny)")
+        tokens = httpx.post(
+            proc.url + "/tokenize", json={"messages": [{"role": "user", "content": "hey"}]}
+        ).json()["tokens"]
+        text = httpx.post(proc.url + "/detokenize", json={"tokens": tokens}).json()["prompt"]
+        assert text == "<bos>[hey]"
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        kwargs = dict(model="test-org/tiny", prompt="The sea", max_tokens=12)
+        defaulted = client.completions.create(**kwargs, n=3)
+        greedy = client.completions.create(**kwargs, temperature=0)
+        assert {c.text for c in defaulted.choices} == {greedy.choices[0].text}
+        assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in proc.lines)
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return str(key), str(cert)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
+def test_https_with_ssl_files_and_a_quiet_uvicorn(demo_root, tmp_path):
+    _, target, _ = demo_root
+    key, cert = _self_signed(tmp_path)
+    with start(
+        "--model",
+        str(target),
+        "--ssl-keyfile",
+        key,
+        "--ssl-certfile",
+        cert,
+        "--uvicorn-log-level",
+        "warning",
+        "--generation-config",
+        "vllm",
+    ) as proc:
+        assert proc.url.startswith("https://")
+        trusted = ssl.create_default_context(cafile=cert)
+        r = httpx.get(proc.url + "/health", verify=trusted, timeout=30)
+        assert r.status_code == 200
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+            httpx.get(proc.url.replace("https://", "http://") + "/health", timeout=30)
+        httpx.post(
+            proc.url + "/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 2},
+            verify=trusted,
+            timeout=60,
+        )
+        assert not any("HTTP/1.1" in line for line in proc.lines)  # no access lines at warning
+
+
+def test_cli_model_given_twice_is_an_error(capsys):
+    from gemma4serve.cli import parse_args
+
+    assert parse_args(["some/model"]).model == "some/model"
+    assert parse_args(["--model", "some/model"]).model == "some/model"
+    with pytest.raises(SystemExit):
+        parse_args(["one/model", "--model", "other/model"])
+    assert "given twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--ssl-keyfile", "k.pem"])
+    assert "go together" in capsys.readouterr().err
+
+
+def test_help_reads_cleanly():
+    from gemma4serve.cli import build_parser
+
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.help == "==SUPPRESS==":
+            continue
+        assert action.help, f"{action.option_strings} has no help"
+        text = formatter._get_help_string(action)
+        assert text.count("(default:") <= 1, f"{action.option_strings}: {text}"
+    text = parser.format_help()
+    assert "default: None" not in text and "default: False" not in text
