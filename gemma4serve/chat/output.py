@@ -61,11 +61,12 @@ class ChatMarkers:
 
     @functools.cached_property
     def _starts(self) -> frozenset[str]:
+        """Every proper start of a special token."""
         return frozenset(text[:i] for text in self.specials for i in range(1, len(text)))
 
     def partial_length(self, text: str) -> int:
         """The length of the longest end of `text` that may be the start of a special token."""
-        longest = min(len(text), max(map(len, self.specials)) - 1)
+        longest = min(len(text), len(self.specials[0]) - 1)  # specials are longest first
         return next((n for n in range(longest, 0, -1) if text[-n:] in self._starts), 0)
 
     def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
@@ -141,7 +142,7 @@ class ChatOutputParser:
         self.num_calls = 0
         self._openers = tuple(f"call:{name}{bracket}" for name in tool_schemas for bracket in "{(")
         names = "|".join(map(re.escape, sorted(tool_schemas, key=len, reverse=True)))
-        self._bare_opener = re.compile(rf"(?<!\S)call:({names})[({{(]") if names else None
+        self._bare_opener = re.compile(rf"(?<!\S)call:({names})[{{(]") if names else None
 
     def parse(self, text: str) -> ChatDelta:
         """A whole choice at once (the same result as fed in any pieces)."""
