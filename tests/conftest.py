@@ -52,8 +52,8 @@ def tiny_checkpoints(tmp_path_factory) -> TinyCheckpoints:
 
 @pytest.fixture(scope="session")
 def trained_chat_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny target trained to write known tool calls and thinking (tests/trained_chat.py) and a
-    random MTP assistant: (target_dir, assistant_dir), trained once per session."""
+    """A tiny target trained to write known tool calls and thinking (tests/trained_chat.py) and its
+    MTP assistant: (target_dir, assistant_dir), trained once per session."""
     from trained_chat import train_chat_checkpoint
 
     return train_chat_checkpoint(tmp_path_factory.mktemp("trained-chat"))

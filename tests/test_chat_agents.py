@@ -3,16 +3,25 @@
 The trained checkpoint (tests/trained_chat.py) writes known completions greedily: the offline
 `LLM.chat` and the real server (with and without its MTP assistant, streamed and not, through the
 official `openai` client) must split each into the same content, reasoning and tool calls, and an
-agent loop written with the SDK runs against the server unchanged."""
+agent loop written with the SDK runs against the server unchanged. The MTP assistant is trained too:
+its drafts are accepted, so the server commits several tokens per step, markers and all."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
-from fake_engine import ServerProcess
-from trained_chat import EXAMPLES, PARIS_ARGUMENTS, PARIS_REASONING, THINK, WEATHER_TOOLS
+from fake_engine import ServerProcess, metric
+from trained_chat import (
+    EXAMPLES,
+    NUM_DRAFT_TOKENS,
+    PARIS_ARGUMENTS,
+    PARIS_REASONING,
+    THINK,
+    WEATHER_TOOLS,
+)
 
 from gemma4serve.sampling_params import SamplingParams
 
@@ -83,14 +92,14 @@ def test_llm_chat_splits_what_the_model_wrote(trained_chat_checkpoint):
 
 
 def start_server(target, assistant) -> ServerProcess:
-    draft = ["--draft", str(assistant), "--num-draft-tokens", "3"] if assistant else []
+    draft = ["--draft", str(assistant), "--num-draft-tokens", str(NUM_DRAFT_TOKENS)]
     return ServerProcess(
         [
             "-m",
             "gemma4serve.cli",
             "--model",
             str(target),
-            *draft,
+            *(draft if assistant else []),
             "--device",
             "cpu",
             "--host",
@@ -108,12 +117,16 @@ def start_server(target, assistant) -> ServerProcess:
 
 
 @pytest.fixture(scope="module", params=["mtp", "no-draft"])
-def client(request, trained_chat_checkpoint):
+def server(request, trained_chat_checkpoint):
     target, assistant = trained_chat_checkpoint
-    with start_server(target, assistant if request.param == "mtp" else None) as server:
-        yield openai.OpenAI(
-            base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
-        )
+    with start_server(target, assistant if request.param == "mtp" else None) as process:
+        process.mtp = request.param == "mtp"
+        yield process
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def message_of(choice) -> tuple:
@@ -125,7 +138,7 @@ def message_of(choice) -> tuple:
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
-def test_server_splits_the_completion_streamed_or_not(client, name):
+def test_server_splits_the_completion_streamed_or_not(server, client, name):
     """Non-streamed: the expected message. Streamed: deltas that follow the rules and join to the
     same message. The MTP and plain servers run the same test: their outputs agree."""
     body = EXAMPLES[name].create_kwargs(model=MODEL, max_tokens=200, temperature=0)
@@ -159,6 +172,9 @@ def test_server_splits_the_completion_streamed_or_not(client, name):
         (c.function.name, c.function.arguments) for c in calls
     ]  # the joined pieces are exactly the non-streamed JSON text
     assert all(pieces > 2 for _, _, pieces in streamed_calls)  # sent as written, not whole
+    if server.mtp:  # the trained drafter's drafts are accepted: steps commit several tokens
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert metric(metrics, "gemma4serve:spec_decode_num_accepted_tokens_total") > 0
 
 
 def test_choices_are_parsed_apart_and_reasoning_can_be_dropped(client):

@@ -4,7 +4,8 @@ A random model never writes a tool call, so the chat-output tests overfit the ti
 to a handful of fixed prompt -> completion pairs (teacher-forced cross-entropy on the completion
 tokens) and save it as a checkpoint the real server loads, with the published Gemma 4 chat
 template. Training stops once greedy decoding of every pair is certain (each completion token
-wins by a margin), so the server's greedy output is exactly the completion written here.
+wins by a margin), so the server's greedy output is exactly the completion written here. The MTP
+assistant then learns the same completions, so that the server accepts its drafts.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ SEARCH = {
 WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 SEARCH_TOOLS = [{"type": "function", "function": {"name": "search", "parameters": SEARCH}}]
 THINK = {"enable_thinking": True}
+NUM_DRAFT_TOKENS = 3  # the MTP server's --num-draft-tokens
 
 
 def user(text: str) -> list[dict]:
@@ -169,7 +171,7 @@ def render(tokenizer, example: Example) -> list[int]:
 
 
 def train_chat_checkpoint(out: Path, max_steps: int = 600) -> tuple[Path, Path]:
-    """Write, train and save the target (and a random MTP assistant); returns both dirs."""
+    """Write, train and save the target and its MTP assistant; returns both dirs."""
     from hf_oracle import load_hf_target
 
     from gemma4serve.demo.checkpoints import write_tiny_assistant, write_tiny_checkpoint
@@ -213,8 +215,75 @@ def train_chat_checkpoint(out: Path, max_steps: int = 600) -> tuple[Path, Path]:
     else:
         raise RuntimeError(f"the tiny model did not learn the completions (loss {loss.item()})")
 
+    save_weights(model, target)
+    train_drafter(model.eval(), assistant, ids, [len(row) for row in rows], starts)
+    return target, assistant
+
+
+def save_weights(model, checkpoint: Path) -> None:
+    """The trained tensors, under the names (and in the file) the checkpoint was written with."""
     trained = model.state_dict()
-    weights = target / "model.safetensors"
+    weights = checkpoint / "model.safetensors"
     names = load_file(weights).keys()
     save_file({name: trained[name].detach().contiguous() for name in names}, str(weights))
-    return target, assistant
+
+
+def train_drafter(
+    target_model, assistant: Path, ids: torch.Tensor, lengths: list[int], starts: list[int]
+) -> None:
+    """Teach the MTP assistant the completions too, so that its drafts are accepted and the
+    server commits several tokens per step. Its input at a committed position P: the token at P
+    and the target's last hidden state at P - 1, attending the target's K/V rows before P (the
+    sliding layers the last window + 1 of them), drafting P + 1, then again at P with its own
+    draft and state (tests/test_mtp.py's hf_drafts, here for every position at once)."""
+    from hf_oracle import load_hf_assistant, text_model
+
+    drafter = load_hf_assistant(assistant).train()
+    text = text_model(target_model)
+    with torch.no_grad():
+        out = text(input_ids=ids, return_shared_kv_states=True, use_cache=False)
+        embeds = text.embed_tokens(ids)
+    window = drafter.config.text_config.sliding_window + 1
+    # Per row, the committed positions P the drafter learns from, padded with P = 1 (not taught).
+    span = max(length - start for length, start in zip(lengths, starts))
+    positions = torch.ones(len(lengths), span, dtype=torch.long)
+    for row, (length, start) in enumerate(zip(lengths, starts)):
+        positions[row, : length - start] = torch.arange(start - 1, length - 1)
+    rows = torch.arange(len(lengths))[:, None]
+    length_of = torch.tensor(lengths)[:, None]
+    taught = (positions > 1) & (positions < length_of - 1)
+    key = torch.arange(ids.shape[1])[None, None]
+    before = key < positions[..., None]
+    blocked = torch.finfo(torch.float32).min
+    masks = {
+        "full_attention": torch.where(before, 0.0, blocked)[:, None],
+        "sliding_attention": torch.where(
+            before & (key >= positions[..., None] - window), 0.0, blocked
+        )[:, None],
+    }
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(300):
+        hidden = out.last_hidden_state[rows, positions - 1]
+        loss, correct = 0.0, True
+        for step in range(NUM_DRAFT_TOKENS):
+            at = (positions + step).clamp(max=ids.shape[1] - 2)  # the rest is not taught
+            wanted = taught & (positions + step + 1 < length_of)
+            x = torch.cat([embeds[rows, at], hidden], dim=-1)
+            states = drafter.model(
+                inputs_embeds=drafter.pre_projection(x),
+                attention_mask=masks,
+                position_ids=positions,
+                shared_kv_states=out.shared_kv_states,
+                use_cache=False,
+            ).last_hidden_state
+            logits = drafter.lm_head(states)[wanted]
+            labels = ids[rows, at + 1][wanted]
+            loss = loss + torch.nn.functional.cross_entropy(logits, labels)
+            correct = correct and bool((logits.argmax(-1) == labels).all())
+            hidden = drafter.post_projection(states)
+        if correct:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    save_weights(drafter, assistant)
