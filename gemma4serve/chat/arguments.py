@@ -30,7 +30,7 @@ class NotationError(ValueError):
 class _Container:
     closer: str  # "}" (or ")" for the `call:NAME(...)` form) or "]"
     schema: dict | None
-    phase: str  # object: key, quoted_key, colon, value, after; array: value, after
+    phase: str  # object: key, colon (after a quoted key), value, after; array: value, after
     members: int = 0
     key: str = ""
 
@@ -104,6 +104,8 @@ class ArgumentsStream:
         if self._string is not None:
             return self._string_unit(unit, top)
         if self._bare:
+            if unit == QUOTE:
+                raise NotationError(f"a string delimiter inside the bare value {self._bare!r}")
             self._bare += unit
             return ""
         if top.is_object and top.phase == "key":
