@@ -807,8 +807,11 @@ def test_adaptive_draft_length_is_lossless(tiny_checkpoints, async_scheduling):
         (dict(presence_penalty=3.0), "presence_penalty"),
         (dict(frequency_penalty=-2.5), "frequency_penalty"),
         (dict(repetition_penalty=0.0), "repetition_penalty must be positive"),
-        (dict(logprobs=21), "logprobs must be in"),
+        (dict(logprobs=-1), "logprobs must be non-negative"),
         (dict(n=0), "n must be at least 1"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens must be at most max_tokens"),
+        (dict(bad_words=[" "]), "bad_words must not hold empty words"),
     ],
 )
 def test_bad_sampling_values(engine, kwargs, message):
@@ -820,6 +823,20 @@ def test_bad_sampling_values(engine, kwargs, message):
         setattr(params, k, v)
     with pytest.raises(ValueError, match=message):
         engine.add_request(f"bad-{next(_ids)}", [5, 6, 7], params)
+    assert not engine.has_unfinished() and engine.kv_pool_free() == all_free(engine)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(logprobs=10**6), "logprobs must be at most the vocabulary size"),
+        (dict(logit_bias={10**6: 1.0}), "logit_bias holds token ids outside"),
+        (dict(allowed_token_ids=[-1]), "allowed_token_ids holds token ids outside"),
+    ],
+)
+def test_token_ids_of_sampling_values_are_checked_against_the_vocabulary(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(f"bad-{next(_ids)}", [5, 6, 7], SamplingParams(**kwargs))
     assert not engine.has_unfinished() and engine.kv_pool_free() == all_free(engine)
 
 

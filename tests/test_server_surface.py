@@ -422,3 +422,91 @@ def test_help_reads_cleanly():
         assert text.count("(default:") <= 1, f"{action.option_strings}: {text}"
     text = parser.format_help()
     assert "default: None" not in text and "default: False" not in text
+
+
+# --------------------------------------------------------------------------------------------------
+# Token rules: vLLM's logit_bias, allowed_token_ids, bad_words, min_tokens act on real outputs
+
+FOX = "The quick brown fox"
+
+
+def complete(base, **body) -> list[dict]:
+    r = httpx.post(
+        base + "/v1/completions",
+        headers=auth(),
+        json={
+            "prompt": FOX,
+            "max_tokens": 16,
+            "temperature": 0,
+            "return_token_ids": True,
+            **body,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"]
+
+
+def test_logit_bias_steers_greedy_choices(base):
+    greedy = complete(base)[0]["token_ids"]
+    favoured = next(t for t in range(77, 512) if t not in greedy)
+    biased = complete(base, logit_bias={str(favoured): 100})[0]
+    assert biased["token_ids"] == [favoured] * 16
+    avoided = complete(base, logit_bias={str(greedy[0]): -100})[0]["token_ids"]
+    assert avoided[0] != greedy[0]
+    chat = httpx.post(
+        base + "/v1/chat/completions",
+        headers=auth(),
+        json={
+            "messages": HI,
+            "max_tokens": 16,
+            "temperature": 0,
+            "logit_bias": {str(favoured): 100},
+        },
+        timeout=120,
+    ).json()
+    assert chat["choices"][0]["message"]["content"] == biased["text"]
+    refused = httpx.post(
+        base + "/v1/completions",
+        headers=auth(),
+        json={"prompt": FOX, "logit_bias": {"100000": 5}},
+        timeout=60,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias"
+
+
+def test_allowed_token_ids_bound_sampled_choices(base):
+    allowed = {5, 77, 300}
+    choices = complete(base, temperature=1.0, n=3, seed=7, allowed_token_ids=sorted(allowed))
+    for choice in choices:
+        assert set(choice["token_ids"]) <= allowed and len(choice["token_ids"]) == 16
+
+
+def test_bad_words_never_appear(base):
+    greedy = complete(base)[0]
+    assert "ing" in greedy["text"]  # the demo model's greedy text, from which words are banned
+    banned = complete(base, bad_words=["ing"])[0]
+    assert "ing" not in banned["text"] and banned["token_ids"][:12] == greedy["token_ids"][:12]
+    # a word of two tokens ("}" twice): its second token never follows its first
+    pairs = list(zip(greedy["token_ids"], greedy["token_ids"][1:]))
+    (brace,) = httpx.post(
+        base + "/tokenize", json={"prompt": "}", "add_special_tokens": False}, timeout=30
+    ).json()["tokens"]
+    assert (brace, brace) in pairs
+    two = complete(base, bad_words=["}}"])[0]["token_ids"]
+    assert (brace, brace) not in list(zip(two, two[1:])) and brace in two
+
+
+def test_min_tokens_holds_back_stop_tokens(base):
+    first = complete(base)[0]["token_ids"][0]
+    stopped = complete(base, stop_token_ids=[first])[0]
+    assert stopped["token_ids"] == [first] and stopped["finish_reason"] == "stop"
+    held = complete(base, stop_token_ids=[first], min_tokens=5)[0]
+    assert len(held["token_ids"]) >= 5 and first not in held["token_ids"][:5]
+    refused = httpx.post(
+        base + "/v1/completions",
+        headers=auth(),
+        json={"prompt": FOX, "max_tokens": 2, "min_tokens": 3},
+        timeout=60,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"

@@ -28,6 +28,7 @@ from gemma4serve.engine.outputs import (
     TokenLogprob,
 )
 from gemma4serve.engine.runner import ModelRunner, StepHandle
+from gemma4serve.engine.sampler import TokenRules
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
@@ -246,6 +247,13 @@ class LLMEngine:
                 f"the request needs up to {max_len} tokens of KV cache; the cache holds "
                 f"{capacity} for one sequence"
             )
+        if params.logprobs is not None and params.logprobs > self.cfg.vocab_size:
+            raise RequestError(
+                f"logprobs must be at most the vocabulary size ({self.cfg.vocab_size}), "
+                f"got {params.logprobs}",
+                param="logprobs",
+            )
+        token_rules = self._token_rules(params, len(prompt))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         choices = []
         for i in range(params.n):
@@ -259,6 +267,7 @@ class LLMEngine:
                 seed=(base_seed + i * _SEED_STRIDE) % (1 << 64),
                 arrival=self._arrivals,
                 max_len=max_len,
+                token_rules=token_rules,
             )
             choices.append(Choice(seq, self._detokenizer(params)))
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -266,6 +275,44 @@ class LLMEngine:
         self.stats.prompt_tokens += len(prompt)
         for choice in choices:
             self.scheduler.add(choice.sequence)
+
+    def _token_rules(self, params: SamplingParams, prompt_len: int) -> TokenRules | None:
+        """The request's logit_bias, allowed_token_ids, bad_words and min_tokens as token ids;
+        None when it has none (the sampler then skips them at no cost)."""
+        if not params.has_token_rules:
+            return None
+        vocab = self.cfg.vocab_size
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(
+                    f"{name} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                    param=name,
+                )
+        bias = dict(params.logit_bias or {})
+        sequences = []
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise RequestError("bad_words need a tokenizer", param="bad_words")
+            # As vLLM: each word as written and after a space (how it appears mid-text).
+            for word in params.bad_words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    ids = self.tokenizer.encode(text, add_special_tokens=False)
+                    if len(ids) == 1:
+                        bias[ids[0]] = float("-inf")
+                    elif ids and ids not in sequences:
+                        sequences.append(ids)
+        end_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
+        return TokenRules(
+            bias=bias,
+            allowed=list(params.allowed_token_ids) if params.allowed_token_ids else None,
+            bad_sequences=sequences,
+            end_ids=end_ids if params.min_tokens else [],
+            min_tokens_position=prompt_len + params.min_tokens,
+        )
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:

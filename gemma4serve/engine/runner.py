@@ -239,7 +239,7 @@ class ModelRunner:
         continuable = (
             batch.decode_query_len is not None
             and inputs is not None
-            and not inputs.sampling.any_penalty
+            and not inputs.sampling.reads_history
         )
         return self._run(batch, inputs, draft_len=draft_len, continuable=continuable)
 
@@ -449,6 +449,7 @@ class ModelRunner:
                 [seq.output_ids for seq in sequences],
                 [seq.token_ids[: seq.num_prompt] for seq in sequences],
                 device,
+                [seq.token_rules for seq in sequences],
             ),
             drafted=drafted,
             rows_are_all=[r for row in rows for r in row] == list(range(ends[-1])),

@@ -39,6 +39,83 @@ COMPILE_RACE = True
 
 
 @dataclass
+class TokenRules:
+    """A request's vLLM token rules (logit_bias, allowed_token_ids, bad_words, min_tokens),
+    resolved to token ids once when the request is added. Host side."""
+
+    bias: dict[int, float]  # added to the logits: logit_bias, and -inf for 1-token bad words
+    allowed: list[int] | None  # only these may be chosen (None: all)
+    bad_sequences: list[list[int]]  # bad words of 2+ tokens: the last is banned after the rest
+    end_ids: list[int]  # EOS and stop tokens: banned while position < min_tokens_position
+    min_tokens_position: int  # the prompt's length + min_tokens
+
+
+@dataclass
+class TokenRuleTensors:
+    """TokenRules of a batch on the device, one row per sequence, -1 padded."""
+
+    bias_ids: torch.Tensor  # [B, M] int64
+    bias_values: torch.Tensor  # [B, M] f32
+    allowed_ids: torch.Tensor  # [B, A] int64
+    restricted: torch.Tensor  # [B] bool: the row has an allowed set
+    end_ids: torch.Tensor  # [B, E] int64
+    min_tokens_position: torch.Tensor  # [B] int64
+    # Bad words of 2+ tokens: prefixes right-aligned in L = the longest prefix, ANY_TOKEN before
+    # a shorter one; W = the most words of a row.
+    bad_prefixes: torch.Tensor  # [B, W, L] int64
+    bad_last: torch.Tensor  # [B, W] int64
+    output_tail: torch.Tensor  # [B, L] int64: the row's last L output tokens, -1 before them
+
+    @property
+    def reads_history(self) -> bool:
+        return self.bad_last.shape[1] > 0
+
+    @classmethod
+    def build(
+        cls, rules: list[TokenRules | None], output_tokens: list[list[int]], device
+    ) -> TokenRuleTensors:
+        none = TokenRules({}, None, [], [], 0)
+        rules = [rule or none for rule in rules]
+        width = max((len(seq) - 1 for rule in rules for seq in rule.bad_sequences), default=0)
+        prefixes = [
+            [[ANY_TOKEN] * (width - len(seq) + 1) + seq[:-1] for seq in rule.bad_sequences]
+            for rule in rules
+        ]
+        most_words = max((len(rows) for rows in prefixes), default=0)
+        tails = [
+            ([-1] * width + output)[len(output) :] if width else [] for output in output_tokens
+        ]
+
+        def f32(rows):
+            return torch.tensor(rows, dtype=torch.float32, device=device)
+
+        return cls(
+            bias_ids=_pad([list(rule.bias) for rule in rules], device),
+            bias_values=f32(_padded([list(rule.bias.values()) for rule in rules], 0.0)),
+            allowed_ids=_pad([rule.allowed or [] for rule in rules], device),
+            restricted=torch.tensor(
+                [rule.allowed is not None for rule in rules], dtype=torch.bool, device=device
+            ),
+            end_ids=_pad([rule.end_ids for rule in rules], device),
+            min_tokens_position=torch.tensor(
+                [rule.min_tokens_position for rule in rules], dtype=torch.int64, device=device
+            ),
+            bad_prefixes=torch.tensor(
+                [rows + [[-1] * width] * (most_words - len(rows)) for rows in prefixes],
+                dtype=torch.int64,
+                device=device,
+            ).view(len(rules), most_words, width),
+            bad_last=_pad([[seq[-1] for seq in rule.bad_sequences] for rule in rules], device),
+            output_tail=torch.tensor(tails, dtype=torch.int64, device=device).view(
+                len(rules), width
+            ),
+        )
+
+
+ANY_TOKEN = -2  # a bad-word prefix position that matches whatever token is there
+
+
+@dataclass
 class SamplingBatch:
     """One row per sequence in the step (B sequences); tensors live on the device."""
 
@@ -62,12 +139,24 @@ class SamplingBatch:
     # whole vocabulary (a row uses top-p without top-k), else the largest top_k.
     sort_width: int
     num_logprobs: int  # the most top-logprobs any row asked for, -1 = no row wants logprobs
+    rules: TokenRuleTensors | None = None  # None: no row has token rules (no cost)
 
     @property
     def argmax_only(self) -> bool:
         """Every row takes the argmax of the raw logits and nothing else reads them: the tokens can
         come from the model's greedy head without the logits."""
-        return self.all_greedy and not self.any_penalty and self.num_logprobs < 0
+        return (
+            self.all_greedy
+            and not self.any_penalty
+            and self.rules is None
+            and self.num_logprobs < 0
+        )
+
+    @property
+    def reads_history(self) -> bool:
+        """Rows need the host's token history (penalties, multi-token bad words), so the next
+        step cannot be built on the device alone."""
+        return self.any_penalty or (self.rules is not None and self.rules.reads_history)
 
     @classmethod
     def build(
@@ -77,6 +166,7 @@ class SamplingBatch:
         output_tokens: list[list[int]],
         prompt_tokens: list[list[int]],
         device: torch.device | str,
+        rules: list[TokenRules | None] | None = None,
     ) -> SamplingBatch:
         """Host-side: pack per-request settings into device tensors (one H2D copy per field)."""
         greedy = [request.temperature == 0.0 for request in params]
@@ -128,6 +218,9 @@ class SamplingBatch:
             any_truncation=sort_width != 0 or any(row_min_p > 0.0 for row_min_p in min_p),
             sort_width=sort_width,
             num_logprobs=max(logprobs, default=-1),
+            rules=TokenRuleTensors.build(rules, output_tokens, device)
+            if rules and any(rules)
+            else None,
         )
 
 
@@ -137,11 +230,14 @@ def _to_int64(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
+def _padded(rows: list[list], fill) -> list[list]:
+    width = max((len(row) for row in rows), default=0)
+    return [row + [fill] * (width - len(row)) for row in rows]
+
+
 def _pad(rows: list[list[int]], device) -> torch.Tensor:
     width = max((len(row) for row in rows), default=0)
-    return torch.tensor(
-        [row + [-1] * (width - len(row)) for row in rows], dtype=torch.int64, device=device
-    ).view(len(rows), width)
+    return torch.tensor(_padded(rows, -1), dtype=torch.int64, device=device).view(len(rows), width)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,16 +250,20 @@ def process_logits(
     sampling: SamplingBatch,
     row_seq: torch.Tensor,
     row_extra_tokens: torch.Tensor,
+    position: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits of the target distribution p for each row, filtered tokens at -inf.
 
     logits [R, V] f32; row_seq [R] int64 (the row's sequence in `sampling`); row_extra_tokens
     [R, J] int64, -1 padded: tokens before this row that are not in sampling.output_tokens yet (the
-    drafts d1..dj ahead of verify row j), counted as output tokens. Order: penalties, temperature,
-    top-k, top-p, min-p. Greedy rows get the penalties only (their argmax is the greedy choice).
-    Returns [R, V] f32.
+    drafts d1..dj ahead of verify row j), counted as output tokens; position [R] int64: the
+    position of the token each row produces (needed with token rules). Order: token rules,
+    penalties, temperature, top-k, top-p, min-p. Greedy rows get the rules and penalties only
+    (their argmax is the greedy choice). Returns [R, V] f32.
     """
     logits = logits.float()
+    if sampling.rules is not None:
+        logits = apply_token_rules(logits, sampling.rules, row_seq, position, row_extra_tokens)
     if sampling.any_penalty:
         logits = _apply_penalties(logits, sampling, row_seq, row_extra_tokens)
     if sampling.all_greedy:
@@ -180,6 +280,45 @@ def process_logits(
     cutoff = _truncation_cutoff(logits, top_k, top_p, min_p, sampling.sort_width)
     # In place: `logits` is our own copy here.
     return logits.masked_fill_(logits < cutoff, float("-inf"))
+
+
+def apply_token_rules(
+    logits: torch.Tensor,
+    rules: TokenRuleTensors,
+    row_seq: torch.Tensor,
+    position: torch.Tensor,
+    extra: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's per-request token rules as one additive bias and masks over [R, V] (a new tensor:
+    the raw logits stay for logprobs): logit_bias added; outside allowed_token_ids, EOS and stop
+    tokens before min_tokens, and a bad word's last token after the rest of it, at -inf. Column V
+    absorbs the -1 padding."""
+    R, V = logits.shape
+    minus_inf = float("-inf")
+
+    def slot(tokens):  # -1 padding -> the spare column V
+        return torch.where(tokens < 0, V, tokens)
+
+    widened = torch.cat([logits, logits.new_zeros(R, 1)], dim=1)
+    widened.scatter_add_(1, slot(rules.bias_ids[row_seq]), rules.bias_values[row_seq])
+    if rules.allowed_ids.shape[1]:
+        allowed = torch.zeros(R, V + 1, dtype=torch.bool, device=logits.device)
+        allowed.scatter_(1, slot(rules.allowed_ids[row_seq]), True)
+        allowed |= ~rules.restricted[row_seq, None]
+        widened.masked_fill_(~allowed, minus_inf)
+    early = (position < rules.min_tokens_position[row_seq])[:, None]
+    widened.scatter_(1, slot(torch.where(early, rules.end_ids[row_seq], -1)), minus_inf)
+    if rules.reads_history:
+        # The row's last L tokens: the sequence's output, then the drafts ahead of this row.
+        width = rules.output_tail.shape[1]
+        history = torch.cat([rules.output_tail[row_seq], extra], dim=1)
+        end = width + (extra >= 0).sum(dim=1, keepdim=True)
+        tail = history.gather(1, end - width + torch.arange(width, device=logits.device))
+        prefixes = rules.bad_prefixes[row_seq]  # [R, W, L]
+        match = ((prefixes == tail[:, None, :]) | (prefixes == ANY_TOKEN)).all(dim=-1)
+        banned = torch.where(match, rules.bad_last[row_seq], -1)
+        widened.scatter_(1, slot(banned), minus_inf)
+    return widened[:, :V]
 
 
 def _apply_penalties(
@@ -348,7 +487,7 @@ def accept(
     flat = logits.reshape(B * num_rows, -1) if logits is not None else None
     if chosen is not None:
         assert sampling.argmax_only
-    elif sampling.all_greedy and not sampling.any_penalty:
+    elif sampling.all_greedy and not sampling.any_penalty and sampling.rules is None:
         # The argmax needs no per-row keys, histories or f32 copy (bf16 -> f32 is exact): fewer
         # launches between decode steps, which run back to back with the step on the GPU.
         chosen = flat.argmax(-1).view(B, num_rows)
@@ -360,7 +499,9 @@ def accept(
         extra = torch.where(
             torch.arange(K, device=device) < j[:, None], drafts[:, None, :], -1
         )  # [B, K+1, K]
-        processed = process_logits(flat.float(), sampling, row_seq, extra.reshape(B * num_rows, K))
+        processed = process_logits(
+            flat.float(), sampling, row_seq, extra.reshape(B * num_rows, K), position
+        )
         chosen = choose(processed, sampling, row_seq, position).view(B, num_rows)
 
     if K == 0:  # nothing to verify: the one row's token (a plain decode step)

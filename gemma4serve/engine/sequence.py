@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from gemma4serve.engine.outputs import TokenLogprob
+from gemma4serve.engine.sampler import TokenRules
 from gemma4serve.kv.manager import SeqPages
 from gemma4serve.sampling_params import SamplingParams
 
@@ -35,6 +36,7 @@ class Sequence:
     num_cached_tokens: int | None = (
         None  # prompt tokens served by the prefix cache (first admission)
     )
+    token_rules: TokenRules | None = None  # logit_bias, allowed_token_ids, bad_words, min_tokens
 
     @property
     def num_tokens(self) -> int:
