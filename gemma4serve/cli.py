@@ -22,6 +22,7 @@ from pathlib import Path
 
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.server.app import DEFAULT_MAX_LOGPROBS, CorsSettings
+from gemma4serve.server.limits import RequestLimits
 
 logger = logging.getLogger("gemma4serve")
 
@@ -85,6 +86,21 @@ def _acceptance(text: str) -> float | list[float]:
             f"expected a number or a comma list of numbers, got {text!r}"
         ) from None
     return values[0] if len(values) == 1 else values
+
+
+def _count(minimum: int):
+    """An int argument type that refuses values below `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def _fraction(text: str) -> float:
@@ -353,6 +369,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="Most logprobs (completions) or top_logprobs (chat) a request may ask for; -1 = no "
         "cap.",
     )
+    limits = p.add_argument_group(
+        "request limits",
+        "Bounds on what one request may ask for; past one, the request gets a 400.",
+    )
+    limits.add_argument(
+        "--max-request-body-bytes",
+        type=_byte_size,
+        default=RequestLimits.max_request_body_bytes,
+        help="Largest request body, e.g. 32MiB (a larger one gets a 413 before it is parsed).",
+    )
+    limits.add_argument(
+        "--max-stop-sequences",
+        type=_count(0),
+        default=RequestLimits.max_stop_sequences,
+        help="Most entries in a request's `stop` list, and in its `stop_token_ids`.",
+    )
+    limits.add_argument(
+        "--max-stop-chars",
+        type=_count(0),
+        default=RequestLimits.max_stop_chars,
+        help="Most characters over all of a request's stop strings.",
+    )
+    limits.add_argument(
+        "--max-n",
+        type=_count(1),
+        default=RequestLimits.max_n,
+        help="Most choices (`n`) per request.",
+    )
+    limits.add_argument(
+        "--max-messages",
+        type=_count(1),
+        default=RequestLimits.max_messages,
+        help="Most messages in a chat request.",
+    )
     # Chat completions always split Gemma 4's reasoning and tool calls out of the text; vLLM's
     # switches for that are accepted so that vLLM command lines run unchanged.
     api.add_argument(
@@ -437,6 +487,16 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 def _is_string_list(value) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def request_limits(ns: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(
+        max_request_body_bytes=ns.max_request_body_bytes,
+        max_stop_sequences=ns.max_stop_sequences,
+        max_stop_chars=ns.max_stop_chars,
+        max_n=ns.max_n,
+        max_messages=ns.max_messages,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -536,6 +596,7 @@ def serve(
     cors: CorsSettings | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     log_requests: bool = False,
+    limits: RequestLimits | None = None,
 ) -> None:
     """Serve `engine` until SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks;
     call it from the main thread (signals are delivered there). `log_level` is uvicorn's."""
@@ -551,6 +612,7 @@ def serve(
         cors=cors,
         max_logprobs=max_logprobs,
         log_requests=log_requests,
+        limits=limits,
     )
     scheme = "https" if ssl_certfile else "http"
     state = app.state.gemma4serve
@@ -662,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         max_logprobs=ns.max_logprobs,
         log_requests=ns.enable_log_requests,
+        limits=request_limits(ns),
     )
     logger.info("stopped")
     return 0

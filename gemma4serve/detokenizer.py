@@ -3,12 +3,13 @@
 Text comes from `tokenizers.decoders.DecodeStream`, which holds back tokens until they decode to
 whole UTF-8 characters (a CJK character or an emoji split over several `<0xNN>` byte-fallback
 tokens is released only once complete). On top of that, stop strings are matched on the decoded
-text, so a stop string can span any number of tokens, and any tail of the text that could still
-grow into a stop string is held back until it either matches (cut there) or can no longer match
-(released).
+text (`StopStrings`, in time proportional to the new text), so a stop string can span any number
+of tokens, and any tail of the text that could still grow into a stop string is held back until
+it either matches (cut there) or can no longer match (released).
 
-The released text equals `tokenizer.decode(all_ids)` cut before the first stop string, as long as
-the byte tokens form valid UTF-8. A model can emit invalid byte runs (e.g. a lone lead byte
+The released text equals `tokenizer.decode(all_ids)` cut before the first stop string to appear
+(the one that ends first; of two ending at the same character, the longer), as long as the byte
+tokens form valid UTF-8. A model can emit invalid byte runs (e.g. a lone lead byte
 followed by a complete character); a full decode then turns the whole run into U+FFFD, after the
 stream has already released the valid character. The stream cannot take released text back, so it
 keeps it and shows only the stray bytes as U+FFFD.
@@ -19,20 +20,11 @@ from __future__ import annotations
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from gemma4serve.stop_strings import ROOT, StopStrings
+
 
 def _backend(tokenizer) -> HFTokenizer:
     return tokenizer if isinstance(tokenizer, HFTokenizer) else tokenizer.backend
-
-
-def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
 
 
 class IncrementalDetokenizer:
@@ -41,7 +33,7 @@ class IncrementalDetokenizer:
         tokenizer,
         *,
         skip_special_tokens: bool = True,
-        stop=(),
+        stop: StopStrings | list[str] | tuple[str, ...] = (),
         include_stop_str_in_output=False,
     ):
         self._tok = _backend(tokenizer)
@@ -49,8 +41,9 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._undecoded: list[int] = []  # ids the stream has taken but not turned into text yet
         self._held = ""  # decoded text not yet released (it could be the start of a stop string)
-        stops = [stop] if isinstance(stop, str) else stop
-        self.stops = tuple(string for string in stops if string)
+        # One automaton per request, shared by its choices; this choice keeps its state.
+        self.stops = stop if isinstance(stop, StopStrings) else StopStrings(stop)
+        self._state = ROOT
         self.include_stop_str_in_output = include_stop_str_in_output
         self.text = ""  # everything released so far
         self.matched_stop: str | None = None
@@ -77,32 +70,28 @@ class IncrementalDetokenizer:
         """
         if self.matched_stop is not None:
             return "", self.matched_stop
-        for token_id in token_ids:
-            self._held += self._step(int(token_id))
+        new_text = "".join(self._step(int(token_id)) for token_id in token_ids)
         if not self.stops:
-            out, self._held = self._held, ""
-            self.text += out
-            return out, None
-
-        # A stop cannot start inside released text: only text no stop string can start in is
-        # released.
-        first = None
-        for stop in self.stops:
-            i = self._held.find(stop)
-            if i >= 0 and (first is None or i < first[0]):
-                first = (i, stop)
-        if first is not None:
-            i, stop = first
-            out = self._held[: i + len(stop)] if self.include_stop_str_in_output else self._held[:i]
-            self._held = ""
-            self._undecoded.clear()
-            self.matched_stop = stop
-            self.text += out
-            return out, stop
-
-        keep = _partial_stop_len(self._held, self.stops)
-        out = self._held[: len(self._held) - keep]
-        self._held = self._held[len(self._held) - keep :]
+            self.text += new_text
+            return new_text, None
+        pending = self._held + new_text
+        stops, state = self.stops, self._state
+        for position in range(len(self._held), len(pending)):
+            state = stops.advance(state, pending[position])
+            length = stops.match_length(state)
+            if length:  # the first stop string to appear; cut the text there
+                end = position + 1
+                stop = pending[end - length : end]
+                out = pending[:end] if self.include_stop_str_in_output else pending[: end - length]
+                self._held = ""
+                self._undecoded.clear()
+                self.matched_stop = stop
+                self.text += out
+                return out, stop
+        self._state = state
+        # Release all but the tail that could still grow into a stop string.
+        keep = stops.pending_length(state)
+        out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out, None
 

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+
+from gemma4serve.stop_strings import StopStrings
 
 # The sampler packs top_k into int32: a larger one would fail the whole batch's step.
 MAX_TOP_K = 2**31 - 1
+# The sampler holds the float settings in float32: a value that would become 0, subnormal or inf
+# there (top_p 1e-50, repetition_penalty 5e-324) is refused rather than silently changed.
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest positive normal float32
+FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 @dataclass
@@ -41,6 +56,13 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message on values no sampler can honour."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value != 0.0 and not (FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
+                raise ValueError(
+                    f"{name} must be 0 or of magnitude in [{FLOAT32_TINY:.8g}, {FLOAT32_MAX:.8g}]"
+                    f" (the sampler's float32), got {value}"
+                )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (self.temperature >= 0.0):
@@ -79,6 +101,12 @@ class SamplingParams:
         """Whether the sampler must edit this request's logits (min_tokens, logit_bias,
         allowed_token_ids, bad_words)."""
         return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    @functools.cached_property
+    def stop_strings(self) -> StopStrings:
+        """The automaton over `stop`, built on first use and shared by the request's choices (the
+        server builds it in its thread pool, so the engine's loop only steps it)."""
+        return StopStrings(self.stop)
 
     @property
     def greedy(self) -> bool:

@@ -175,8 +175,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Special-token strings inside `text` (e.g. "<|turn>" from the chat template) always map to
         # their ids; add_special_tokens only controls the post-processor (BOS/EOS insertion, none
-        # for Gemma 4).
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # for Gemma 4). encode_batch, unlike encode, releases the GIL: a long prompt does not stall
+        # the event loop and the engine's thread while it is tokenized.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

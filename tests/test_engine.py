@@ -808,6 +808,8 @@ def test_adaptive_draft_length_is_lossless(tiny_checkpoints, async_scheduling):
         (dict(frequency_penalty=-2.5), "frequency_penalty"),
         (dict(repetition_penalty=0.0), "repetition_penalty must be positive"),
         (dict(logprobs=-1), "logprobs must be non-negative"),
+        (dict(top_p=1e-50), "top_p must be 0 or of magnitude"),
+        (dict(repetition_penalty=5e-324), "repetition_penalty must be 0 or of magnitude"),
         (dict(n=0), "n must be at least 1"),
         (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
         (dict(min_tokens=5, max_tokens=4), "min_tokens must be at most max_tokens"),
@@ -967,3 +969,16 @@ def test_attention_backend_choice_on_cpu():
     assert isinstance(make_attention_backend("auto", torch.device("cpu")), TorchAttention)
     with pytest.raises(ConfigError, match="flashinfer"):
         make_attention_backend("flashinfer", torch.device("cpu"))
+
+
+def test_finished_requests_are_counted_once_whatever_n(engine):
+    """request_success_total counts requests: a request of 3 choices is one, by its reason."""
+    before = dict(engine.stats.requests_finished)
+    solo(engine, prompt_of(5, 901), greedy(4, n=3))
+    run = Run()
+    engine.add_request("counted-abort", prompt_of(5, 902), greedy(40, n=2))
+    step(engine, run)
+    engine.abort("counted-abort")
+    after = engine.stats.requests_finished
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert {k: v for k, v in delta.items() if v} == {"length": 1, "abort": 1}

@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 
 from gemma4serve.engine.random_streams import uniform
-from gemma4serve.engine.sampler import SamplingBatch, accept, process_logits
+from gemma4serve.engine.sampler import SamplingBatch, accept, choose, process_logits
 from gemma4serve.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -580,3 +580,50 @@ def test_accept_traces_as_one_graph():
     )  # raises on a graph break (.item(), ...)
     want, got = accept(*args), compiled(*args)
     assert torch.equal(want.tokens, got.tokens) and torch.equal(want.num_emitted, got.num_emitted)
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings at the edge of float32
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+@pytest.mark.parametrize("tiny", [1e-50, 1e-40, 1.2e-38])
+def test_the_top_token_survives_any_top_p_and_min_p(top_k, tiny):
+    """top_p 1e-50 is 0 in the sampler's float32: the cut-off must still keep the argmax (it once
+    kept nothing, and the all -inf row sampled token 0, <pad>)."""
+    logits = torch.tensor([[0.5, 3.0, 2.9, -1.0, 2.0, 0.1]] * 4)
+    settings = SamplingParams(temperature=1.0, top_k=top_k, top_p=0.5, min_p=0.5)
+    settings.top_p = tiny  # past validation: what the sampler does with what reaches it
+    for seed in range(4):
+        sampling = batch([settings], seeds=[seed])
+        row_seq = torch.zeros(4, dtype=torch.int64)
+        processed = process_logits(logits, sampling, row_seq, torch.full((4, 0), -1))
+        assert torch.isfinite(processed[:, 1]).all()
+        assert torch.isinf(processed[:, [0, 2, 3, 4, 5]]).all()
+        position = torch.arange(4, dtype=torch.int64)
+        assert choose(processed, sampling, row_seq, position).tolist() == [1] * 4
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("top_p", 1e-50),
+        ("min_p", 1e-300),
+        ("temperature", 1e-45),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 5e-324),
+        ("presence_penalty", 1e-320),
+        ("temperature", 1e39),
+        ("repetition_penalty", 1e300),
+    ],
+)
+def test_values_float32_cannot_hold_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be 0 or of magnitude"):
+        SamplingParams(**{field: value})
+
+
+def test_float32_edges_are_accepted():
+    for field in ("top_p", "min_p", "temperature", "repetition_penalty", "presence_penalty"):
+        SamplingParams(**{field: 1.2e-38})
+    SamplingParams(temperature=3e38, repetition_penalty=3e38)

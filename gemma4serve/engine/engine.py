@@ -320,7 +320,7 @@ class LLMEngine:
         return IncrementalDetokenizer(
             self.tokenizer,
             skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
+            stop=params.stop_strings,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
 
@@ -331,7 +331,8 @@ class LLMEngine:
         for choice in req.choices:
             if choice.sequence.status is not Status.FINISHED:
                 choice.sequence.finish_reason = "abort"
-                self._end(choice.sequence, "abort")
+                self.scheduler.finish(choice.sequence)
+        self._count_finished(req)
         return self._output(req)
 
     def has_unfinished(self) -> bool:
@@ -415,6 +416,7 @@ class LLMEngine:
         for req in touched.values():
             outputs.append(self._output(req))
             if req.finished:
+                self._count_finished(req)
                 del self.requests[req.request_id]
         return outputs
 
@@ -447,7 +449,7 @@ class LLMEngine:
                 seq.num_computed = seq.num_tokens - 1  # rows with final KV, for the prefix cache
                 if choice.detokenizer is not None:
                     choice.new_text += choice.detokenizer.flush()
-                self._end(seq, reason)
+                self.scheduler.finish(seq)
                 return
         seq.num_computed = seq.num_tokens - 1
         seq.drafts = result.next_drafts
@@ -471,9 +473,11 @@ class LLMEngine:
             return "length", None
         return None, None
 
-    def _end(self, seq: Sequence, reason: str) -> None:
-        """Release a finished or aborted sequence and count it."""
-        self.scheduler.finish(seq)
+    def _count_finished(self, req: Request) -> None:
+        """Count a request (not its choices) by its finish reason: "abort" if any choice was
+        aborted, else the first choice's."""
+        reasons = [seq.finish_reason for seq in req.sequences]
+        reason = "abort" if "abort" in reasons else reasons[0]
         finished = self.stats.requests_finished
         finished[reason] = finished.get(reason, 0) + 1
 

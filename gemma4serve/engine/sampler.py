@@ -401,7 +401,8 @@ def _truncation_cutoff(
     first_of_ties = torch.cat([torch.ones_like(in_k[:, :1]), top[:, 1:] != top[:, :-1]], dim=1)
     mass_above = mass_before.gather(1, torch.where(first_of_ties, rank, 0).cummax(dim=-1).values)
     # top_p == 1 means off: float error in the cumsum must not trim the tail.
-    keep = in_k & ((mass_above < top_p[:, None]) | (top_p >= 1.0)[:, None])
+    # The top token always stays, whatever the float error (or a top_p that rounds to 0).
+    keep = in_k & ((mass_above < top_p[:, None]) | (top_p >= 1.0)[:, None] | (rank == 0))
     truncates = ((top_k > 0) | (top_p < 1.0))[:, None]
     cutoff = torch.where(
         truncates, torch.where(keep, top, float("inf")).amin(dim=-1, keepdim=True), float("-inf")

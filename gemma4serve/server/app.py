@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
@@ -40,6 +40,7 @@ from gemma4serve.engine.client import EngineClient
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from gemma4serve.server.limits import RequestLimits, read_body, read_request
 from gemma4serve.server.metrics import ServerMetrics
 from gemma4serve.server.openapi import docs_page, openapi_document
 from gemma4serve.server.protocol import (
@@ -53,7 +54,6 @@ from gemma4serve.server.protocol import (
     TokenStrings,
     error_body,
     load_json_object,
-    parse_request,
     validate_request,
 )
 from gemma4serve.validation import (
@@ -66,7 +66,6 @@ from gemma4serve.validation import (
 
 logger = logging.getLogger("gemma4serve.server")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024  # a 1M-token prompt as JSON is well under this
 # Template variables the request must not override: they are set from the request's own fields.
 RESERVED_TEMPLATE_KWARGS = {
     "messages",
@@ -121,6 +120,7 @@ class ServerState:
     chat_markers: ChatMarkers | None  # the tokenizer's channel and tool-call tokens, if any
     sampling_defaults: dict
     drain_timeout: float
+    limits: RequestLimits
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1 = no cap
     log_requests: bool = False  # one log line per request: its id, prompt size and settings
     created: int = field(default_factory=lambda: int(time.time()))
@@ -550,21 +550,6 @@ def _completion_prompt(tokenizer, req: CompletionRequest) -> Prompt:
 # Routes
 
 
-async def _read_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-    body = bytearray()
-    try:
-        async for piece in request.stream():
-            body += piece
-            if len(body) > MAX_BODY_BYTES:
-                raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-    except ClientDisconnect:
-        raise ApiError(400, "The client disconnected while sending the request.") from None
-    return bytes(body)
-
-
 async def _generation(
     request: Request,
     request_type: type[ChatCompletionRequest | CompletionRequest],
@@ -575,7 +560,8 @@ async def _generation(
     """The pipeline both generation endpoints share: parse, prompt (off the event loop), context
     and sampling checks, then the response that runs the request."""
     state = _state(request)
-    req = parse_request(request_type, await _read_body(request))
+    req = await read_request(request, request_type, state.limits)
+    state.limits.check(req)
     model = state.resolve_model(req.model)
     num_logprobs = req.num_logprobs
     if num_logprobs is not None and 0 <= state.max_logprobs < num_logprobs:
@@ -630,6 +616,8 @@ async def _generation(
     )
     if fmt.parses_output:  # the parser reads the special tokens the model writes
         params.skip_special_tokens = False
+    if params.stop:  # build the stop-string automaton here, not on the engine's thread
+        await run_in_threadpool(lambda: params.stop_strings)
     return GenerationResponse(state, fmt, header.id, prompt.token_ids, params, req.stream)
 
 
@@ -648,7 +636,7 @@ async def completions(request: Request):
 async def tokenize(request: Request):
     """vLLM's /tokenize: a prompt or chat messages -> {count, max_model_len, tokens}."""
     state = _state(request)
-    data = load_json_object(await _read_body(request))
+    data = load_json_object(await read_body(request, state.limits))
     chat = "messages" in data
     req = validate_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
     state.resolve_model(req.model)
@@ -671,7 +659,7 @@ async def tokenize(request: Request):
 async def detokenize(request: Request):
     """vLLM's /detokenize: {tokens} -> {prompt} (special tokens kept)."""
     state = _state(request)
-    req = parse_request(DetokenizeRequest, await _read_body(request))
+    req = await read_request(request, DetokenizeRequest, state.limits)
     state.resolve_model(req.model)
     tokenizer = state.engine.tokenizer
     _needs_tokenizer(tokenizer, "token ids", "tokens")
@@ -775,6 +763,7 @@ def build_app(
     cors: CorsSettings | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     log_requests: bool = False,
+    limits: RequestLimits | None = None,
 ) -> Starlette:
     """The ASGI app over `engine` (an AsyncEngine or anything with its interface).
 
@@ -783,7 +772,8 @@ def build_app(
     calls it on SIGTERM) makes /health and new requests 503 and, `drain_timeout` seconds later,
     aborts what still runs. When the engine offers `default_sampling_params` (a dict, e.g. the
     checkpoint's generation_config), those fill what a request leaves unset, as vLLM does with a
-    model's generation config.
+    model's generation config. `limits` bound what one request may ask for (RequestLimits'
+    defaults when None).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
@@ -799,6 +789,7 @@ def build_app(
         drain_timeout=drain_timeout,
         max_logprobs=max_logprobs,
         log_requests=log_requests,
+        limits=limits or RequestLimits(),
     )
     cors = cors or CorsSettings()
 

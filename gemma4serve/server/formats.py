@@ -215,8 +215,9 @@ class CompletionFormat(ResponseFormat):
 
     def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict:
         offset = self._offsets.get(index, len(self.echo_text))
-        body = completion_logprobs(logprobs, self.strings, offset)
-        self._offsets[index] = offset + sum(len(t) for t in body["tokens"])
+        body, self._offsets[index] = completion_logprobs(
+            logprobs, self.strings, offset, self.request.skip_special_tokens
+        )
         return body
 
     def delta_choice(self, c: CompletionOutput, output: RequestOutput) -> dict | None:

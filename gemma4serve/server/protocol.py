@@ -67,7 +67,11 @@ def _param_of(loc: tuple) -> str | None:
 
 
 def _validation_error(exc: ValidationError) -> ApiError:
-    err = exc.errors(include_url=False)[0]
+    # A value that fits no member of a union fails each member: our own validators' words say
+    # most ("this server is text-only"), else the deepest error does.
+    errors = exc.errors(include_url=False)
+    own = [e for e in errors if e["type"] == "value_error"]
+    err = own[0] if own else max(errors, key=lambda e: len(e["loc"]))
     param = _param_of(err["loc"])
     if err["type"] == "missing":
         return ApiError(
@@ -88,8 +92,6 @@ def _validation_error(exc: ValidationError) -> ApiError:
 # ------------------------------------------------------------------------------------------------
 # Requests
 
-MAX_N = 128  # OpenAI's limit; each choice is a sequence with its own KV pages
-
 
 # Numbers are finite (NaN or inf temperatures turn into NaN probabilities inside a batch shared with
 # others).
@@ -109,7 +111,7 @@ class ContentPart(BaseModel):
                 f"content parts of type '{self.type}' are not supported; this server is text-only"
             )
         if self.text is None:
-            raise ValueError("a content part of type 'text' needs a 'text' string")
+            raise ValueError("a content part of type 'text' requires 'text' (a string)")
         return self
 
 
@@ -194,8 +196,6 @@ class _GenerationRequest(_Request):
                 "only 'text'.",
                 param="response_format",
             )
-        if self.n > MAX_N:
-            raise ApiError(400, f"n must be at most {MAX_N}, got {self.n}", param="n")
         if any(s == "" for s in self.stop_strings):
             raise ApiError(400, "stop strings must not be empty.", param="stop")
 
@@ -568,6 +568,8 @@ class TokenStrings:
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        # Tokens a response's text leaves out when skip_special_tokens is on.
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
@@ -601,11 +603,15 @@ def chat_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings) -> dict:
 
 
 def completion_logprobs(
-    logprobs: list[TokenLogprob], strings: TokenStrings, text_offset: int
-) -> dict:
-    """`choices[].logprobs` of a legacy completion. `top_logprobs` also holds the sampled token
-    (OpenAI: "up to logprobs+1 elements"); `text_offset` counts characters from the start of this
-    choice's text."""
+    logprobs: list[TokenLogprob],
+    strings: TokenStrings,
+    text_offset: int,
+    skip_special_tokens: bool = True,
+) -> tuple[dict, int]:
+    """`choices[].logprobs` of a legacy completion, and the text offset after its last token.
+    `top_logprobs` also holds the sampled token (OpenAI: "up to logprobs+1 elements");
+    `text_offset` counts characters from the start of this choice's text, so a special token the
+    text leaves out does not move it."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for lp in logprobs:
         text, _ = strings(lp.token_id)
@@ -615,10 +621,12 @@ def completion_logprobs(
         top.setdefault(text, _finite(lp.logprob))
         tops.append(top)
         offsets.append(text_offset)
-        text_offset += len(text)
-    return {
+        if not (skip_special_tokens and lp.token_id in strings.special_ids):
+            text_offset += len(text)
+    body = {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+    return body, text_offset
