@@ -627,20 +627,21 @@ def serve(
                 print(f"gemma4serve ready: {url} (model {names[0]})", flush=True)
 
         def handle_exit(self, sig, frame):
-            # Not super(): uvicorn records the signal and re-raises it after its graceful shutdown,
-            # which turns a clean drain into death by SIGTERM (exit 143). We drain and exit 0, as
-            # orchestrators expect.
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True  # a second Ctrl-C: stop waiting
+            # Not super(): uvicorn would close the listener at once (new clients get connection
+            # refused, not the 503 of a drain) and re-raise the signal after its shutdown (exit
+            # 143). The app drains with the listener open, then sets should_exit; we exit 0.
+            if state.draining:
+                if sig == signal.SIGINT:  # a second Ctrl-C: stop waiting
+                    self.should_exit = self.force_exit = True
                 return
-            if not self.should_exit:
-                logger.info(
-                    "%s: draining (up to %.0fs for running requests)",
-                    signal.Signals(sig).name,
-                    drain_timeout,
-                )
+            logger.info(
+                "%s: draining (up to %.0fs for running requests)",
+                signal.Signals(sig).name,
+                drain_timeout,
+            )
             state.begin_drain()
-            self.should_exit = True
+            if not self.started:  # nothing to drain yet: stop starting
+                self.should_exit = True
 
     config = uvicorn.Config(
         app,
@@ -652,13 +653,15 @@ def serve(
         root_path=root_path,
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,
-        # The app aborts what still runs after drain_timeout; uvicorn's own cancel is only the
-        # backstop.
-        timeout_graceful_shutdown=drain_timeout + SHUTDOWN_BACKSTOP_S,
+        # uvicorn shuts down once the app's drain is over (and its aborts sent): this bounds
+        # how long the aborted streams get to end.
+        timeout_graceful_shutdown=SHUTDOWN_BACKSTOP_S,
         lifespan="on",
     )
+    server = Server(config)
+    state.on_drained = lambda: setattr(server, "should_exit", True)
     try:
-        Server(config).run()
+        server.run()
     finally:
         state.stop_engine(
             drain_timeout=0.0

@@ -926,6 +926,25 @@ def test_sigterm_lets_running_stream_finish_and_exits_0():
         assert proc.wait(15) == 0
 
 
+def test_sigterm_keeps_the_listener_open_with_503_until_the_drain_ends():
+    """While a stream drains after a real SIGTERM, new connections are answered (503 in OpenAI's
+    format on /health and /v1), not refused; the stream finishes and the process exits 0."""
+    with _fake_server("--token-delay", "0.05", "--drain-timeout", "30") as proc:
+        body = {"messages": HI, "max_tokens": 120, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proc.url + CHAT, json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.signal(signal.SIGTERM)
+            wait_until(lambda: any("SIGTERM: draining" in line for line in proc.lines))
+            assert_openai_error(httpx.get(proc.url + "/health", timeout=5), 503)
+            assert_openai_error(httpx.post(proc.url + CHAT, json={"messages": HI}, timeout=5), 503)
+            assert_openai_error(httpx.get(proc.url + "/v1/models", timeout=5), 503)
+            payloads = sse_data([first, *lines])
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(15) == 0
+
+
 def test_sigterm_aborts_what_outlives_the_drain_timeout():
     with _fake_server("--token-delay", "0.05", "--drain-timeout", "1") as proc:
         body = {"messages": HI, "max_tokens": 3000, "ignore_eos": True, "stream": True}

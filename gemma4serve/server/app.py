@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from gemma4serve.chat.output import ChatMarkers
 from gemma4serve.engine.client import EngineClient
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.server.drain import drain_when_asked
 from gemma4serve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from gemma4serve.server.limits import RequestLimits, read_body, read_request
 from gemma4serve.server.metrics import ServerMetrics
@@ -129,6 +131,7 @@ class ServerState:
     inflight: set[str] = field(
         default_factory=set
     )  # request ids being generated (touched on the loop only)
+    on_drained: Callable[[], None] | None = None  # called once the drain is over (server/drain.py)
     _engine_stopped: bool = False
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -151,21 +154,6 @@ class ServerState:
         streams still close with a final chunk and [DONE]."""
         for request_id in list(self.inflight):
             self.engine.abort(request_id)
-
-    async def abort_after_drain_timeout(self) -> None:
-        """Once draining starts, give running requests `drain_timeout` seconds, then abort the
-        rest. Polls: draining is switched on from a signal handler, where touching asyncio
-        objects is not safe."""
-        while not self.draining:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(self.drain_timeout)
-        if self.inflight:
-            logger.warning(
-                "drain timeout (%.0fs): aborting %d running request(s)",
-                self.drain_timeout,
-                len(self.inflight),
-            )
-            self.abort_inflight()
 
     def stop_engine(self, drain_timeout: float | None = None) -> None:
         """engine.shutdown(), once, whoever asks first (the app's shutdown, or the CLI after a
@@ -770,10 +758,10 @@ def build_app(
     The app's startup calls `engine.start()`; its shutdown calls `engine.shutdown(drain_timeout)`
     off the event loop. `app.state.gemma4serve` is the ServerState: `begin_drain()` (the CLI
     calls it on SIGTERM) makes /health and new requests 503 and, `drain_timeout` seconds later,
-    aborts what still runs. When the engine offers `default_sampling_params` (a dict, e.g. the
-    checkpoint's generation_config), those fill what a request leaves unset, as vLLM does with a
-    model's generation config. `limits` bound what one request may ask for (RequestLimits'
-    defaults when None).
+    aborts what still runs; then it calls `on_drained` (server/drain.py). When the engine offers
+    `default_sampling_params` (a dict, e.g. the checkpoint's generation_config), those fill what
+    a request leaves unset, as vLLM does with a model's generation config. `limits` bound what
+    one request may ask for (RequestLimits' defaults when None).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
@@ -797,7 +785,7 @@ def build_app(
     async def lifespan(app):
         engine.start()  # on the loop: the engine may bind its output queues to it
         state.ready = True
-        drain_timer = asyncio.create_task(state.abort_after_drain_timeout())
+        drain_timer = asyncio.create_task(drain_when_asked(state))
         try:
             yield
         finally:
