@@ -173,7 +173,7 @@ def test_logprobs_shapes(client):
         (CHAT, {"messages": HI, "max_tokens": 5000}, 400),
         (CHAT, {"messages": HI, "temperature": -1}, 400),
         ("/v1/completions", {"prompt": [5, 512]}, 400),  # the demo vocab has 512 ids
-        ("/v1/completions", {"prompt": ["a", "b"]}, 400),
+        ("/v1/completions", {"prompt": ["a", [5, 512]]}, 400),
         (
             CHAT,
             {"messages": HI, "top_k": 2**40},

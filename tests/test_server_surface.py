@@ -13,7 +13,7 @@ import subprocess
 import httpx
 import openai
 import pytest
-from fake_engine import ServerProcess
+from fake_engine import ServerProcess, metric
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -510,3 +510,77 @@ def test_min_tokens_holds_back_stop_tokens(base):
         timeout=60,
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+
+
+# --------------------------------------------------------------------------------------------------
+# Batched prompts on /v1/completions
+
+
+def free_pages(base) -> float:
+    return metric(httpx.get(base + "/metrics", timeout=30).text, "gemma4serve:kv_cache_free_pages")
+
+
+def test_batched_prompts_are_indexed_prompt_major(base):
+    prompts = [FOX, "Once upon a time"]
+    idle = free_pages(base)
+    singles = [complete(base, prompt=p, max_tokens=8)[0] for p in prompts]
+    r = httpx.post(
+        base + "/v1/completions",
+        headers=auth(),
+        json={"prompt": prompts, "n": 2, "max_tokens": 8, "temperature": 0, "echo": True},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for choice in body["choices"]:
+        prompt = prompts[choice["index"] // 2]
+        assert choice["text"] == prompt + singles[choice["index"] // 2]["text"]
+    single_usage = [
+        httpx.post(
+            base + "/v1/completions",
+            headers=auth(),
+            json={"prompt": p, "max_tokens": 8, "temperature": 0},
+            timeout=120,
+        ).json()["usage"]
+        for p in prompts
+    ]
+    assert body["usage"]["prompt_tokens"] == sum(u["prompt_tokens"] for u in single_usage)
+    assert body["usage"]["completion_tokens"] == 2 * sum(
+        u["completion_tokens"] for u in single_usage
+    )
+
+    ids = [
+        s["prompt_token_ids"] for s in (complete(base, prompt=p, max_tokens=1)[0] for p in prompts)
+    ]
+    by_ids = complete(base, prompt=ids, max_tokens=8)
+    assert [c["token_ids"] for c in by_ids] == [s["token_ids"] for s in singles]
+    assert [c["prompt_token_ids"] for c in by_ids] == ids
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    streamed: dict[int, str] = {}
+    finishes: list[int] = []
+    for chunk in client.completions.create(
+        model="tiny", prompt=prompts, n=2, max_tokens=8, temperature=0, stream=True
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes.append(choice.index)
+    assert sorted(finishes) == [0, 1, 2, 3]
+    assert streamed == {i: singles[i // 2]["text"] for i in range(4)}
+    assert free_pages(base) == idle
+
+
+def test_a_refused_prompt_fails_the_whole_batch(base):
+    r = httpx.post(
+        base + "/v1/completions",
+        headers=auth(),
+        json={"prompt": [FOX, [1, 2, 10**6]], "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    empty = httpx.post(
+        base + "/v1/completions", headers=auth(), json={"prompt": [FOX, ""]}, timeout=60
+    )
+    assert empty.status_code == 400

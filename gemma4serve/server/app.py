@@ -40,8 +40,9 @@ from gemma4serve.chat.output import ChatMarkers
 from gemma4serve.engine.client import EngineClient
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.server.batch import merged_outputs
 from gemma4serve.server.drain import drain_when_asked
-from gemma4serve.server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from gemma4serve.server.formats import ChatFormat, CompletionFormat, Prompt, ResponseFormat
 from gemma4serve.server.limits import RequestLimits, read_body, read_request
 from gemma4serve.server.metrics import ServerMetrics
 from gemma4serve.server.openapi import docs_page, openapi_document
@@ -304,15 +305,21 @@ class GenerationResponse:
         state: ServerState,
         fmt: ResponseFormat,
         request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
         stream: bool,
     ):
         self.state = state
         self.fmt = fmt
         self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.params = params
+        self.prompts = prompts
+        self.params = params  # per prompt
+        # The engine's request ids: the response's own, or one per prompt of a batch
+        self.engine_ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-{i}" for i in range(len(prompts))]
+        )
         self.stream = stream
         self._started = False  # response headers sent
         self._engine_finished = False  # the engine sent its finished output (nothing left to abort)
@@ -351,10 +358,18 @@ class GenerationResponse:
     async def _run(self, send) -> None:
         engine = self.state.engine
         outputs = None
-        self.state.inflight.add(self.request_id)
+        self.state.inflight.update(self.engine_ids)
         try:
             try:
-                outputs = engine.generate(self.prompt_ids, self.params, self.request_id)
+                streams = [
+                    engine.generate(prompt, params, engine_id)
+                    for prompt, params, engine_id in zip(self.prompts, self.params, self.engine_ids)
+                ]
+                outputs = (
+                    streams[0]
+                    if len(streams) == 1
+                    else merged_outputs(streams, self.params[0].n, self.request_id)
+                )
                 first = await outputs.__anext__()
             except RequestError as e:  # the engine's word on a request, before anything ran
                 await self._send_json(send, 400, error_body(str(e), param=e.param, code=e.code))
@@ -389,7 +404,7 @@ class GenerationResponse:
                     }
                 )
         finally:
-            self.state.inflight.discard(self.request_id)
+            self.state.inflight.difference_update(self.engine_ids)
             if outputs is not None:
                 try:
                     await (
@@ -401,9 +416,8 @@ class GenerationResponse:
                     )
             if not self._engine_finished:
                 try:
-                    engine.abort(
-                        self.request_id
-                    )  # idempotent; covers a generator that did not abort itself
+                    for engine_id in self.engine_ids:  # idempotent; covers a generator that
+                        engine.abort(engine_id)  # did not abort itself
                 except Exception:
                     logger.exception("request %s: abort failed", self.request_id)
 
@@ -478,12 +492,6 @@ def _sse(events: list[dict]) -> bytes:
 # Prompt building (runs in the thread pool: templating and tokenizing long prompts is CPU work)
 
 
-@dataclass
-class Prompt:
-    token_ids: list[int]
-    echo_text: str = ""  # what `echo` puts before the completion ("" without echo)
-
-
 def _needs_tokenizer(tokenizer, what: str, param: str) -> None:
     if tokenizer is None:
         raise ApiError(
@@ -519,8 +527,11 @@ def _render_chat(tokenizer, req: ChatCompletionRequest | TokenizeChatRequest) ->
     return Prompt(encode_text(tokenizer, text, param="messages"))  # the template wrote <bos>
 
 
-def _completion_prompt(tokenizer, req: CompletionRequest) -> Prompt:
-    prompt = req.single_prompt()
+def _completion_prompts(tokenizer, req: CompletionRequest) -> list[Prompt]:
+    return [_completion_prompt(tokenizer, req, prompt) for prompt in req.prompts()]
+
+
+def _completion_prompt(tokenizer, req: CompletionRequest, prompt: str | list[int]) -> Prompt:
     if isinstance(prompt, str) or req.echo:
         _needs_tokenizer(tokenizer, "a text prompt or echo", "prompt")
     if isinstance(prompt, str):
@@ -532,6 +543,10 @@ def _completion_prompt(tokenizer, req: CompletionRequest) -> Prompt:
         check_token_ids(prompt, tokenizer.vocab_size, param="prompt")
     echo = tokenizer.decode(prompt, skip_special_tokens=False) if req.echo else ""
     return Prompt(list(prompt), echo)
+
+
+def _chat_prompts(tokenizer, req: ChatCompletionRequest) -> list[Prompt]:
+    return [_render_chat(tokenizer, req)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -559,28 +574,21 @@ async def _generation(
             f"{param} must be at most {state.max_logprobs} (--max-logprobs), got {num_logprobs}",
             param=param,
         )
-    prompt: Prompt = await run_in_threadpool(build_prompt, state.engine.tokenizer, req)
-    if req.truncate_prompt_tokens is not None:
-        keep = req.truncate_prompt_tokens
-        if keep == -1:
-            keep = state.engine.max_model_len
-        elif keep > state.engine.max_model_len:
-            raise ApiError(
-                400,
-                f"truncate_prompt_tokens ({keep}) is larger than the context length "
-                f"({state.engine.max_model_len}).",
-                param="truncate_prompt_tokens",
+    prompts: list[Prompt] = await run_in_threadpool(build_prompt, state.engine.tokenizer, req)
+    params = []
+    for prompt in prompts:
+        _truncate(prompt, req.truncate_prompt_tokens, state.engine.max_model_len)
+        max_tokens = check_context_length(
+            len(prompt.token_ids),
+            req.requested_max_tokens,
+            state.engine.max_model_len,
+            prompt_param=req.prompt_param,
+        )
+        params.append(
+            req.sampling_params(
+                max_tokens=max_tokens, logprobs=num_logprobs, defaults=state.sampling_defaults
             )
-        prompt.token_ids = prompt.token_ids[-keep:]  # vLLM keeps the prompt's end
-    max_tokens = check_context_length(
-        len(prompt.token_ids),
-        req.requested_max_tokens,
-        state.engine.max_model_len,
-        prompt_param=req.prompt_param,
-    )
-    params = req.sampling_params(
-        max_tokens=max_tokens, logprobs=num_logprobs, defaults=state.sampling_defaults
-    )
+        )
     # vLLM: a client's X-Request-Id names the request (made unique if it is already running)
     given = _given_request_id(request.scope)
     request_id = f"{id_prefix}-{given.decode('latin-1') if given else uuid.uuid4().hex}"
@@ -588,36 +596,47 @@ async def _generation(
         request_id += f"-{uuid.uuid4().hex[:8]}"
     if state.log_requests:
         logger.info(
-            "Received request %s: %d prompt tokens, params: %s",
+            "Received request %s: %s prompt tokens, params: %s",
             request_id,
-            len(prompt.token_ids),
-            params,
+            ", ".join(str(len(prompt.token_ids)) for prompt in prompts),
+            params[0],
         )
     header = ResponseHeader(request_id, int(time.time()), model)
-    fmt = response_format(
-        header,
-        req,
-        state.token_strings,
-        len(prompt.token_ids),
-        prompt.echo_text,
-        markers=state.chat_markers,
-    )
+    fmt = response_format(header, req, state.token_strings, prompts, markers=state.chat_markers)
     if fmt.parses_output:  # the parser reads the special tokens the model writes
-        params.skip_special_tokens = False
-    if params.stop:  # build the stop-string automaton here, not on the engine's thread
-        await run_in_threadpool(lambda: params.stop_strings)
-    return GenerationResponse(state, fmt, header.id, prompt.token_ids, params, req.stream)
+        for one in params:
+            one.skip_special_tokens = False
+    for one in params:
+        if one.stop:  # build the stop-string automaton here, not on the engine's thread
+            await run_in_threadpool(getattr, one, "stop_strings")
+    return GenerationResponse(
+        state, fmt, header.id, [prompt.token_ids for prompt in prompts], params, req.stream
+    )
+
+
+def _truncate(prompt: Prompt, truncate_prompt_tokens: int | None, max_model_len: int) -> None:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last tokens (-1: the context length)."""
+    if truncate_prompt_tokens is None:
+        return
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep > max_model_len:
+        raise ApiError(
+            400,
+            f"truncate_prompt_tokens ({keep}) is larger than the context length ({max_model_len}).",
+            param="truncate_prompt_tokens",
+        )
+    prompt.token_ids = prompt.token_ids[-keep:]
 
 
 async def chat_completions(request: Request):
     return await _generation(
-        request, ChatCompletionRequest, _render_chat, ChatFormat, id_prefix="chatcmpl"
+        request, ChatCompletionRequest, _chat_prompts, ChatFormat, id_prefix="chatcmpl"
     )
 
 
 async def completions(request: Request):
     return await _generation(
-        request, CompletionRequest, _completion_prompt, CompletionFormat, id_prefix="cmpl"
+        request, CompletionRequest, _completion_prompts, CompletionFormat, id_prefix="cmpl"
     )
 
 

@@ -3,6 +3,8 @@ RequestOutputs in, OpenAI stream chunks or one final body out."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gemma4serve.chat.messages import tool_schemas
 from gemma4serve.chat.output import ChatDelta, ChatMarkers, ChatOutputParser, ToolCallDelta
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -18,6 +20,14 @@ from gemma4serve.server.protocol import (
 )
 
 
+@dataclass
+class Prompt:
+    """One prompt of a request, as the engine gets it."""
+
+    token_ids: list[int]
+    echo_text: str = ""  # what `echo` puts before the completion ("" without echo)
+
+
 class ResponseFormat:
     """Turns RequestOutputs into stream chunks or one final body. Tracks per-choice state (finish
     reported, text offsets) across the outputs of one request."""
@@ -27,16 +37,16 @@ class ResponseFormat:
         header: ResponseHeader,
         request,
         strings: TokenStrings,
-        prompt_len: int,
-        echo_text: str = "",
+        prompts: list[Prompt],
         markers: ChatMarkers | None = None,
     ):
         self.header = header
         self.markers = markers
         self.request = request
         self.strings = strings
-        self.prompt_len = prompt_len
-        self.echo_text = echo_text  # the prompt text `echo` puts first ("" without echo)
+        # Batched prompts (completions): choice i belongs to prompt i // n, as OpenAI indexes them.
+        self.prompts = prompts
+        self.prompt_len = sum(len(prompt.token_ids) for prompt in prompts)
         self._finish_sent: set[int] = set()
         self.completion_tokens = 0  # totals of the latest output, summed over choices
         self.cached_tokens = 0  # prompt tokens the prefix cache served
@@ -205,16 +215,21 @@ class CompletionFormat(ResponseFormat):
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}
 
+    def _prompt(self, index: int) -> Prompt:
+        return self.prompts[index // self.request.n]
+
     def opening(self, n: int) -> list[dict]:
-        if not self.echo_text:
-            return []
-        return [self._chunk([completion_choice(i, self.echo_text, None, None)]) for i in range(n)]
+        return [
+            self._chunk([completion_choice(i, self._prompt(i).echo_text, None, None)])
+            for i in range(n)
+            if self._prompt(i).echo_text
+        ]
 
     def envelope(self, choices, usage, *, with_usage) -> dict:
         return self.header.completion_chunk(choices, usage, with_usage=with_usage)
 
     def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict:
-        offset = self._offsets.get(index, len(self.echo_text))
+        offset = self._offsets.get(index, len(self._prompt(index).echo_text))
         body, self._offsets[index] = completion_logprobs(
             logprobs, self.strings, offset, self.request.skip_special_tokens
         )
@@ -239,13 +254,13 @@ class CompletionFormat(ResponseFormat):
         for c in output.outputs:
             choice = completion_choice(
                 c.index,
-                self.echo_text + c.text,
+                self._prompt(c.index).echo_text + c.text,
                 self._logprobs(c.index, logprobs.get(c.index, [])) if want else None,
                 c.finish_reason,
                 c.stop_reason,
             )
             if self.request.return_token_ids:  # vLLM's extension: the ids without a tokenizer
-                choice["prompt_token_ids"] = output.prompt_token_ids
+                choice["prompt_token_ids"] = self._prompt(c.index).token_ids
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
         return self.header.completion(choices, self.usage())

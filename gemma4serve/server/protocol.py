@@ -92,6 +92,8 @@ def _validation_error(exc: ValidationError) -> ApiError:
 # ------------------------------------------------------------------------------------------------
 # Requests
 
+MAX_BATCHED_PROMPTS = 1024  # prompts of one /v1/completions request; each is an engine request
+
 
 # Numbers are finite (NaN or inf temperatures turn into NaN probabilities inside a batch shared with
 # others).
@@ -363,20 +365,23 @@ class CompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request: a string or token ids. A batch of prompts is refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one string or token-id list, or a batch of them."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) > 1:
-                raise ApiError(
-                    400,
-                    "batched prompts are not supported; send one prompt per request.",
-                    param="prompt",
-                )
-            prompt = prompt[0]
-        if len(prompt) == 0:
+        batch = (
+            prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+            else [prompt]
+        )
+        if len(batch) > MAX_BATCHED_PROMPTS:
+            raise ApiError(
+                400,
+                f"a request may batch at most {MAX_BATCHED_PROMPTS} prompts, got {len(batch)}.",
+                param="prompt",
+            )
+        if any(len(one) == 0 for one in batch):
             raise ApiError(400, "prompt must not be empty.", param="prompt", code="invalid_value")
-        return prompt
+        return batch
 
 
 class TokenizeCompletionRequest(_Request):
