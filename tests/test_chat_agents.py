@@ -89,6 +89,10 @@ def test_llm_chat_splits_what_the_model_wrote(trained_chat_checkpoint):
     )
     assert output.outputs[0].text.startswith("<|channel>thought\n")
     assert output.outputs[0].tool_calls is None
+    # A template of the caller's, as vLLM's LLM.chat takes one.
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (output,) = llm.chat(example.messages, greedy, chat_template=template)
+    assert output.prompt_token_ids == llm.tokenizer.encode("<bos>What is two plus two?")
 
 
 def start_server(target, assistant) -> ServerProcess:

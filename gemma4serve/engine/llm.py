@@ -53,6 +53,7 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (or a list of them) rendered by the checkpoint's chat template, as
         the server renders it. Each choice's `text` is the answer, `reasoning` the thought text
@@ -65,6 +66,7 @@ class LLM:
                     [template_message(m) for m in conversation],
                     add_generation_prompt=add_generation_prompt,
                     tools=tools,
+                    chat_template=chat_template,  # None: the checkpoint's
                     **(chat_template_kwargs or {}),
                 )
             )
