@@ -376,20 +376,20 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument(
         "--max-request-body-bytes",
         type=_byte_size,
-        default=RequestLimits.max_request_body_bytes,
-        help="Largest request body, e.g. 32MiB (a larger one gets a 413 before it is parsed).",
+        default="32MiB",  # RequestLimits' default, as a person writes it
+        help="Largest request body, e.g. 8MiB (a larger one gets a 413 before it is parsed).",
     )
     limits.add_argument(
         "--max-stop-sequences",
         type=_count(0),
         default=RequestLimits.max_stop_sequences,
-        help="Most entries in a request's `stop` list, and in its `stop_token_ids`.",
+        help="Most entries in a request's `stop`, in its `stop_token_ids`, in its `bad_words`.",
     )
     limits.add_argument(
         "--max-stop-chars",
         type=_count(0),
         default=RequestLimits.max_stop_chars,
-        help="Most characters over all of a request's stop strings.",
+        help="Most characters over all of a request's stop strings, and over its bad words.",
     )
     limits.add_argument(
         "--max-n",

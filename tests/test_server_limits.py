@@ -73,6 +73,20 @@ LIMITS = [
         "stop_token_ids",
         "--max-stop-sequences",
     ),
+    (
+        "bad-words-count",
+        CHAT,
+        {"messages": M, "bad_words": ["x"] * 65},
+        "bad_words",
+        "--max-stop-sequences",
+    ),
+    (
+        "bad-words-chars",
+        CHAT,
+        {"messages": M, "bad_words": ["x" * 4097]},
+        "bad_words",
+        "--max-stop-chars",
+    ),
     ("n", CHAT, {"messages": M, "n": 129}, "n", "--max-n"),
     (
         "messages",
@@ -128,6 +142,24 @@ def test_limits_are_configurable():
             post(s, CHAT, {**ok, "user": "x" * 2000}), 413, code="request_too_large"
         )
         assert "--max-request-body-bytes" in error["message"]
+
+
+def test_token_id_lists_are_bounded_by_the_vocabulary():
+    engine = FakeEngine()
+    engine.tokenizer.vocab_size = 300
+    with serve_fake(engine) as s:
+        ok = {"messages": HI, "max_tokens": 2}
+        for param, value in [
+            ("logit_bias", {str(i % 300): 1.0 for i in range(300)}),
+            ("allowed_token_ids", list(range(300))),
+        ]:
+            assert post(s, CHAT, {**ok, param: value}).status_code == 200
+        error = assert_openai_error(
+            post(s, CHAT, {**ok, "allowed_token_ids": [5] * 301}), 400, param="allowed_token_ids"
+        )
+        assert "vocabulary" in error["message"]
+        big_bias = {str(i): 1.0 for i in range(301)}
+        assert_openai_error(post(s, CHAT, {**ok, "logit_bias": big_bias}), 400, param="logit_bias")
 
 
 def test_cli_flags_set_the_limits():

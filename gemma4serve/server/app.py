@@ -59,6 +59,7 @@ from gemma4serve.server.protocol import (
     load_json_object,
     validate_request,
 )
+from gemma4serve.stop_strings import StopStrings
 from gemma4serve.validation import (
     RequestError,
     check_context_length,
@@ -564,7 +565,8 @@ async def _generation(
     and sampling checks, then the response that runs the request."""
     state = _state(request)
     req = await read_request(request, request_type, state.limits)
-    state.limits.check(req)
+    tokenizer = state.engine.tokenizer
+    state.limits.check(req, tokenizer.vocab_size if tokenizer is not None else None)
     model = state.resolve_model(req.model)
     num_logprobs = req.num_logprobs
     if num_logprobs is not None and 0 <= state.max_logprobs < num_logprobs:
@@ -606,9 +608,10 @@ async def _generation(
     if fmt.parses_output:  # the parser reads the special tokens the model writes
         for one in params:
             one.skip_special_tokens = False
-    for one in params:
-        if one.stop:  # build the stop-string automaton here, not on the engine's thread
-            await run_in_threadpool(getattr, one, "stop_strings")
+    if req.stop_strings:  # one stop-string automaton for all prompts, not on the engine's thread
+        automaton = await run_in_threadpool(StopStrings, req.stop_strings)
+        for one in params:
+            one.stop_strings = automaton
     return GenerationResponse(
         state, fmt, header.id, [prompt.token_ids for prompt in prompts], params, req.stream
     )

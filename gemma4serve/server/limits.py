@@ -30,27 +30,27 @@ class RequestLimits:
     # A 256K-token prompt as JSON text or token ids is a few MB; 32 MiB leaves room for escapes.
     max_request_body_bytes: int = 32 * 1024 * 1024
     # OpenAI allows 4 stop strings; these are generous, and keep matching and hold-back small.
-    max_stop_sequences: int = 64  # entries of `stop`, and of `stop_token_ids`
-    max_stop_chars: int = 4096  # characters over all of `stop`
+    max_stop_sequences: int = 64  # entries of `stop`, of `stop_token_ids`, of `bad_words`
+    max_stop_chars: int = 4096  # characters over all of `stop`, over all of `bad_words`
     max_n: int = 128  # OpenAI's bound on `n`
     max_messages: int = 4096  # entries of a chat's `messages`
 
-    def check(self, request: ChatCompletionRequest | CompletionRequest) -> None:
-        """Raise ApiError(400) naming the first bound the request exceeds."""
-        stops = request.stop_strings
-        _bound("stop", len(stops), self.max_stop_sequences, "stop strings", "--max-stop-sequences")
-        _bound(
-            "stop",
-            sum(len(stop) for stop in stops),
-            self.max_stop_chars,
-            "characters of stop strings",
-            "--max-stop-chars",
-        )
+    def check(
+        self, request: ChatCompletionRequest | CompletionRequest, vocab_size: int | None
+    ) -> None:
+        """Raise ApiError(400) naming the first bound the request exceeds. Token-id lists
+        (`logit_bias`, `allowed_token_ids`) hold at most `vocab_size` entries, when it is known."""
+        for param, words in (("stop", request.stop_strings), ("bad_words", request.bad_words)):
+            words = words or ()
+            _bound(param, len(words), self.max_stop_sequences, param, "--max-stop-sequences")
+            chars = sum(len(word) for word in words)
+            _bound(param, chars, self.max_stop_chars, f"characters of {param}", "--max-stop-chars")
+        stop_ids = request.stop_token_ids or ()
         _bound(
             "stop_token_ids",
-            len(request.stop_token_ids or ()),
+            len(stop_ids),
             self.max_stop_sequences,
-            "stop token ids",
+            "stop_token_ids",
             "--max-stop-sequences",
         )
         _bound("n", request.n, self.max_n, "choices (n)", "--max-n")
@@ -58,13 +58,17 @@ class RequestLimits:
             _bound(
                 "messages", len(request.messages), self.max_messages, "messages", "--max-messages"
             )
+        if vocab_size is not None:
+            for param in ("logit_bias", "allowed_token_ids"):
+                entries = len(getattr(request, param) or ())
+                _bound(param, entries, vocab_size, f"{param} entries", "the vocabulary's size")
 
 
 def _bound(param: str, value: int, limit: int, what: str, flag: str) -> None:
     if value > limit:
         raise ApiError(
             400,
-            f"This server takes at most {limit} {what} per request (its {flag}); "
+            f"This server takes at most {limit} {what} per request ({flag}); "
             f"this request has {value}.",
             param=param,
             code="invalid_value",
