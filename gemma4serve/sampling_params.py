@@ -38,6 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = the sampled token's logprob plus the top k
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -83,6 +84,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.min_tokens < 0:

@@ -584,3 +584,71 @@ def test_a_refused_prompt_fails_the_whole_batch(base):
         base + "/v1/completions", headers=auth(), json={"prompt": [FOX, ""]}, timeout=60
     )
     assert empty.status_code == 400
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompt logprobs, and echo with logprobs
+
+
+def test_prompt_logprobs_score_each_prompt_token(base):
+    def request(**body) -> dict:
+        r = httpx.post(
+            base + "/v1/completions",
+            headers=auth(),
+            json={"prompt": FOX, "max_tokens": 2, "temperature": 0, **body},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    body = request(prompt_logprobs=2, return_token_ids=True)
+    ids = body["choices"][0]["prompt_token_ids"]
+    scored = body["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(ids) == body["usage"]["prompt_tokens"] and scored[0] is None
+    for i in range(1, len(ids)):
+        entry = scored[i]
+        assert str(ids[i]) in entry and len(entry) <= 3
+        best = sorted(entry.values(), key=lambda e: e["rank"])[0]
+        assert best["rank"] == 1 and best["logprob"] >= entry[str(ids[i])]["logprob"]
+    # the oracle: the logprobs the server gives the first generated token after each prefix
+    for i in (1, len(ids) - 1):
+        after = request(prompt=ids[:i], max_tokens=1, logprobs=2)["choices"][0]["logprobs"]
+        expected = sorted(after["top_logprobs"][0].values(), reverse=True)[:2]
+        got = sorted((e["logprob"] for e in scored[i].values() if e["rank"] <= 2), reverse=True)
+        assert got == pytest.approx(expected, abs=1e-3)
+    # prefix caching does not skip the scoring of a repeated prompt
+    assert request(prompt_logprobs=2)["choices"][0]["prompt_logprobs"] == scored
+
+    echoed = request(echo=True, logprobs=1)["choices"][0]
+    logprobs = echoed["logprobs"]
+    assert echoed["text"].startswith(FOX)
+    assert len(logprobs["tokens"]) == len(ids) + 2 and logprobs["token_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1] == pytest.approx(scored[1][str(ids[1])]["logprob"])
+    assert logprobs["text_offset"][len(ids)] == len(FOX)  # the completion starts after the echo
+
+    chat = httpx.post(
+        base + "/v1/chat/completions",
+        headers=auth(),
+        json={"messages": HI, "max_tokens": 2, "prompt_logprobs": 0},
+        timeout=120,
+    ).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # just the prompt's token
+
+    with httpx.stream(
+        "POST",
+        base + "/v1/completions",
+        headers=auth(),
+        json={"prompt": FOX, "max_tokens": 2, "prompt_logprobs": 2, "stream": True},
+        timeout=120,
+    ) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data:"))[5:])
+    assert first["choices"][0]["prompt_logprobs"] == scored
+
+    too_many = httpx.post(
+        base + "/v1/completions",
+        headers=auth(),
+        json={"prompt": FOX, "prompt_logprobs": 6},
+        timeout=60,
+    )
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"

@@ -247,12 +247,14 @@ class LLMEngine:
                 f"the request needs up to {max_len} tokens of KV cache; the cache holds "
                 f"{capacity} for one sequence"
             )
-        if params.logprobs is not None and params.logprobs > self.cfg.vocab_size:
-            raise RequestError(
-                f"logprobs must be at most the vocabulary size ({self.cfg.vocab_size}), "
-                f"got {params.logprobs}",
-                param="logprobs",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted > self.cfg.vocab_size:
+                raise RequestError(
+                    f"{name} must be at most the vocabulary size ({self.cfg.vocab_size}), "
+                    f"got {wanted}",
+                    param=name,
+                )
         token_rules = self._token_rules(params, len(prompt))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         choices = []
@@ -268,6 +270,7 @@ class LLMEngine:
                 arrival=self._arrivals,
                 max_len=max_len,
                 token_rules=token_rules,
+                prompt_logprobs=[] if params.prompt_logprobs is not None and i == 0 else None,
             )
             choices.append(Choice(seq, self._detokenizer(params)))
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -403,6 +406,10 @@ class LLMEngine:
     def _commit_step(self, handle: StepHandle) -> list[RequestOutput]:
         """Read a step's results, commit them to their sequences, and build the outputs."""
         touched: dict[str, Request] = {}
+        for seq, entries in handle.prompt_logprobs().items():
+            for position, entry in entries:
+                if position == len(seq.prompt_logprobs) + 1:  # not scored before a recompute
+                    seq.prompt_logprobs.append(entry)
         for seq, result in handle.results().items():
             if seq.status is Status.FINISHED:  # aborted, or cut off by the step before it
                 continue
@@ -486,9 +493,19 @@ class LLMEngine:
         outputs = [choice.take_output(with_logprobs) for choice in req.choices]
         if req.finished:
             req.metrics.finished_time = time.monotonic()
-        cached = req.choices[0].sequence.num_cached_tokens or 0
+        first = req.choices[0].sequence
+        cached = first.num_cached_tokens or 0
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:  # the prompt is scored once a token was produced
+            prompt_logprobs = [None, *first.prompt_logprobs]
         return RequestOutput(
-            req.request_id, req.prompt_ids, outputs, req.finished, req.metrics, cached
+            req.request_id,
+            req.prompt_ids,
+            outputs,
+            req.finished,
+            req.metrics,
+            cached,
+            prompt_logprobs,
         )
 
     # ---- introspection --------------------------------------------------------------------------

@@ -131,6 +131,47 @@ class _PinnedLogprobs:
         return read
 
 
+# Prompt rows are scored in slices of this many, so that their [rows, vocab] f32 logits stay small.
+PROMPT_LOGPROB_SLICE = 256
+
+
+@dataclass
+class PromptRows:
+    """The rows of a step whose logits score the next prompt token, for requests that want
+    prompt logprobs (chosen on the host when the step is built)."""
+
+    sequences: list[Sequence]  # per row
+    positions: list[int]  # per row: the position of the prompt token it scores
+    rows: torch.Tensor  # [P] int64: rows of the forward
+    targets: torch.Tensor  # [P] int64: the prompt token each row scores
+    width: int  # the most top logprobs any of them wants
+
+
+@dataclass
+class _PinnedPromptLogprobs:
+    rows: PromptRows
+    chosen: torch.Tensor  # [P] logprob of the prompt token
+    rank: torch.Tensor  # [P] int64
+    top_ids: torch.Tensor  # [P, width]
+    top_logprobs: torch.Tensor  # [P, width]
+
+    def read(self) -> dict[Sequence, list[tuple[int, TokenLogprob]]]:
+        chosen, rank = self.chosen.tolist(), self.rank.tolist()
+        top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
+        targets = self.rows.targets.tolist()
+        out: dict[Sequence, list[tuple[int, TokenLogprob]]] = {}
+        for i, (seq, position) in enumerate(zip(self.rows.sequences, self.rows.positions)):
+            wanted = seq.params.prompt_logprobs
+            entry = TokenLogprob(
+                targets[i],
+                chosen[i],
+                list(zip(top_ids[i][:wanted], top_logprobs[i][:wanted])),
+                rank=rank[i],
+            )
+            out.setdefault(seq, []).append((position, entry))
+        return out
+
+
 @dataclass
 class StepHandle:
     """A launched step: its device outputs and their copy to the host (read by `results()`)."""
@@ -142,6 +183,15 @@ class StepHandle:
     _ints: _PinnedColumns | None = None
     _logprobs: _PinnedLogprobs | None = None
     _done: torch.cuda.Event | None = None
+    _prompt_logprobs: _PinnedPromptLogprobs | None = None
+
+    def prompt_logprobs(self) -> dict[Sequence, list[tuple[int, TokenLogprob]]]:
+        """Wait for the step; {sequence: [(position, logprob of its prompt token there)]}."""
+        if self._prompt_logprobs is None:
+            return {}
+        if self._done is not None:
+            self._done.synchronize()
+        return self._prompt_logprobs.read()
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -241,7 +291,10 @@ class ModelRunner:
             and inputs is not None
             and not inputs.sampling.reads_history
         )
-        return self._run(batch, inputs, draft_len=draft_len, continuable=continuable)
+        prompt_rows = self._prompt_rows(chunks, batch)
+        return self._run(
+            batch, inputs, draft_len=draft_len, continuable=continuable, prompt_rows=prompt_rows
+        )
 
     @torch.inference_mode()
     def launch_continued(self, previous: StepHandle, pages: list[SeqPages]) -> StepHandle:
@@ -259,15 +312,77 @@ class ModelRunner:
         *,
         draft_len: int,
         continuable: bool,
+        prompt_rows: PromptRows | None = None,
     ) -> StepHandle:
         greedy = inputs is not None and inputs.sampling.argmax_only
         target = self.forward(batch, greedy=greedy)
+        prompt_logprobs = self._score_prompt(prompt_rows, target) if prompt_rows else None
         if inputs is None:
-            return StepHandle(None)
+            handle = StepHandle(None, _prompt_logprobs=prompt_logprobs)
+            handle._done = self._record_done() if prompt_logprobs else None
+            return handle
         outputs, logprobs = self._accept(inputs, target)
         if draft_len:
             outputs.next_drafts = self._draft(inputs, target, outputs, draft_len)
-        return self._copy_to_host(inputs, outputs, logprobs, draft_len, continuable)
+        handle = self._copy_to_host(inputs, outputs, logprobs, draft_len, continuable)
+        handle._prompt_logprobs = prompt_logprobs
+        return handle
+
+    def _prompt_rows(self, chunks: list[ScheduledChunk], batch: TargetBatch) -> PromptRows | None:
+        """The rows that score a prompt token not scored yet (host side, from the chunks)."""
+        sequences, positions, rows, targets = [], [], [], []
+        starts = batch.group_starts.tolist()
+        for group, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if seq.prompt_logprobs is None:
+                continue
+            # Row p scores token p + 1; prompt tokens 1 .. num_prompt - 1 need scoring once.
+            first = max(chunk.start, len(seq.prompt_logprobs))
+            for p in range(first, min(chunk.start + chunk.length, seq.num_prompt - 1)):
+                sequences.append(seq)
+                positions.append(p + 1)
+                rows.append(starts[group] + p - chunk.start)
+                targets.append(seq.token_ids[p + 1])
+        if not rows:
+            return None
+        device = self.state.device
+        return PromptRows(
+            sequences=sequences,
+            positions=positions,
+            rows=to_device(torch.tensor(rows, dtype=torch.int64), device),
+            targets=to_device(torch.tensor(targets, dtype=torch.int64), device),
+            width=max(seq.params.prompt_logprobs for seq in sequences),
+        )
+
+    def _score_prompt(self, prompt: PromptRows, target: TargetOutputs) -> _PinnedPromptLogprobs:
+        """Log-softmax of the model's logits at the prompt rows, in slices; copied to the host."""
+        chosen, rank, top_ids, top_logprobs = [], [], [], []
+        for start in range(0, prompt.rows.shape[0], PROMPT_LOGPROB_SLICE):
+            rows = prompt.rows[start : start + PROMPT_LOGPROB_SLICE]
+            targets = prompt.targets[start : start + PROMPT_LOGPROB_SLICE, None]
+            logprobs = torch.log_softmax(
+                self.state.target.logits(target.hidden[rows]).float(), dim=-1
+            )
+            scored = logprobs.gather(1, targets)
+            chosen.append(scored[:, 0])
+            rank.append((logprobs > scored).sum(dim=1) + 1)
+            best = logprobs.topk(prompt.width, dim=-1)
+            top_ids.append(best.indices)
+            top_logprobs.append(best.values)
+        return _PinnedPromptLogprobs(
+            prompt,
+            _to_host(torch.cat(chosen)),
+            _to_host(torch.cat(rank)),
+            _to_host(torch.cat(top_ids)),
+            _to_host(torch.cat(top_logprobs)),
+        )
+
+    def _record_done(self) -> torch.cuda.Event | None:
+        if self.state.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
     def forward(self, batch: TargetBatch, *, greedy: bool) -> TargetOutputs:
         """The target over `batch`: a CUDA graph replay where one fits, else eager (the one place

@@ -71,7 +71,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.kv.lookup(seq)
+            hit = self._lookup(seq)
             chunk = self._admissible_chunk(seq, budget, hit, alone=not self.running and not chunks)
             if chunk is None:
                 break
@@ -95,8 +95,12 @@ class Scheduler:
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return False
         seq = self.waiting[0]
-        hit = self.kv.lookup(seq)
+        hit = self._lookup(seq)
         return self._admissible_chunk(seq, budget, hit, alone=not self.running) is not None
+
+    def _lookup(self, seq: Sequence):
+        # A request that wants prompt logprobs computes its whole prompt (vLLM does the same).
+        return None if seq.params.prompt_logprobs is not None else self.kv.lookup(seq)
 
     def _admissible_chunk(self, seq: Sequence, budget: int, hit: CacheHit | None, alone: bool):
         """The chunk a waiting sequence would start with (from its cache hit), or None when no

@@ -37,6 +37,9 @@ class Sequence:
         None  # prompt tokens served by the prefix cache (first admission)
     )
     token_rules: TokenRules | None = None  # logit_bias, allowed_token_ids, bad_words, min_tokens
+    # The request's prompt logprobs so far, on its first choice only (None: not wanted); entry i
+    # scores prompt token i + 1.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -441,7 +441,7 @@ class GenerationResponse:
 
     async def _stream(self, send, output: RequestOutput, outputs) -> None:
         await self._start(send, 200, SSE_HEADERS)
-        events = self.fmt.opening(len(output.outputs))
+        events = self.fmt.opening(output)
         while True:
             events += self.fmt.step(output)
             if events:  # one write per engine output: MTP can bring several tokens at once
@@ -576,7 +576,20 @@ async def _generation(
             f"{param} must be at most {state.max_logprobs} (--max-logprobs), got {num_logprobs}",
             param=param,
         )
+    wanted = req.wanted_prompt_logprobs
+    if wanted is not None and 0 <= state.max_logprobs < wanted:
+        raise ApiError(
+            400,
+            f"prompt_logprobs must be at most {state.max_logprobs} (--max-logprobs), got {wanted}",
+            param="prompt_logprobs",
+        )
     prompts: list[Prompt] = await run_in_threadpool(build_prompt, state.engine.tokenizer, req)
+    if len(prompts) > 1 and wanted is not None:
+        raise ApiError(
+            400,
+            "prompt_logprobs (or echo with logprobs) takes one prompt per request.",
+            param="prompt",
+        )
     params = []
     for prompt in prompts:
         _truncate(prompt, req.truncate_prompt_tokens, state.engine.max_model_len)

@@ -16,6 +16,8 @@ from gemma4serve.server.protocol import (
     chat_logprobs,
     completion_choice,
     completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_body,
     usage_body,
 )
 
@@ -88,8 +90,15 @@ class ResponseFormat:
             usage = self.usage()
         return self.envelope(choices, usage, with_usage=self.request.include_usage)
 
+    def prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs` body, when the request asked for them."""
+        if self.request.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_body(output.prompt_logprobs, self.strings)
+
     # Per-endpoint parts
-    def opening(self, n: int) -> list[dict]:
+    def opening(self, output: RequestOutput) -> list[dict]:
+        """The chunks before the first tokens (`output`: the engine's first)."""
         raise NotImplementedError
 
     def envelope(self, choices, usage, *, with_usage) -> dict:
@@ -115,12 +124,16 @@ class ChatFormat(ResponseFormat):
     def parses_output(self) -> bool:
         return self.markers is not None and self.request.skip_special_tokens
 
-    def opening(self, n: int) -> list[dict]:
+    def opening(self, output: RequestOutput) -> list[dict]:
         # OpenAI's first chunk of each choice carries the role and an empty content.
-        return [
+        chunks = [
             self._chunk([chat_delta_choice(i, {"role": "assistant", "content": ""})])
-            for i in range(n)
+            for i in range(len(output.outputs))
         ]
+        prompt_logprobs = self.prompt_logprobs(output)
+        if prompt_logprobs is not None:  # vLLM: at the top of the first chunk
+            chunks[0]["prompt_logprobs"] = prompt_logprobs
+        return chunks
 
     def envelope(self, choices, usage, *, with_usage) -> dict:
         return self.header.chat_chunk(choices, usage, with_usage=with_usage)
@@ -168,7 +181,11 @@ class ChatFormat(ResponseFormat):
                     c.stop_reason,
                 )
             )
-        return self.header.chat_completion(choices, self.usage())
+        body = self.header.chat_completion(choices, self.usage())
+        prompt_logprobs = self.prompt_logprobs(output)
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
+        return body
 
     def _parser(self, prompt_ids: list[int]) -> ChatOutputParser:
         return ChatOutputParser(
@@ -218,12 +235,29 @@ class CompletionFormat(ResponseFormat):
     def _prompt(self, index: int) -> Prompt:
         return self.prompts[index // self.request.n]
 
-    def opening(self, n: int) -> list[dict]:
-        return [
-            self._chunk([completion_choice(i, self._prompt(i).echo_text, None, None)])
-            for i in range(n)
-            if self._prompt(i).echo_text
-        ]
+    def opening(self, output: RequestOutput) -> list[dict]:
+        chunks = []
+        prompt_logprobs = self.prompt_logprobs(output)
+        for i in range(len(output.outputs)):
+            echo = self._prompt(i).echo_text
+            if not echo and prompt_logprobs is None:
+                continue
+            choice = completion_choice(i, echo, self._echo_logprobs(i, output), None)
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def _echo_logprobs(self, index: int, output: RequestOutput) -> dict | None:
+        """The echoed prompt's logprobs (echo with logprobs), else None."""
+        if not (self._prompt(index).echo_text and self.request.logprobs is not None):
+            return None
+        return echo_logprobs(
+            self._prompt(index).token_ids,
+            output.prompt_logprobs or [],
+            self.strings,
+            self.request.skip_special_tokens,
+        )
 
     def envelope(self, choices, usage, *, with_usage) -> dict:
         return self.header.completion_chunk(choices, usage, with_usage=with_usage)
@@ -251,14 +285,23 @@ class CompletionFormat(ResponseFormat):
     def body(self, output, logprobs) -> dict:
         want = self.request.logprobs is not None
         choices = []
+        prompt_logprobs = self.prompt_logprobs(output)
         for c in output.outputs:
+            choice_logprobs = None
+            if want:
+                choice_logprobs = self._logprobs(c.index, logprobs.get(c.index, []))
+                echoed = self._echo_logprobs(c.index, output)
+                if echoed is not None:
+                    choice_logprobs = {k: echoed[k] + choice_logprobs[k] for k in echoed}
             choice = completion_choice(
                 c.index,
                 self._prompt(c.index).echo_text + c.text,
-                self._logprobs(c.index, logprobs.get(c.index, [])) if want else None,
+                choice_logprobs,
                 c.finish_reason,
                 c.stop_reason,
             )
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
             if self.request.return_token_ids:  # vLLM's extension: the ids without a tokenizer
                 choice["prompt_token_ids"] = self._prompt(c.index).token_ids
                 choice["token_ids"] = c.token_ids

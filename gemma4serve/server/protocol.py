@@ -179,10 +179,6 @@ class _GenerationRequest(_Request):
             raise ApiError(
                 400, "stream_options is only allowed when stream is true.", param="stream_options"
             )
-        if self.prompt_logprobs is not None:
-            raise ApiError(
-                400, "prompt_logprobs is not supported by this server.", param="prompt_logprobs"
-            )
         truncate = self.truncate_prompt_tokens
         if truncate is not None and not (truncate == -1 or truncate >= 1):
             raise ApiError(
@@ -200,6 +196,10 @@ class _GenerationRequest(_Request):
             )
         if any(s == "" for s in self.stop_strings):
             raise ApiError(400, "stop strings must not be empty.", param="stop")
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     @property
     def stop_strings(self) -> list[str]:
@@ -252,6 +252,7 @@ class _GenerationRequest(_Request):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 min_tokens=self.min_tokens,
                 logit_bias=logit_bias or None,
+                prompt_logprobs=self.wanted_prompt_logprobs,
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
                 **chosen,
@@ -350,12 +351,15 @@ class CompletionRequest(_GenerationRequest):
             raise ApiError(
                 400, "best_of other than n is not supported by this server.", param="best_of"
             )
-        if self.echo and self.logprobs is not None:
-            raise ApiError(
-                400, "echo with logprobs (prompt logprobs) is not supported.", param="echo"
-            )
 
     prompt_param: ClassVar[str] = "prompt"
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        # echo with logprobs shows the prompt's tokens with theirs (vLLM scores the prompt for it)
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -605,6 +609,47 @@ def chat_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings) -> dict:
         item["top_logprobs"] = [entry(t, v) for t, v in lp.top]
         content.append(item)
     return {"content": content}
+
+
+def prompt_logprobs_body(
+    prompt_logprobs: list[TokenLogprob | None], strings: TokenStrings
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), {token id: {logprob, rank,
+    decoded_token}} for the prompt's token and the top ones."""
+
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": strings(token_id)[0]}
+
+    body = []
+    for lp in prompt_logprobs:
+        if lp is None:
+            body.append(None)
+            continue
+        tokens = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+        for rank, (token_id, logprob) in enumerate(lp.top, start=1):
+            tokens.setdefault(str(token_id), entry(token_id, logprob, rank))
+        body.append(tokens)
+    return body
+
+
+def echo_logprobs(
+    prompt_ids: list[int],
+    prompt_logprobs: list[TokenLogprob | None],
+    strings: TokenStrings,
+    skip_special_tokens: bool = True,
+) -> dict:
+    """The prompt's part of an echoed completion's `logprobs` (its first token has none)."""
+    first, _ = strings(prompt_ids[0])
+    skipped = skip_special_tokens and prompt_ids[0] in strings.special_ids
+    body, _ = completion_logprobs(
+        prompt_logprobs[1:], strings, 0 if skipped else len(first), skip_special_tokens
+    )
+    return {
+        "tokens": [first, *body["tokens"]],
+        "token_logprobs": [None, *body["token_logprobs"]],
+        "top_logprobs": [None, *body["top_logprobs"]],
+        "text_offset": [0, *body["text_offset"]],
+    }
 
 
 def completion_logprobs(
