@@ -9,6 +9,7 @@ its drafts are accepted, so the server commits several tokens per step, markers 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -125,7 +126,13 @@ def server(request, trained_chat_checkpoint):
     target, assistant = trained_chat_checkpoint
     with start_server(target, assistant if request.param == "mtp" else None) as process:
         process.mtp = request.param == "mtp"
+        process.free_pages_at_start = free_pages(process)
         yield process
+
+
+def free_pages(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return metric(text, "gemma4serve:kv_cache_free_pages")
 
 
 @pytest.fixture
@@ -230,3 +237,11 @@ def test_agent_loop_with_thinking(client):
     assert ran == [("Paris", 1)]
     assert message.content == "It is sunny in Paris, 21 C."
     assert response.choices[0].finish_reason == "stop"
+
+
+def test_every_kv_page_comes_back(server):
+    """Runs after the tests above on the same server: nothing they ran holds a page."""
+    deadline = time.monotonic() + 60
+    while free_pages(server) != server.free_pages_at_start:
+        assert time.monotonic() < deadline, "KV pages not returned"
+        time.sleep(0.2)
