@@ -97,14 +97,18 @@ def test_llm_chat_splits_what_the_model_wrote(trained_chat_checkpoint):
 
 
 def start_server(target, assistant) -> ServerProcess:
-    draft = ["--draft", str(assistant), "--num-draft-tokens", str(NUM_DRAFT_TOKENS)]
+    draft = (
+        ["--draft", str(assistant), "--num-draft-tokens", str(NUM_DRAFT_TOKENS)]
+        if assistant
+        else []
+    )
     return ServerProcess(
         [
             "-m",
             "gemma4serve.cli",
             "--model",
             str(target),
-            *(draft if assistant else []),
+            *draft,
             "--device",
             "cpu",
             "--host",
