@@ -63,10 +63,11 @@ class IncrementalDetokenizer:
         self._undecoded.clear()
         return piece
 
-    def push(self, token_ids: list[int]) -> tuple[str, str | None]:
+    def push(self, token_ids: list[int], may_stop: bool = True) -> tuple[str, str | None]:
         """Feed new token ids; return (text releasable now, the stop string that matched or None).
 
-        After a stop string matched, further ids are ignored.
+        After a stop string matched, further ids are ignored. `may_stop=False` (before vLLM's
+        min_tokens are out) lets stop strings pass that end in this text.
         """
         if self.matched_stop is not None:
             return "", self.matched_stop
@@ -79,7 +80,7 @@ class IncrementalDetokenizer:
         for position in range(len(self._held), len(pending)):
             state = stops.advance(state, pending[position])
             length = stops.match_length(state)
-            if length:  # the first stop string to appear; cut the text there
+            if length and may_stop:  # the first stop string to appear; cut the text there
                 end = position + 1
                 stop = pending[end - length : end]
                 out = pending[:end] if self.include_stop_str_in_output else pending[: end - length]

@@ -652,3 +652,14 @@ def test_prompt_logprobs_score_each_prompt_token(base):
         timeout=60,
     )
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_min_tokens_holds_back_stop_strings(base):
+    greedy = complete(base)[0]
+    stop = greedy["text"][-2:]  # written by the last tokens of the greedy run
+    first_stop = greedy["text"].index(stop)
+    stopped = complete(base, stop=[stop])[0]
+    assert stopped["finish_reason"] == "stop" and stopped["text"] == greedy["text"][:first_stop]
+    held = complete(base, stop=[stop], min_tokens=15)[0]
+    assert len(held["token_ids"]) >= 15 and held["text"].startswith(greedy["text"][:first_stop])
+    assert len(held["text"]) > len(stopped["text"])

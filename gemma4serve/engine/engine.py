@@ -472,7 +472,8 @@ class LLMEngine:
                 choice.new_text += detokenizer.push([token])[0]  # vLLM shows the stop token then
             return "stop", token
         if detokenizer is not None:
-            text, stop = detokenizer.push([token])
+            # vLLM: stop strings count once the output is longer than min_tokens
+            text, stop = detokenizer.push([token], len(seq.output_ids) > params.min_tokens)
             choice.new_text += text
             if stop is not None:
                 return "stop", stop
