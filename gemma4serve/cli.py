@@ -366,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-logprobs",
         type=int,
         default=DEFAULT_MAX_LOGPROBS,
-        help="Most logprobs (completions) or top_logprobs (chat) a request may ask for; -1 = no "
-        "cap.",
+        help="Most logprobs (completions), top_logprobs (chat) or prompt_logprobs a request may "
+        "ask for; -1 = no cap.",
     )
     limits = p.add_argument_group(
         "request limits",

@@ -627,3 +627,28 @@ def test_float32_edges_are_accepted():
     for field in ("top_p", "min_p", "temperature", "repetition_penalty", "presence_penalty"):
         SamplingParams(**{field: 1.2e-38})
     SamplingParams(temperature=3e38, repetition_penalty=3e38)
+
+
+def test_token_rules_on_verify_rows_read_the_drafts_ahead():
+    """Row j of a verify sees the drafts d1..dj as output: a two-token bad word (3, 4) bans 4 on
+    the row after a draft 3, and min_tokens bans the end token by position, row by row."""
+    from gemma4serve.engine.sampler import TokenRules
+
+    V = 8
+    rules = TokenRules(
+        bias={6: 5.0}, allowed=None, bad_sequences=[[3, 4]], end_ids=[1], min_tokens_position=12
+    )
+    params = [SamplingParams(temperature=0.0)]
+    sampling = SamplingBatch.build(params, [0], [[2]], [[0] * 10], "cpu", [rules])
+    logits = torch.zeros(3, V)
+    logits[:, 4] = 10.0  # the model's favourite
+    logits[:, 1] = 9.0
+    drafts = torch.tensor([[3, 5]])
+    extra = torch.where(torch.arange(2) < torch.arange(3)[:, None], drafts, -1)  # [3, 2]
+    position = torch.tensor([11, 12, 13])  # the positions the rows produce
+    out = process_logits(logits, sampling, torch.zeros(3, dtype=torch.long), extra, position)
+    assert out[0, 4] == 10.0 and out[0, 1] == NEG_INF  # before min_tokens: no end token
+    assert out[1, 4] == NEG_INF and out[1, 1] == 9.0  # after draft 3: 4 is banned
+    assert out[2, 4] == 10.0  # after 3, 5: allowed again
+    assert (out[:, 6] == 5.0).all()  # logit_bias on every row
+    assert (logits[:, 1] == 9.0).all()  # the raw logits are untouched (logprobs read them)
