@@ -15,7 +15,7 @@ from gemma4serve.chat.arguments import NotationError, arguments_json
 from gemma4serve.chat.output import LABEL, ChatDelta, ChatMarkers, ChatOutputParser
 from gemma4serve.demo.tokenizer import build_tiny_tokenizer
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput
-from gemma4serve.server.formats import ChatFormat
+from gemma4serve.server.formats import ChatFormat, Prompt
 from gemma4serve.server.protocol import ChatCompletionRequest, ResponseHeader, TokenStrings
 from gemma4serve.tokenizer import Tokenizer
 
@@ -277,7 +277,7 @@ def chat_format(tokenizer, markers, **fields) -> ChatFormat:
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **fields}
     request = ChatCompletionRequest.model_validate(body)
     header = ResponseHeader("chatcmpl-1", 0, "tiny")
-    return ChatFormat(header, request, TokenStrings(tokenizer), 5, markers=markers)
+    return ChatFormat(header, request, TokenStrings(tokenizer), [Prompt([2] * 5)], markers=markers)
 
 
 def outputs(pieces: list[str]) -> list[RequestOutput]:
