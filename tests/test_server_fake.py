@@ -601,13 +601,6 @@ BAD_REQUESTS = [
     ("completion-tokens-too-long", COMPLETIONS, {"prompt": [10] * 300}, 400, "prompt"),
     ("completion-logprobs-bool", COMPLETIONS, {"prompt": "a", "logprobs": True}, 400, "logprobs"),
     ("completion-logprobs-range", COMPLETIONS, {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
-    (
-        "completion-batch-echo-logprobs",
-        COMPLETIONS,
-        {"prompt": ["a", "b"], "echo": True, "logprobs": 1},
-        400,
-        "prompt",
-    ),
     ("completion-suffix", COMPLETIONS, {"prompt": "a", "suffix": "b"}, 400, "suffix"),
     ("completion-best-of", COMPLETIONS, {"prompt": "a", "best_of": 3}, 400, "best_of"),
     ("completion-unknown-model", COMPLETIONS, {"model": "nope", "prompt": "a"}, 404, "model"),

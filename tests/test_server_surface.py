@@ -663,3 +663,29 @@ def test_min_tokens_holds_back_stop_strings(base):
     held = complete(base, stop=[stop], min_tokens=15)[0]
     assert len(held["token_ids"]) >= 15 and held["text"].startswith(greedy["text"][:first_stop])
     assert len(held["text"]) > len(stopped["text"])
+
+
+def test_batched_prompts_get_their_own_prompt_logprobs(base):
+    prompts = [FOX, "Once upon a time"]
+
+    def choices(prompt, **body) -> list[dict]:
+        r = httpx.post(
+            base + "/v1/completions",
+            headers=auth(),
+            json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **body},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["choices"]
+
+    singles = [choices(p, prompt_logprobs=1, echo=True, logprobs=1)[0] for p in prompts]
+    batch = choices(prompts, n=2, prompt_logprobs=1, echo=True, logprobs=1)
+    for choice in batch:
+        single = singles[choice["index"] // 2]
+        assert len(choice["prompt_logprobs"]) == len(single["prompt_logprobs"])
+        for got, expected in zip(choice["prompt_logprobs"][1:], single["prompt_logprobs"][1:]):
+            assert got.keys() == expected.keys()  # scored in another batch: equal up to rounding
+            for token, entry in got.items():
+                assert entry["logprob"] == pytest.approx(expected[token]["logprob"], abs=1e-4)
+        assert choice["logprobs"]["tokens"] == single["logprobs"]["tokens"]
+        assert len(choice["prompt_logprobs"]) < len(single["logprobs"]["tokens"])

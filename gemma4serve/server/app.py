@@ -584,12 +584,6 @@ async def _generation(
             param="prompt_logprobs",
         )
     prompts: list[Prompt] = await run_in_threadpool(build_prompt, state.engine.tokenizer, req)
-    if len(prompts) > 1 and wanted is not None:
-        raise ApiError(
-            400,
-            "prompt_logprobs (or echo with logprobs) takes one prompt per request.",
-            param="prompt",
-        )
     params = []
     for prompt in prompts:
         _truncate(prompt, req.truncate_prompt_tokens, state.engine.max_model_len)

@@ -22,15 +22,21 @@ async def merged_outputs(
     latest: list[RequestOutput | None] = [None] * len(streams)
     pumps: list[asyncio.Task] = []
 
-    def merged(prompt: int, output: RequestOutput) -> RequestOutput:
-        latest[prompt] = output
+    def merged(news: list[tuple[int, RequestOutput]]) -> RequestOutput:
+        """The batch after the prompts' new outputs `news` (prompt, output)."""
         fresh = {}
-        for choice in output.outputs:
-            index = prompt * n + choice.index
-            fresh[index] = replace(choice, index=index)
-            choices[index] = replace(fresh[index], new_text="", new_token_ids=[], new_logprobs=None)
+        for prompt, output in news:
+            latest[prompt] = output
+            for choice in output.outputs:
+                index = prompt * n + choice.index
+                fresh[index] = replace(choice, index=index)
+                choices[index] = replace(
+                    fresh[index], new_text="", new_token_ids=[], new_logprobs=None
+                )
         outputs = [fresh.get(index, choice) for index, choice in sorted(choices.items())]
         done = [out for out in latest if out is not None]
+        scored = [out.prompt_logprobs for out in done]
+        complete = len(done) == len(streams) and all(s is not None for s in scored)
         return RequestOutput(
             request_id,
             done[0].prompt_token_ids,
@@ -38,12 +44,12 @@ async def merged_outputs(
             finished=len(done) == len(streams) and all(out.finished for out in done),
             metrics=_merged_metrics([out.metrics for out in done]),
             num_cached_tokens=sum(out.num_cached_tokens for out in done),
+            # one list in prompt order; the response format splits it by prompt lengths
+            prompt_logprobs=[entry for s in scored for entry in s] if complete else None,
         )
 
     try:
-        for prompt, stream in enumerate(streams):
-            first = merged(prompt, await anext(stream))
-        yield first
+        yield merged([(prompt, await anext(stream)) for prompt, stream in enumerate(streams)])
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(prompt: int, stream) -> None:
@@ -66,7 +72,7 @@ async def merged_outputs(
                 continue
             if output.finished:
                 running.discard(prompt)
-            yield merged(prompt, output)
+            yield merged([(prompt, output)])
     finally:
         for task in pumps:
             task.cancel()

@@ -90,11 +90,19 @@ class ResponseFormat:
             usage = self.usage()
         return self.envelope(choices, usage, with_usage=self.request.include_usage)
 
-    def prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
-        """vLLM's `prompt_logprobs` body, when the request asked for them."""
-        if self.request.prompt_logprobs is None or output.prompt_logprobs is None:
+    def scored_prompt(self, output: RequestOutput, prompt: int = 0) -> list | None:
+        """Prompt `prompt`'s logprobs in `output` (a batch's are one list, in prompt order)."""
+        if output.prompt_logprobs is None:
             return None
-        return prompt_logprobs_body(output.prompt_logprobs, self.strings)
+        start = sum(len(p.token_ids) for p in self.prompts[:prompt])
+        return output.prompt_logprobs[start : start + len(self.prompts[prompt].token_ids)]
+
+    def prompt_logprobs(self, output: RequestOutput, prompt: int = 0) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs` body of one prompt, when the request asked for them."""
+        scored = self.scored_prompt(output, prompt)
+        if self.request.prompt_logprobs is None or scored is None:
+            return None
+        return prompt_logprobs_body(scored, self.strings)
 
     # Per-endpoint parts
     def opening(self, output: RequestOutput) -> list[dict]:
@@ -237,9 +245,9 @@ class CompletionFormat(ResponseFormat):
 
     def opening(self, output: RequestOutput) -> list[dict]:
         chunks = []
-        prompt_logprobs = self.prompt_logprobs(output)
         for i in range(len(output.outputs)):
             echo = self._prompt(i).echo_text
+            prompt_logprobs = self.prompt_logprobs(output, i // self.request.n)
             if not echo and prompt_logprobs is None:
                 continue
             choice = completion_choice(i, echo, self._echo_logprobs(i, output), None)
@@ -254,7 +262,7 @@ class CompletionFormat(ResponseFormat):
             return None
         return echo_logprobs(
             self._prompt(index).token_ids,
-            output.prompt_logprobs or [],
+            self.scored_prompt(output, index // self.request.n) or [],
             self.strings,
             self.request.skip_special_tokens,
         )
@@ -285,8 +293,8 @@ class CompletionFormat(ResponseFormat):
     def body(self, output, logprobs) -> dict:
         want = self.request.logprobs is not None
         choices = []
-        prompt_logprobs = self.prompt_logprobs(output)
         for c in output.outputs:
+            prompt_logprobs = self.prompt_logprobs(output, c.index // self.request.n)
             choice_logprobs = None
             if want:
                 choice_logprobs = self._logprobs(c.index, logprobs.get(c.index, []))
