@@ -175,6 +175,21 @@ def test_install_command_equals_the_readme():
     )
 
 
+def test_every_package_folder_is_installed():
+    """The image installs the package for real (not editable): a folder missing from
+    pyproject's package list is left out and the server fails to import."""
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in ROOT.glob("gemma4serve/**/__init__.py")
+    }
+    assert folders <= listed, (
+        f"pyproject.toml's [tool.setuptools] packages lacks {folders - listed}"
+    )
+
+
 def test_runs_as_non_root_after_installing():
     names = [n for n, _ in instructions()]
     users = args_of("USER")
