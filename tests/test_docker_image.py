@@ -94,7 +94,11 @@ class Container:
         self.id = docker(
             "run", "-d", "-p", "127.0.0.1::8000", *run_args, image, "--demo", timeout=60
         )
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except AssertionError:
+            self.remove()  # the caller never gets it to clean up
+            raise
         self.url = "http://" + docker("port", self.id, "8000/tcp").splitlines()[0]
 
     def wait_ready(self, patience: float = 300) -> None:
