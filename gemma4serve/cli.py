@@ -277,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Queue the next decode step before reading the current one's tokens, so host work "
         "overlaps the GPU (default: on).",
     )
+    engine.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Run the engine in a process of its own, so that its steps never share the GIL with "
+        "HTTP work (--no-engine-process: a thread of the server, for debugging; default: on).",
+    )
 
     spec = p.add_argument_group("speculative decoding (MTP)")
     spec.add_argument(
@@ -660,6 +667,8 @@ def serve(
     )
     server = Server(config)
     state.on_drained = lambda: setattr(server, "should_exit", True)
+    # A dead engine fails its requests at once; the server then stops (non-zero exit, as vLLM).
+    engine.on_dead = lambda: setattr(server, "should_exit", True)
     try:
         server.run()
     finally:
@@ -688,19 +697,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     logger.info("starting: model=%s draft=%s device=%s", args.model, args.draft, args.device)
 
-    from gemma4serve.engine.async_engine import AsyncEngine
+    from gemma4serve.engine_process.client import EngineProcessClient, EngineStartupError
 
     try:
-        engine = AsyncEngine(args)
-    except (
-        Exception
-    ) as e:  # bad path, no GPU, out of memory...: one clear line, the traceback at debug
-        logger.error(
-            "could not start the engine: %s: %s",
-            type(e).__name__,
-            e,
-            exc_info=ns.log_level == "debug",
-        )
+        engine = EngineProcessClient(args, in_process=not ns.engine_process, log_level=ns.log_level)
+    except EngineStartupError as e:  # bad path, no GPU, out of memory...: one clear line
+        logger.error("could not start the engine: %s", e)
         return 1
     if ns.chat_template is not None:
         if engine.tokenizer is None:
@@ -729,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
         log_requests=ns.enable_log_requests,
         limits=request_limits(ns),
     )
+    if engine.dead:
+        logger.error("stopped: the engine process died")
+        return 1
     logger.info("stopped")
     return 0
 

@@ -1,7 +1,7 @@
-"""A stand-in for `gemma4serve.engine.async_engine.AsyncEngine`: same interface, canned text, a
-trivial tokenizer, and page accounting, so that the HTTP layer can be tested fast and without
-weights. Also the harness both server test modules share: a server subprocess, SSE and /metrics
-readers.
+"""A stand-in for `gemma4serve.engine_process.client.EngineProcessClient`: same interface, canned
+text, a trivial tokenizer, and page accounting, so that the HTTP layer can be tested fast and
+without weights. Also the harness both server test modules share: a server subprocess, SSE and
+/metrics readers.
 
 The fake records what the server did to it (aborts, closed generators, the threads that rendered
 templates) for the tests to assert on. Run as a script it serves itself through

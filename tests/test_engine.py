@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import threading
 from dataclasses import dataclass, field
 
 import pytest
@@ -21,11 +20,11 @@ import torch
 import gemma4serve.engine.runner as runner_module
 from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
-from gemma4serve.engine.async_engine import AsyncEngine
 from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.llm import LLM
 from gemma4serve.engine.outputs import RequestOutput
 from gemma4serve.engine.spec import DraftLength, StepCost
+from gemma4serve.engine_process.client import EngineProcessClient
 from gemma4serve.sampling_params import SamplingParams
 
 K = 3  # draft tokens per step
@@ -878,61 +877,56 @@ def test_duplicate_request_id(engine):
     assert engine.kv_pool_free() == all_free(engine)
 
 
-# ---- AsyncEngine --------------------------------------------------------------------------------
+# ---- the engine behind its socket (the engine loop on a thread: the --no-engine-process path) ---
 
 
-def test_async_engine_concurrent_consumers(tiny_checkpoints, engine):
+def test_engine_client_concurrent_consumers(tiny_checkpoints, engine):
     prompts = [prompt_of(n, 900 + n) for n in (4, 17, 40, 75)]
     params = greedy(6)
     expected = [solo(engine, p, params)[0].token_ids for p in prompts]  # same config, run alone
-    ae = AsyncEngine(engine_args(tiny_checkpoints, **MAIN))
-    initial = ae.engine.kv_pool_free()
-    assert initial == all_free(ae.engine)
-    ae.start()
+    client = EngineProcessClient(engine_args(tiny_checkpoints, **MAIN), in_process=True)
+    initial = all_free(engine)
 
     async def consume(i):
         streamed, final = [], None
-        async for out in ae.generate(prompts[i], params, f"async-{i}"):
+        async for out in client.generate(prompts[i], params, f"async-{i}"):
             streamed += out.outputs[0].new_token_ids
             final = out
         return streamed, final
 
     async def quitter():
         # Long enough that it cannot finish on its own before the test ends.
-        async for out in ae.generate(prompt_of(8, 1), greedy(200), "quitter"):
+        async for out in client.generate(prompt_of(8, 1), greedy(200), "quitter"):
             assert not out.finished
             break  # leaving the loop closes the generator, which aborts the request
 
     async def bad():
         with pytest.raises(ValueError, match="prompt is empty"):
-            async for _ in ae.generate([], params, "bad"):
+            async for _ in client.generate([], params, "bad"):
                 pass
 
     async def main():
+        client.start()
         results = await asyncio.gather(*(consume(i) for i in range(len(prompts))), quitter(), bad())
-        # The quitter's abort reaches the engine thread asynchronously: wait for the pools to fill
-        # up again.
+        # The quitter's abort reaches the engine asynchronously: wait for the pages to return.
         for _ in range(200):
-            if ae.num_unfinished() == 0 and ae.kv_pool_free() == initial:
+            stats = client.stats()
+            if stats.num_running + stats.num_waiting == 0 and stats.kv_pages_free == initial:
                 break
             await asyncio.sleep(0.05)
+        # shutdown() blocks; the event loop must keep running meanwhile.
+        await asyncio.wait_for(asyncio.to_thread(client.shutdown, 5), 30)
         return results
 
-    try:
-        results = asyncio.run(main())
-        for (streamed, final), want in zip(results, expected):
-            assert final.finished and final.token_ids == streamed == want
-        assert ae.num_unfinished() == 0
-        assert ae.kv_pool_free() == initial
-        # The quitter was aborted, not run to its length: only the full consumers finished.
-        assert ae.stats().requests_finished.get("length") == len(prompts)
-    finally:
-        done = threading.Event()
-        threading.Thread(
-            target=lambda: (ae.shutdown(drain_timeout=5), done.set()), daemon=True
-        ).start()
-        assert done.wait(30), "shutdown() did not return"
-    assert not ae._thread.is_alive()
+    results = asyncio.run(main())
+    for (streamed, final), want in zip(results, expected):
+        assert final.finished and final.token_ids == streamed == want
+    stats = client.stats()
+    assert stats.num_running + stats.num_waiting == 0
+    assert stats.kv_pages_free == initial
+    # The quitter was aborted, not run to its length: only the full consumers finished.
+    assert stats.requests_finished.get("length") == len(prompts)
+    assert not client.ready and not client.dead
 
 
 def test_generation_config_supplies_the_default_sampling_settings(tiny_checkpoints):

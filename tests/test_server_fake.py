@@ -749,7 +749,7 @@ def test_health_lifecycle_and_draining():
 def test_dead_engine_fails_fast():
     engine = FakeEngine()
     with serve_fake(engine) as s:
-        engine.ready = False  # the real AsyncEngine's `ready`: its thread is alive and admitting
+        engine.ready = False  # the real client's `ready`: its engine is alive and admitting
         assert_openai_error(httpx.get(s.url + "/health"), 503)
         assert_openai_error(httpx.post(s.url + CHAT, json={"messages": HI}, timeout=5), 503)
 

@@ -1,14 +1,10 @@
-"""The engine as the server sees it: one protocol, implemented by `AsyncEngine` and the tests' fake.
-
-The messages that cross into the engine's loop are typed here too; a later engine process speaks
-the same messages over its socket.
-"""
+"""The engine as the server sees it: one protocol, implemented by
+`engine_process.client.EngineProcessClient` (the engine in its own process, or a thread) and the
+tests' fake."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from gemma4serve.engine.outputs import EngineStats, RequestOutput
@@ -22,6 +18,8 @@ class EngineClient(Protocol):
     max_model_len: int
     model_name: str
     default_sampling_params: dict  # the checkpoint's generation_config defaults
+    dead: bool  # the engine ended on its own (the server then exits non-zero)
+    on_dead: Callable[[], None] | None  # set by the server; called on its loop when the engine dies
 
     @property
     def ready(self) -> bool:
@@ -44,22 +42,3 @@ class EngineClient(Protocol):
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop admitting, let running requests finish for up to drain_timeout s, abort the rest."""
-
-
-@dataclass
-class AddRequest:
-    """A new request and where its outputs go (an asyncio queue read on `loop`)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-
-
-@dataclass
-class AbortRequest:
-    request_id: str
-
-
-EngineMessage = AddRequest | AbortRequest

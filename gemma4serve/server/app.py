@@ -782,7 +782,7 @@ def build_app(
     log_requests: bool = False,
     limits: RequestLimits | None = None,
 ) -> Starlette:
-    """The ASGI app over `engine` (an AsyncEngine or anything with its interface).
+    """The ASGI app over `engine` (an EngineProcessClient or anything with its interface).
 
     The app's startup calls `engine.start()`; its shutdown calls `engine.shutdown(drain_timeout)`
     off the event loop. `app.state.gemma4serve` is the ServerState: `begin_drain()` (the CLI

@@ -1,0 +1,311 @@
+"""The server's side of the engine process: an `EngineClient` over two zmq sockets.
+
+The engine runs in a process of its own (spawned: CUDA must not be forked), so that its stepping
+never shares the GIL with HTTP, JSON and SSE. Requests go out on one socket; every engine step comes
+back as one message, which a task on the event loop splits into the requests' asyncio queues (a
+slow client's queue grows, nobody waits on it). A watchdog notices a dead engine within
+`WATCH_INTERVAL_S`: every running request fails, `ready` turns False (/health 503) and `on_dead`
+is called (the CLI then stops the server with a non-zero exit).
+
+`in_process=True` (--no-engine-process) runs the same loop in a thread of this process, over the
+same sockets: one code path either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from gemma4serve.engine_process.core import run_engine_core
+from gemma4serve.engine_process.messages import (
+    AbortRequests,
+    AddRequest,
+    Codec,
+    EngineOutputs,
+    Ready,
+    RequestDelta,
+    Shutdown,
+    StartupFailed,
+)
+from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.tokenizer import Tokenizer
+from gemma4serve.validation import RequestError
+
+log = logging.getLogger("gemma4serve")
+
+WATCH_INTERVAL_S = 0.1  # how often the watchdog checks that the engine lives
+STOP_TIMEOUT_S = 10.0  # after Shutdown, how long the engine gets to exit before it is killed
+
+
+class EngineStartupError(RuntimeError):
+    """The engine could not start (bad model path, no GPU, out of memory...)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process ended while the server still needed it."""
+
+
+class EngineShuttingDown(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestStream:
+    """A running request on the server side: its queue and the cumulative text and ids per
+    choice."""
+
+    prompt_token_ids: list[int]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    texts: dict[int, str] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+
+    def output(self, delta: RequestDelta) -> RequestOutput:
+        choices = []
+        for c in delta.choices:
+            text = self.texts[c.index] = self.texts.get(c.index, "") + c.new_text
+            ids = self.token_ids.setdefault(c.index, [])
+            ids += c.new_token_ids
+            choices.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=list(ids),
+                    new_text=c.new_text,
+                    new_token_ids=c.new_token_ids,
+                    new_logprobs=c.new_logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return RequestOutput(
+            delta.request_id,
+            self.prompt_token_ids,
+            choices,
+            delta.finished,
+            delta.metrics,
+            delta.num_cached_tokens,
+        )
+
+
+class _EngineThread:
+    """--no-engine-process: the engine loop on a thread, with a process's `is_alive`/`pid`."""
+
+    def __init__(self, target, args):
+        self.thread = threading.Thread(
+            target=target, args=args, name="gemma4serve-engine", daemon=True
+        )
+        self.pid = None
+        self.exitcode = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+    def kill(self) -> None:  # a thread cannot be killed; it is a daemon
+        pass
+
+
+class EngineProcessClient:
+    """`EngineClient` for an engine in its own process (or thread, `in_process=True`)."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        in_process: bool = False,
+        log_level: str = "info",
+    ):
+        self.model_name = args.served_model_name or args.model
+        self.on_dead: Callable[[], None] | None = None  # called on the event loop
+        self.dead = False
+        self._codec = Codec()
+        self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
+        self._stats = EngineStats()
+        self._accepting = True
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._socket_dir = tempfile.mkdtemp(prefix="gemma4serve-")
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the server on a busy engine
+        self._input.setsockopt(zmq.LINGER, 0)
+        input_address, output_address = (f"ipc://{self._socket_dir}/{n}" for n in ("in", "out"))
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_address)
+        self._send_lock = threading.Lock()  # sends come from the loop and the shutdown thread
+        if in_process:
+            core_args = (args, input_address, output_address, None)
+            self._engine = _EngineThread(run_engine_core, core_args)
+        else:
+            spawn = multiprocessing.get_context("spawn")
+            self._engine = spawn.Process(
+                target=run_engine_core,
+                args=(args, input_address, output_address, log_level),
+                name="gemma4serve-engine",
+                daemon=True,
+            )
+        self._engine.start()
+        try:
+            ready = self._wait_for_ready()
+        except BaseException:
+            self._stop_engine(send_shutdown=False)
+            raise
+        self.engine_pid = ready.pid
+        self.max_model_len = ready.max_model_len
+        self.default_sampling_params = ready.default_sampling_params
+        self._stats = ready.stats
+        self.tokenizer = Tokenizer.from_dir(ready.tokenizer_dir) if ready.tokenizer_dir else None
+        if not in_process:
+            log.info("engine process started (pid %d)", ready.pid)
+
+    def _wait_for_ready(self) -> Ready:
+        while not self._output.poll(int(WATCH_INTERVAL_S * 1000)):
+            if not self._engine.is_alive():
+                raise EngineStartupError(
+                    f"the engine process exited with code {self._engine.exitcode} while starting"
+                )
+        message = self._codec.messages.decode(self._output.recv())
+        if isinstance(message, StartupFailed):
+            raise EngineStartupError(message.message)
+        assert isinstance(message, Ready), message
+        return message
+
+    # ---- EngineClient -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._loop is not None and self._accepting and not self.dead
+
+    def start(self) -> None:
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        outputs = zmq.asyncio.Socket.from_socket(self._output)
+        self._tasks = [
+            asyncio.ensure_future(self._read_outputs(outputs)),
+            asyncio.ensure_future(self._watch()),
+        ]
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        if self.dead:
+            raise EngineDeadError("the engine process is not running")
+        if not self._accepting:
+            raise EngineShuttingDown("the server is shutting down")
+        stream = RequestStream(list(prompt_token_ids))
+        self._streams[request_id] = stream
+        self._send(AddRequest(request_id, stream.prompt_token_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the consumer went away (client disconnect) or an error
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(AbortRequests([request_id]))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop admitting, let running requests finish for up to drain_timeout s, abort the rest,
+        stop the engine process. Blocks: call it off the event loop."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while self._streams and not self.dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._streams and not self.dead:
+            self._send(AbortRequests(list(self._streams)))
+        self._stop_engine(send_shutdown=not self.dead)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        if self.dead:
+            return
+        with self._send_lock:
+            self._input.send(self._codec.encode(message), copy=False)
+
+    def _stop_engine(self, send_shutdown: bool) -> None:
+        self._stopping = True
+        if send_shutdown:
+            self._send(Shutdown())
+        self._engine.join(STOP_TIMEOUT_S)
+        if self._engine.is_alive():
+            log.warning("the engine did not stop within %.0fs: killing it", STOP_TIMEOUT_S)
+            self._engine.kill()
+            self._engine.join(STOP_TIMEOUT_S)
+        if self._loop is not None and not self._loop.is_closed():
+            for task in self._tasks:
+                self._loop.call_soon_threadsafe(task.cancel)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:
+        decode = self._codec.messages.decode
+        while True:
+            message = decode(await socket.recv(copy=False))
+            if isinstance(message, EngineOutputs):
+                self._dispatch(message)
+
+    def _dispatch(self, message: EngineOutputs) -> None:
+        self._stats = message.stats
+        for delta in message.outputs:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(stream.output(delta))
+        for failure in message.failures:
+            stream = self._streams.get(failure.request_id)
+            if stream is None:
+                continue
+            if failure.invalid:
+                error = RequestError(failure.message, param=failure.param, code=failure.code)
+            else:
+                error = RuntimeError(failure.message)
+            stream.queue.put_nowait(error)
+
+    async def _watch(self) -> None:
+        while self._engine.is_alive():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        if self._stopping:
+            return
+        self.dead = True
+        log.error(
+            "the engine process died (exit code %s): failing %d running request(s)",
+            self._engine.exitcode,
+            len(self._streams),
+        )
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError("the engine process died"))
+        if self.on_dead is not None:
+            self.on_dead()

@@ -1,0 +1,147 @@
+"""The engine loop behind the socket: requests in, one `EngineOutputs` message per step out.
+
+`run_engine_core` is the engine process's entry point (or, with --no-engine-process, a thread's):
+it loads the engine, says `Ready` (or `StartupFailed`), then alternates between the requests that
+arrived and one engine step, and sends each step's new tokens of every request in one message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import zmq
+
+from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.engine import LLMEngine
+from gemma4serve.engine.outputs import RequestOutput
+from gemma4serve.engine_process.messages import (
+    AbortRequests,
+    AddRequest,
+    ChoiceDelta,
+    Codec,
+    EngineOutputs,
+    Ready,
+    RequestDelta,
+    RequestFailure,
+    Shutdown,
+    StartupFailed,
+)
+from gemma4serve.validation import RequestError
+
+log = logging.getLogger("gemma4serve")
+
+IDLE_POLL_MS = 200  # an idle engine wakes this often to notice that its server is gone
+
+
+def run_engine_core(
+    args: EngineArgs, input_address: str, output_address: str, log_level: str | None
+) -> None:
+    """Serve the engine over the two sockets until `Shutdown` (or the server process dies).
+
+    `log_level` is set in a spawned process (its logging starts blank) and None in a thread."""
+    if log_level is not None:
+        from gemma4serve.cli import setup_logging
+
+        setup_logging(log_level)
+        # Ctrl-C reaches the whole process group: the server drains and stops this process itself.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(output_address)
+    codec = Codec()
+    try:
+        try:
+            engine = LLMEngine(args)
+        except Exception as e:  # bad path, no GPU, out of memory...: the server reports it
+            log.debug("engine start-up failed", exc_info=True)
+            outbox.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
+            return
+        tokenizer_dir = Path(args.tokenizer) if args.tokenizer else engine.state.target_dir
+        ready = Ready(
+            pid=os.getpid(),
+            max_model_len=engine.max_model_len,
+            tokenizer_dir=str(tokenizer_dir) if engine.tokenizer is not None else None,
+            default_sampling_params=engine.default_sampling_params,
+            stats=engine.snapshot(),
+        )
+        outbox.send(codec.encode(ready))
+        EngineCore(engine, inbox, outbox, codec).run()
+    finally:
+        context.destroy(linger=1000)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec):
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.codec = codec
+        self.parent_pid = os.getppid()
+
+    def run(self) -> None:
+        engine = self.engine
+        while os.getppid() == self.parent_pid:  # the server process is gone: so are we
+            if not engine.has_unfinished() and not self.inbox.poll(IDLE_POLL_MS):
+                continue
+            outputs: list[RequestOutput] = []
+            failures: list[RequestFailure] = []
+            if not self._take_requests(outputs, failures):
+                return
+            if engine.has_unfinished():
+                try:
+                    outputs += engine.step()
+                except Exception as e:  # a bug must not hang every client: fail what runs
+                    log.exception("engine step failed; aborting in-flight requests")
+                    for request_id in list(engine.requests):
+                        engine.abort(request_id)
+                        failures.append(RequestFailure(request_id, f"engine error: {e}", False))
+            message = EngineOutputs(
+                [_delta(output) for output in outputs], failures, engine.snapshot()
+            )
+            self.outbox.send(self.codec.encode(message), copy=False)
+
+    def _take_requests(self, outputs: list[RequestOutput], failures: list[RequestFailure]) -> bool:
+        """Apply every request that arrived; False on `Shutdown`."""
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            message = self.codec.requests.decode(frame.buffer)
+            if isinstance(message, AddRequest):
+                try:
+                    self.engine.add_request(
+                        message.request_id, message.prompt_token_ids, message.params
+                    )
+                except RequestError as e:
+                    failure = RequestFailure(message.request_id, str(e), True, e.param, e.code)
+                    failures.append(failure)
+                except ValueError as e:  # sampling settings the engine refused
+                    failures.append(RequestFailure(message.request_id, str(e), True))
+            elif isinstance(message, AbortRequests):
+                for request_id in message.request_ids:
+                    output = self.engine.abort(request_id)
+                    if output is not None:
+                        outputs.append(output)
+            elif isinstance(message, Shutdown):
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+                return False
+
+
+def _delta(output: RequestOutput) -> RequestDelta:
+    choices = [
+        ChoiceDelta(
+            c.index, c.new_token_ids, c.new_text, c.new_logprobs, c.finish_reason, c.stop_reason
+        )
+        for c in output.outputs
+    ]
+    metrics = output.metrics if output.finished else None
+    return RequestDelta(
+        output.request_id, choices, output.finished, output.num_cached_tokens, metrics
+    )

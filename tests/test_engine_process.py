@@ -1,0 +1,233 @@
+"""The engine in its own process, behind the real server.
+
+`python -m gemma4serve.cli` serves the tiny demo Gemma 4 with its MTP assistant on CPU: outputs
+equal the in-process engine's, many streams and a slow client, a killed engine process, SIGTERM, a
+start-up error; and the request message's codec."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from fake_engine import REPO_ROOT, ServerProcess, metric, sse_data
+
+from gemma4serve.engine_process.messages import AddRequest, Codec
+from gemma4serve.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.timeout(300)]
+
+MODEL = "tiny"
+NUM_DRAFT_TOKENS = 3
+MAX_MODEL_LEN = 1024
+ENGINE_PID = re.compile(r"engine process started \(pid (\d+)\)")
+
+
+def test_sampling_params_cross_the_boundary_whole():
+    """Every SamplingParams field survives the request message: set each one off its default here
+    (a field added to SamplingParams must be added here too, which checks it stays encodable)."""
+    params = SamplingParams(
+        max_tokens=7,
+        temperature=0.5,
+        top_k=3,
+        top_p=0.9,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        seed=11,
+        stop=["x", "yz"],
+        stop_token_ids=[5, 6],
+        ignore_eos=True,
+        logprobs=2,
+        n=2,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        min_tokens=2,
+        logit_bias={5: -1.5, 9: 2.0},
+        allowed_token_ids=[5, 6, 9],
+        bad_words=["bad"],
+    )
+    default = SamplingParams()
+    unset = [
+        f.name
+        for f in dataclasses.fields(SamplingParams)
+        if getattr(params, f.name) == getattr(default, f.name)
+    ]
+    assert not unset, f"set these fields off their defaults in this test: {unset}"
+    codec = Codec()
+    message = codec.requests.decode(codec.encode(AddRequest("r", [2, 7], params)))
+    assert message == AddRequest("r", [2, 7], params)
+
+
+# ---- the real server ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    from gemma4serve.demo.checkpoints import ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("demo-cache"))
+
+
+def start_server(demo_model, *extra: str) -> ServerProcess:
+    target, assistant = demo_model
+    args = ["-m", "gemma4serve.cli", "--model", str(target), "--draft", str(assistant)]
+    args += ["--device", "cpu", "--host", "127.0.0.1", "--port", "0"]
+    args += ["--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--num-draft-tokens", str(NUM_DRAFT_TOKENS), "--disable-uvicorn-access-log", *extra]
+    return ServerProcess(args, ready_timeout=240)
+
+
+def engine_pid(server: ServerProcess) -> int:
+    pids = [int(m.group(1)) for line in server.lines if (m := ENGINE_PID.search(line))]
+    assert len(pids) == 1, server.lines
+    return pids[0]
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def server(demo_model):
+    with start_server(demo_model) as proc:
+        yield proc
+
+
+def free_pages(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return metric(text, "gemma4serve:kv_cache_free_pages")
+
+
+def wait_for_free_pages(server, expected: float) -> None:
+    deadline = time.monotonic() + 60
+    while (now := free_pages(server)) != expected:
+        assert time.monotonic() < deadline, f"KV pages not returned: {now} != {expected}"
+        time.sleep(0.2)
+
+
+def test_engine_runs_in_a_child_process(server):
+    pid = engine_pid(server)
+    assert pid != server.proc.pid and process_exists(pid)
+
+
+def test_64_concurrent_greedy_streams_equal_the_in_process_engine(server, demo_model):
+    """64 streams at once through the engine process: each one's tokens and text equal the offline
+    engine's (in-process, the same drafter) and the engine's without the drafter; no page leaks."""
+    from gemma4serve.engine.llm import LLM
+
+    prompts = [[2, *(10 + (i * 7 + j * 13) % 480 for j in range(3 + i % 9))] for i in range(64)]
+    baseline = free_pages(server)
+
+    async def one(http: httpx.AsyncClient, prompt: list[int]) -> tuple[list[int], str, str]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0.0}
+        body |= {"stream": True, "return_token_ids": True}
+        ids, text, finish = [], "", None
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = [line async for line in response.aiter_lines()]
+        for data in sse_data(lines)[:-1]:
+            choice = json.loads(data)["choices"][0]
+            ids += choice.get("token_ids", [])
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+        return ids, text, finish
+
+    async def run():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
+            return await asyncio.gather(*(one(http, prompt) for prompt in prompts))
+
+    served = asyncio.run(run())
+    target, assistant = demo_model
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    for draft, k in ((assistant, NUM_DRAFT_TOKENS), (None, 0)):
+        llm = LLM(str(target), str(draft) if draft else None, device="cpu",
+                  num_draft_tokens=k, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+        offline = llm.generate(prompts, params)
+        for (ids, text, finish), want in zip(served, offline):
+            assert ids == want.token_ids and text == want.text
+            assert finish == want.outputs[0].finish_reason
+    wait_for_free_pages(server, baseline)
+
+
+def test_a_slow_client_does_not_stall_other_streams(server):
+    """A client that stops reading its long stream (with logprobs: megabytes, more than the socket
+    buffers hold) while 8 other streams run to their end; its pages return once it leaves."""
+    baseline = free_pages(server)
+    body = {"model": MODEL, "prompt": [2, 40, 41], "max_tokens": 900, "ignore_eos": True}
+    body |= {"logprobs": 20, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as slow:
+        next(slow.iter_lines())  # then it reads nothing more
+
+        async def other(http: httpx.AsyncClient, i: int) -> str | None:
+            request = {"model": MODEL, "prompt": [2, 50 + i], "max_tokens": 40}
+            request |= {"ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=request) as response:
+                payloads = sse_data([line async for line in response.aiter_lines()])
+            assert payloads[-1] == "[DONE]"
+            return json.loads(payloads[-2])["choices"][0]["finish_reason"]
+
+        async def others():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                return await asyncio.gather(*(other(http, i) for i in range(8)))
+
+        assert asyncio.run(others()) == ["length"] * 8
+    wait_for_free_pages(server, baseline)
+
+
+def test_killed_engine_process_fails_streams_and_the_server_exits_non_zero(demo_model):
+    with start_server(demo_model) as proc:
+        pid = engine_pid(proc)
+        body = {"model": MODEL, "prompt": [2, 60], "max_tokens": 900, "ignore_eos": True}
+        with httpx.stream(
+            "POST", proc.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as stream:
+            lines = stream.iter_lines()
+            first = next(lines)
+            os.kill(pid, signal.SIGKILL)
+            payloads = sse_data([first, *lines])  # the stream ends (no hang)
+        assert payloads[-1] == "[DONE]"
+        error = json.loads(payloads[-2])["error"]
+        assert error["type"] == "internal_server_error" and "engine" in error["message"]
+        # Until the server is gone, it refuses: /health and new requests get a 5xx.
+        for method, path, request in [("GET", "/health", None), ("POST", "/v1/completions", body)]:
+            try:
+                response = httpx.request(method, proc.url + path, json=request, timeout=30)
+            except httpx.TransportError:
+                continue  # already gone
+            assert response.status_code >= 500, response.text
+        assert proc.wait(60) == 1
+        assert any("the engine process died" in line for line in proc.lines)
+
+
+def test_sigterm_stops_the_engine_process(demo_model):
+    with start_server(demo_model) as proc:
+        pid = engine_pid(proc)
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not process_exists(pid)
+
+
+def test_engine_start_up_error_exits_with_its_message(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    command = [sys.executable, "-m", "gemma4serve.cli", "--model", str(tmp_path / "missing")]
+    done = subprocess.run(
+        [*command, "--device", "cpu"], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 1
+    assert "could not start the engine:" in done.stdout + done.stderr
+    assert "missing" in done.stdout + done.stderr
