@@ -907,7 +907,8 @@ def test_engine_client_concurrent_consumers(tiny_checkpoints, engine):
 
     async def main():
         client.start()
-        results = await asyncio.gather(*(consume(i) for i in range(len(prompts))), quitter(), bad())
+        consumers = asyncio.gather(*(consume(i) for i in range(len(prompts))), quitter(), bad())
+        results = await asyncio.wait_for(consumers, 120)
         # The quitter's abort reaches the engine asynchronously: wait for the pages to return.
         for _ in range(200):
             stats = client.stats()

@@ -48,6 +48,7 @@ def test_sampling_params_cross_the_boundary_whole():
         stop_token_ids=[5, 6],
         ignore_eos=True,
         logprobs=2,
+        prompt_logprobs=1,
         n=2,
         skip_special_tokens=False,
         include_stop_str_in_output=True,
@@ -225,9 +226,11 @@ def test_sigterm_stops_the_engine_process(demo_model):
 def test_engine_start_up_error_exits_with_its_message(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     command = [sys.executable, "-m", "gemma4serve.cli", "--model", str(tmp_path / "missing")]
-    done = subprocess.run(
-        [*command, "--device", "cpu"], capture_output=True, text=True, timeout=240, env=env
-    )
+    log = tmp_path / "log"
+    with log.open("w") as out:  # a file, not a pipe: nothing can hold it open past the exit
+        done = subprocess.run(
+            [*command, "--device", "cpu"], stdout=out, stderr=out, timeout=240, env=env
+        )
     assert done.returncode == 1
-    assert "could not start the engine:" in done.stdout + done.stderr
-    assert "missing" in done.stdout + done.stderr
+    text = log.read_text()
+    assert "could not start the engine:" in text and "missing" in text

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from gemma4serve.engine.args import EngineArgs
-from gemma4serve.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from gemma4serve.engine.outputs import EngineStats, RequestOutput
 from gemma4serve.engine_process.core import run_engine_core
 from gemma4serve.engine_process.messages import (
     AbortRequests,
@@ -35,7 +35,6 @@ from gemma4serve.engine_process.messages import (
     Codec,
     EngineOutputs,
     Ready,
-    RequestDelta,
     Shutdown,
     StartupFailed,
 )
@@ -71,32 +70,17 @@ class RequestStream:
     texts: dict[int, str] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
 
-    def output(self, delta: RequestDelta) -> RequestOutput:
-        choices = []
-        for c in delta.choices:
-            text = self.texts[c.index] = self.texts.get(c.index, "") + c.new_text
-            ids = self.token_ids.setdefault(c.index, [])
-            ids += c.new_token_ids
-            choices.append(
-                CompletionOutput(
-                    index=c.index,
-                    text=text,
-                    token_ids=list(ids),
-                    new_text=c.new_text,
-                    new_token_ids=c.new_token_ids,
-                    new_logprobs=c.new_logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
+    def complete(self, output: RequestOutput) -> RequestOutput:
+        """Fill in the cumulative fields the engine left out (messages.EngineOutputs)."""
+        output.prompt_token_ids = self.prompt_token_ids
+        for choice in output.outputs:
+            choice.text = self.texts[choice.index] = (
+                self.texts.get(choice.index, "") + choice.new_text
             )
-        return RequestOutput(
-            delta.request_id,
-            self.prompt_token_ids,
-            choices,
-            delta.finished,
-            delta.metrics,
-            delta.num_cached_tokens,
-        )
+            ids = self.token_ids.setdefault(choice.index, [])
+            ids += choice.new_token_ids
+            choice.token_ids = list(ids)
+        return output
 
 
 class _EngineThread:
@@ -280,10 +264,10 @@ class EngineProcessClient:
 
     def _dispatch(self, message: EngineOutputs) -> None:
         self._stats = message.stats
-        for delta in message.outputs:
-            stream = self._streams.get(delta.request_id)
+        for output in message.outputs:
+            stream = self._streams.get(output.request_id)
             if stream is not None:
-                stream.queue.put_nowait(stream.output(delta))
+                stream.queue.put_nowait(stream.complete(output))
         for failure in message.failures:
             stream = self._streams.get(failure.request_id)
             if stream is None:

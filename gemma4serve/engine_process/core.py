@@ -20,11 +20,9 @@ from gemma4serve.engine.outputs import RequestOutput
 from gemma4serve.engine_process.messages import (
     AbortRequests,
     AddRequest,
-    ChoiceDelta,
     Codec,
     EngineOutputs,
     Ready,
-    RequestDelta,
     RequestFailure,
     Shutdown,
     StartupFailed,
@@ -100,9 +98,7 @@ class EngineCore:
                     for request_id in list(engine.requests):
                         engine.abort(request_id)
                         failures.append(RequestFailure(request_id, f"engine error: {e}", False))
-            message = EngineOutputs(
-                [_delta(output) for output in outputs], failures, engine.snapshot()
-            )
+            message = EngineOutputs([_strip(out) for out in outputs], failures, engine.snapshot())
             self.outbox.send(self.codec.encode(message), copy=False)
 
     def _take_requests(self, outputs: list[RequestOutput], failures: list[RequestFailure]) -> bool:
@@ -134,14 +130,12 @@ class EngineCore:
                 return False
 
 
-def _delta(output: RequestOutput) -> RequestDelta:
-    choices = [
-        ChoiceDelta(
-            c.index, c.new_token_ids, c.new_text, c.new_logprobs, c.finish_reason, c.stop_reason
-        )
-        for c in output.outputs
-    ]
-    metrics = output.metrics if output.finished else None
-    return RequestDelta(
-        output.request_id, choices, output.finished, output.num_cached_tokens, metrics
-    )
+def _strip(output: RequestOutput) -> RequestOutput:
+    """The output without what the server already has: the prompt, the cumulative text and ids,
+    the timings before the request finished."""
+    output.prompt_token_ids = []
+    for choice in output.outputs:
+        choice.text, choice.token_ids = "", []
+    if not output.finished:
+        output.metrics = None
+    return output

@@ -1,16 +1,17 @@
 """The messages between the server process and the engine process, and their msgpack codec.
 
-Requests carry `SamplingParams` whole, so a field added there crosses without changes here (the
-codec encodes dataclasses field by field; a field must stay msgpack-encodable). Outputs carry only
-what is new since the request's last output: one `EngineOutputs` per engine step holds every
-request's new tokens, and the server rebuilds the cumulative text and token ids.
+Requests carry `SamplingParams` whole and outputs are the engine's own `RequestOutput`s, so a
+field added to either crosses without changes here (the codec encodes dataclasses field by field;
+a field must stay msgpack-encodable). One `EngineOutputs` per engine step holds every request's
+output; their cumulative fields (`text`, `token_ids`, the prompt) are left empty, and the server
+rebuilds them from the new tokens and text.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from gemma4serve.engine.outputs import EngineStats, RequestMetrics, TokenLogprob
+from gemma4serve.engine.outputs import EngineStats, RequestOutput
 from gemma4serve.sampling_params import SamplingParams
 
 # ---- server -> engine ---------------------------------------------------------------------------
@@ -50,25 +51,6 @@ class StartupFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-class ChoiceDelta(msgspec.Struct, array_like=True):
-    """What one choice adds in one step (`CompletionOutput` without its cumulative fields)."""
-
-    index: int
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-class RequestDelta(msgspec.Struct, array_like=True):
-    request_id: str
-    choices: list[ChoiceDelta]
-    finished: bool
-    num_cached_tokens: int
-    metrics: RequestMetrics | None  # sent with the finished output only
-
-
 class RequestFailure(msgspec.Struct, array_like=True):
     """A request the engine refused (`invalid`: the request's fault, a 400) or failed while running
     it (an engine error, a 500)."""
@@ -83,7 +65,7 @@ class RequestFailure(msgspec.Struct, array_like=True):
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True):
     """Everything one pass of the engine loop produced, and the statistics after it."""
 
-    outputs: list[RequestDelta]
+    outputs: list[RequestOutput]
     failures: list[RequestFailure]
     stats: EngineStats
 
