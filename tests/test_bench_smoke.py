@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,3 +82,35 @@ def test_bench_hf_baseline_on_the_same_weights():
     # Greedy on the same weights: HF generates our tokens exactly, with and without the assistant.
     assert all(line.rstrip().endswith("yes") for line in hf_rows), out
     assert "gemma4serve (this run" in out
+
+
+def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
+    """bench/bench_serve.py starts the server, streams a few requests per level, prints a row per
+    concurrency with the accepted length from /metrics and the roofline, and saves JSON."""
+    target, assistant = tiny_checkpoints.get("dense"), tiny_checkpoints.get_assistant("dense")
+    result_file = tmp_path / "result.json"
+    server_args = "--device cpu --num-draft-tokens 3 --max-model-len 256 --forced-acceptance 3.1"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_serve.py"), "--model", str(target),
+         "--draft", str(assistant), "--server-args", server_args, "--input-len", "24",
+         "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
+         "--bandwidth-gbps", "50", "--no-warmup", "--result-file", str(result_file)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The table's rows (the server's log lines, prefixed `server:`, come in between).
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("server:")]
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["conc", "reqs"])
+    rows = {int(line.split()[0]): line.split() for line in lines[header + 1 : header + 3]}
+    assert set(rows) == {1, 3} and all(row[1] == "3" for row in rows.values())
+    levels = json.loads(result_file.read_text())["levels"]
+    assert [level["concurrency"] for level in levels] == [1, 3]
+    for level in levels:
+        assert level["completed"] == 3 and level["failed"] == 0
+        assert level["output_tokens"] == 3 * 12 and level["output_throughput"] > 0
+        assert 0 < level["p50_ttft_ms"] <= level["p99_ttft_ms"]
+        assert 0 < level["p50_tpot_ms"] <= level["p99_tpot_ms"]
+        # Forced acceptance of 3.1 tokens per verify step, read from the server's counters.
+        assert 2.0 < level["mean_accepted_length"] <= 4.0
+        assert level["roofline_tpot_ms"] > 0

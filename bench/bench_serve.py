@@ -1,0 +1,353 @@
+#!/usr/bin/env python
+"""Serving throughput over HTTP, like `vllm bench serve`: the real server, streamed requests.
+
+Random-token prompts of exactly --input-len tokens (drawn from the model's vocabulary and sent to
+/v1/completions as token ids, so the length is exact with or without a tokenizer), exactly
+--output-len tokens each (ignore_eos, greedy unless --temperature), streamed. At each level of
+--concurrency it keeps that many requests in flight; --request-rate sends them as a Poisson process
+instead (capped by the concurrency). Per level: output tokens/s, TTFT, TPOT (per request, after
+the first token), ITL (the gap between two deliveries of a request, spread over the tokens
+delivered together: with MTP several tokens land at once), the mean accepted length from the
+server's spec-decode counters, and the decode-step bandwidth roofline next to the TPOT (the bytes
+one step must read over the bandwidth, docs/architecture.md; computed from the configs as
+bench/bench_offline.py does, so it needs --model).
+
+    # starts the server (bench/server_process.py), E4B shapes with dummy weights
+    python bench/bench_serve.py --model configs/gemma-4-E4B-it \\
+        --draft configs/gemma-4-E4B-it-assistant --load-format dummy \\
+        --server-args "--forced-acceptance 3.1" --input-len 1024 --output-len 256 \\
+        --concurrency 1 8 32 --result-file e4b.json
+    # a server that already runs (--model, --draft only for the roofline)
+    python bench/bench_serve.py --base-url http://127.0.0.1:8000 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from server_process import start_server  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", help="target checkpoint or configs/<name> (starts the server)")
+    p.add_argument("--draft", help="the MTP assistant (omit for no MTP)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--server-args", default="", help="extra server flags, one string")
+    p.add_argument("--base-url", help="a running server instead of starting one")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s as a Poisson process (default inf: all at once, capped by concurrency)",
+    )
+    p.add_argument(
+        "--num-prompts", type=int, help="requests per level (default: 4 x concurrency, at least 8)"
+    )
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--min-token-id", type=int, default=10, help="random prompt ids from here")
+    p.add_argument("--no-warmup", action="store_true", help="no warm-up requests per level")
+    p.add_argument(
+        "--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured)"
+    )
+    p.add_argument("--result-file", help="write every level's numbers here as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not args.model and not args.base_url:
+        p.error("give --model (the server is started) or --base-url")
+    if min(args.concurrency) < 1 or args.input_len < 1 or args.output_len < 1:
+        p.error("--concurrency, --input-len and --output-len must be positive")
+    return args
+
+
+# ---- one request ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    start: float
+    deliveries: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens that came)
+    error: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(n for _, n in self.deliveries)
+
+    @property
+    def ttft(self) -> float:
+        return self.deliveries[0][0] - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.deliveries[-1][0] - self.deliveries[0][0]) / (self.output_tokens - 1)
+
+    def itls(self) -> list[float]:
+        return [
+            (now - before) / count
+            for (before, _), (now, count) in zip(self.deliveries, self.deliveries[1:])
+            for _ in range(count)
+        ]
+
+
+async def run_request(
+    http: httpx.AsyncClient, model: str, prompt: list[int], args
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": args.output_len,
+        "ignore_eos": True,
+        "temperature": args.temperature,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    result = RequestResult(time.perf_counter())
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    result.error = event["error"]["message"]
+                    return result
+                count = sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
+                if count:
+                    result.deliveries.append((time.perf_counter(), count))
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+    if not result.error and result.output_tokens != args.output_len:
+        result.error = f"{result.output_tokens} tokens instead of {args.output_len}"
+    return result
+
+
+# ---- one level -----------------------------------------------------------------------------------
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    i = (len(xs) - 1) * q / 100
+    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def spec_counters(url: str) -> tuple[float, float]:
+    """(verify steps that carried drafts, drafts accepted) from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("gemma4serve:spec_decode_num_drafts_total",
+                    "gemma4serve:spec_decode_num_accepted_tokens_total"):  # fmt: skip
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return (
+        values.get("gemma4serve:spec_decode_num_drafts_total", 0.0),
+        values.get("gemma4serve:spec_decode_num_accepted_tokens_total", 0.0),
+    )
+
+
+async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int, args):
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(3600, connect=60)
+    gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(args.seed)
+
+    async def one(http, prompt):
+        async with gate:
+            return await run_request(http, model, prompt, args)
+
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+        tasks = []
+        start = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.ensure_future(one(http, prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], elapsed: float, concurrency: int, spec) -> dict:
+    done = [r for r in results if r.error is None]
+    ttft = [r.ttft for r in done]
+    tpot = [r.tpot for r in done if r.tpot is not None]
+    itl = [x for r in done for x in r.itls()]
+    steps, accepted = spec
+    summary = {
+        "concurrency": concurrency,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": elapsed,
+        "output_tokens": sum(r.output_tokens for r in done),
+        "output_throughput": sum(r.output_tokens for r in done) / elapsed,
+        "mean_accepted_length": 1 + accepted / steps if steps else None,
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        summary[f"mean_{name}_ms"] = mean(values) * 1e3
+        summary[f"p50_{name}_ms"] = percentile(values, 50) * 1e3
+        summary[f"p99_{name}_ms"] = percentile(values, 99) * 1e3
+    return summary
+
+
+# ---- the roofline --------------------------------------------------------------------------------
+
+
+def roofline_of(args) -> tuple[object, float, str] | None:
+    """A function (concurrency, context) -> bench_offline.Roofline over meta-device modules built
+    from the configs, and the bandwidth; None without --model."""
+    if not args.model or not (Path(args.model) / "config.json").exists():
+        return None
+    import types
+
+    import torch
+    from bench_offline import measure_bandwidth, roofline
+
+    from gemma4serve.config import load_config
+    from gemma4serve.model.assistant import Gemma4Assistant
+    from gemma4serve.model.gemma4 import Gemma4Model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device("meta"):
+        target = Gemma4Model(load_config(args.model)).to(dtype)
+        draft = Gemma4Assistant(load_config(args.draft)).to(dtype) if args.draft else None
+    k = num_draft_tokens(args) if draft is not None else 0
+    state = types.SimpleNamespace(target=target, draft=draft, dtype=dtype)
+    engine = types.SimpleNamespace(state=state, num_draft_tokens=k)
+    if args.bandwidth_gbps:
+        bandwidth, source = args.bandwidth_gbps * 1e9, "given"
+    else:
+        bandwidth, source = measure_bandwidth(device), f"measured by a {device.type} copy here"
+    return (lambda c, context: roofline(engine, c, context, bandwidth)), bandwidth, source
+
+
+def num_draft_tokens(args) -> int:
+    flags = args.server_args.split()
+    for name in ("--num-draft-tokens", "--num-speculative-tokens"):
+        if name in flags:
+            return int(flags[flags.index(name) + 1])
+    return 4  # the server's default
+
+
+COLUMNS = ("conc", "reqs", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean",
+           "TPOT p50", "TPOT p99", "ITL mean", "ITL p50", "ITL p99", "acc len", "roof TPOT",
+           "% roof")  # fmt: skip
+WIDTHS = [max(len(c), 7) for c in COLUMNS]
+
+
+def table_row(summary: dict, roof_tpot_ms: float | None) -> str:
+    acc = summary["mean_accepted_length"]
+    percent = 100 * roof_tpot_ms / summary["mean_tpot_ms"] if roof_tpot_ms else None
+    row = [summary["concurrency"], summary["completed"], summary["output_throughput"]]
+    row += [summary[f"{stat}_{name}_ms"] for name in ("ttft", "tpot", "itl")
+            for stat in ("mean", "p50", "p99")]  # fmt: skip
+    row += [acc, roof_tpot_ms, percent]
+    cells = ["-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v) for v in row]
+    return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS))
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def vocab_size(args) -> int:
+    if args.model and (Path(args.model) / "config.json").exists():
+        from gemma4serve.config import load_config
+
+        return load_config(args.model).vocab_size
+    return 256000  # every Gemma 4 vocabulary is larger: a safe range for a server we cannot see
+
+
+def bench(url: str, model: str, args) -> list[dict]:
+    rng = random.Random(args.seed)
+    vocab = vocab_size(args)
+    roof = roofline_of(args)
+    if roof is not None:
+        print(f"bandwidth for the roofline: {roof[1] / 1e9:.0f} GB/s ({roof[2]})")
+    print(
+        f"\ninput {args.input_len} tokens, output {args.output_len} tokens (ignore_eos, "
+        f"temperature {args.temperature}), request rate {args.request_rate}; times in ms; "
+        "acc len = tokens per verify step incl. bonus (server metrics); "
+        "roof TPOT = roofline step time / acc len"
+    )
+    print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
+    levels = []
+    for concurrency in args.concurrency:
+        n = args.num_prompts or max(8, 4 * concurrency)
+        prompts = [
+            [rng.randrange(args.min_token_id, vocab) for _ in range(args.input_len)]
+            for _ in range(n)
+        ]
+        if not args.no_warmup:
+            asyncio.run(run_level(url, model, prompts[:concurrency], concurrency, args))
+        before = spec_counters(url)
+        results, elapsed = asyncio.run(run_level(url, model, prompts, concurrency, args))
+        after = spec_counters(url)
+        spec = (after[0] - before[0], after[1] - before[1])
+        summary = summarize(results, elapsed, concurrency, spec)
+        roof_tpot_ms = None
+        if roof is not None:
+            step = roof[0](concurrency, args.input_len + args.output_len // 2)
+            acc = summary["mean_accepted_length"]
+            roof_tpot_ms = (step.step_s / acc if acc else step.decode_s) * 1e3
+            summary["roofline_step_bytes"] = step.total if acc else step.decode_target + step.kv
+        summary["roofline_tpot_ms"] = roof_tpot_ms
+        levels.append(summary)
+        print(table_row(summary, roof_tpot_ms), flush=True)
+        if summary["failed"]:
+            print(f"      {summary['failed']} failed: {summary['errors']}", flush=True)
+    return levels
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    command = [sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]
+    print("command:", shlex.join(command), flush=True)
+    if args.base_url:
+        url = args.base_url.rstrip("/")
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        levels = bench(url, model, args)
+    else:
+        extra = args.server_args.split()
+        with start_server(args.model, args.draft, args.load_format, extra) as (url, model):
+            levels = bench(url, model, args)
+    if args.result_file:
+        config = {k: v for k, v in vars(args).items() if k != "result_file"}
+        result = {"command": shlex.join(command), "args": config, "levels": levels}
+        Path(args.result_file).write_text(json.dumps(result, indent=2, default=str))
+        print(f"results: {args.result_file}")
+    if any(level["failed"] for level in levels):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
