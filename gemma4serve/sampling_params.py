@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass, field
 
 from gemma4serve.stop_strings import StopStrings
+from gemma4serve.structured.spec import StructuredOutputsParams
 
 # The sampler packs top_k into int32: a larger one would fail the whole batch's step.
 MAX_TOP_K = 2**31 - 1
@@ -47,6 +48,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # never write these words (as token sequences)
+    structured_outputs: StructuredOutputsParams | None = None  # None = unconstrained
 
     def __post_init__(self):
         if isinstance(self.stop, str):

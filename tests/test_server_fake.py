@@ -514,9 +514,9 @@ BAD_REQUESTS = [
     ),
     ("logit-bias-not-a-token", CHAT, {"messages": M, "logit_bias": {"x": 5}}, 400, "logit_bias"),
     (
-        "response-format-json",
+        "response-format-unknown",
         CHAT,
-        {"messages": M, "response_format": {"type": "json_object"}},
+        {"messages": M, "response_format": {"type": "xml"}},
         400,
         "response_format",
     ),

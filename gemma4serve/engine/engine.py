@@ -36,6 +36,7 @@ from gemma4serve.kv.manager import KVManager
 from gemma4serve.kv.pool import PagePool
 from gemma4serve.kv.prefix_cache import PrefixCache
 from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.structured.grammar import GrammarCompiler, GrammarState
 from gemma4serve.tokenizer import Tokenizer
 from gemma4serve.validation import (
     RequestError,
@@ -120,6 +121,7 @@ class LLMEngine:
         has_tokenizer = (tokenizer_dir / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if has_tokenizer else None
         self.eos_ids = set(cfg.eos_token_ids)
+        self._grammars: GrammarCompiler | None = None  # made by the first structured request
         self.default_sampling_params = (
             {}
             if args.generation_config == "vllm"
@@ -256,6 +258,7 @@ class LLMEngine:
                     param=name,
                 )
         token_rules = self._token_rules(params, len(prompt))
+        grammars = [self._grammar(params) for _ in range(params.n)]
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         choices = []
         for i in range(params.n):
@@ -271,6 +274,7 @@ class LLMEngine:
                 max_len=max_len,
                 token_rules=token_rules,
                 prompt_logprobs=[] if params.prompt_logprobs is not None and i == 0 else None,
+                grammar=grammars[i],
             )
             choices.append(Choice(seq, self._detokenizer(params)))
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -316,6 +320,18 @@ class LLMEngine:
             end_ids=end_ids if params.min_tokens else [],
             min_tokens_position=prompt_len + params.min_tokens,
         )
+
+    def _grammar(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh matcher for a structured request's choice (RequestError on a bad schema)."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError("structured output needs a tokenizer; this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.cfg.vocab_size, sorted(self.eos_ids)
+            )
+        return self._grammars.matcher(params.structured_outputs)
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -446,6 +462,8 @@ class LLMEngine:
         seq = choice.sequence
         for j, token in enumerate(result.tokens):
             seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.commit(token)
             choice.new_token_ids.append(token)
             self.stats.generation_tokens += 1
             if result.logprobs is not None:

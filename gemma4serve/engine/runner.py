@@ -33,6 +33,7 @@ from gemma4serve.engine.sequence import ScheduledChunk, Sequence, StepResult
 from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
 from gemma4serve.kv.manager import SeqPages
 from gemma4serve.model.gemma4 import ForwardContext
+from gemma4serve.structured.bitmask import new_bitmask
 
 # ---- what crosses the step ----------------------------------------------------------------------
 
@@ -290,6 +291,8 @@ class ModelRunner:
             batch.decode_query_len is not None
             and inputs is not None
             and not inputs.sampling.reads_history
+            # A grammar's next mask needs this step's tokens on the host: run such batches sync.
+            and not inputs.sampling.constrained
         )
         prompt_rows = self._prompt_rows(chunks, batch)
         return self._run(
@@ -321,7 +324,9 @@ class ModelRunner:
             handle = StepHandle(None, _prompt_logprobs=prompt_logprobs)
             handle._done = self._record_done() if prompt_logprobs else None
             return handle
-        outputs, logprobs = self._accept(inputs, target)
+        # Filled on the host while the device runs the forward just queued.
+        bitmask = self._grammar_bitmask(inputs) if inputs.sampling.constrained else None
+        outputs, logprobs = self._accept(inputs, target, bitmask)
         if draft_len:
             outputs.next_drafts = self._draft(inputs, target, outputs, draft_len)
         handle = self._copy_to_host(inputs, outputs, logprobs, draft_len, continuable)
@@ -441,8 +446,18 @@ class ModelRunner:
             token_group, positions, tables, self.window, group_starts, Q, self.state.kv.page_tokens
         )
 
+    def _grammar_bitmask(self, inputs: SamplingInputs) -> torch.Tensor:
+        """[B * (K+1), ceil(V / 32)] on the device: each grammar row's allowed tokens along its
+        draft path, every token for the other sequences' rows."""
+        B, K1 = inputs.rows.shape
+        bitmask = new_bitmask(B * K1, self.state.target.cfg.vocab_size)
+        for i, seq in enumerate(inputs.sequences):
+            if seq.grammar is not None:
+                seq.grammar.fill_rows(bitmask, i * K1, seq.drafts[: inputs.drafted[i]])
+        return to_device(bitmask, self.state.device)
+
     def _accept(
-        self, inputs: SamplingInputs, target: TargetOutputs
+        self, inputs: SamplingInputs, target: TargetOutputs, bitmask: torch.Tensor | None
     ) -> tuple[StepOutputs, AcceptResult]:
         """The sampled rows' logits (or greedy tokens) -> `accept` -> (tokens, num_emitted)."""
         B, K1 = inputs.rows.shape
@@ -466,6 +481,7 @@ class ModelRunner:
             inputs.first_position,
             inputs.sampling,
             chosen.view(B, K1) if chosen is not None else None,
+            bitmask,
         )
         tokens, num_emitted = result.tokens, result.num_emitted
         if self.forced is not None and K1 > 1:

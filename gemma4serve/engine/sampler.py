@@ -26,6 +26,7 @@ import torch
 
 from gemma4serve.engine.random_streams import Stream, row_keys, uniform_from_keys
 from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.structured.bitmask import apply_bitmask
 
 # On CUDA the noise + race + argmax runs as one torch.compile'd kernel: eagerly, each of the hash's
 # ~30 integer ops makes its own pass over [R, V]. The engine must call accept() once before
@@ -140,6 +141,7 @@ class SamplingBatch:
     sort_width: int
     num_logprobs: int  # the most top-logprobs any row asked for, -1 = no row wants logprobs
     rules: TokenRuleTensors | None = None  # None: no row has token rules (no cost)
+    constrained: bool = False  # some row follows a grammar: its mask needs the logits
 
     @property
     def argmax_only(self) -> bool:
@@ -150,6 +152,7 @@ class SamplingBatch:
             and not self.any_penalty
             and self.rules is None
             and self.num_logprobs < 0
+            and not self.constrained
         )
 
     @property
@@ -221,6 +224,7 @@ class SamplingBatch:
             rules=TokenRuleTensors.build(rules, output_tokens, device)
             if rules and any(rules)
             else None,
+            constrained=any(request.structured_outputs is not None for request in params),
         )
 
 
@@ -466,6 +470,7 @@ def accept(
     first_position: torch.Tensor,
     sampling: SamplingBatch,
     chosen: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> AcceptResult:
     """Verify drafts against the target and pick the tokens to emit (K = 0: plain decode / end of
     prefill).
@@ -480,12 +485,15 @@ def accept(
     Row j chooses s_j (see `choose`); the longest prefix of drafts with d_{j+1} == s_j is accepted
     and s_0..s_n are emitted (n = number accepted): the accepted drafts, then one correction / bonus
     token. With sampling.argmax_only the caller may pass the rows' argmax tokens as `chosen`
-    [B, K+1] instead of logits.
+    [B, K+1] instead of logits. bitmask [B * (K+1), ceil(V / 32)] int32 (grammar rows): the
+    tokens each row may choose; logprobs stay those of the model.
     """
     B, K = drafts.shape
     num_rows = K + 1  # per sequence: the last committed token, then the K drafts
     device = drafts.device
-    flat = logits.reshape(B * num_rows, -1) if logits is not None else None
+    raw = flat = logits.reshape(B * num_rows, -1) if logits is not None else None
+    if bitmask is not None:
+        flat = apply_bitmask(flat, bitmask)
     if chosen is not None:
         assert sampling.argmax_only
     elif sampling.all_greedy and not sampling.any_penalty and sampling.rules is None:
@@ -517,7 +525,7 @@ def accept(
 
     result = AcceptResult(tokens=tokens, num_emitted=num_emitted)
     if sampling.num_logprobs >= 0:
-        raw = torch.log_softmax(flat.float(), dim=-1)
+        raw = torch.log_softmax(raw.float(), dim=-1)
         result.logprobs = raw.gather(1, chosen.view(-1, 1)).view(B, num_rows)
         top_logprobs, top_ids = raw.topk(sampling.num_logprobs, dim=-1)
         result.top_ids = top_ids.view(B, num_rows, -1)

@@ -9,6 +9,7 @@ from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.engine.sampler import TokenRules
 from gemma4serve.kv.manager import SeqPages
 from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.structured.grammar import GrammarState
 
 
 class Status(enum.Enum):
@@ -33,6 +34,7 @@ class Sequence:
     pages: SeqPages = field(default_factory=SeqPages)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    grammar: GrammarState | None = None  # structured output: the matcher of committed tokens
     num_cached_tokens: int | None = (
         None  # prompt tokens served by the prefix cache (first admission)
     )

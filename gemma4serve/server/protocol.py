@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from gemma4serve.chat.messages import template_message
 from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.structured.spec import StructuredOutputsParams
 
 # -------------------------------------------------------------------------------------------------
 # Errors
@@ -172,6 +173,45 @@ class _GenerationRequest(_Request):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's {"json": schema} / {"json_object"}
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a JSON schema
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for, or None; ApiError(400) when malformed."""
+        if self.guided_json is not None:
+            return StructuredOutputsParams(json=_schema_text(self.guided_json, "guided_json"))
+        if self.structured_outputs:
+            if self.structured_outputs.get("json") is not None:
+                schema = self.structured_outputs["json"]
+                return StructuredOutputsParams(json=_schema_text(schema, "structured_outputs"))
+            if self.structured_outputs.get("json_object"):
+                return StructuredOutputsParams(json_object=True)
+            raise ApiError(
+                400,
+                "structured_outputs supports only 'json' and 'json_object' on this server.",
+                param="structured_outputs",
+            )
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = self.response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ApiError(
+                    400,
+                    "response_format json_schema needs a 'json_schema' object with a 'schema' "
+                    "object.",
+                    param="response_format",
+                )
+            return StructuredOutputsParams(json=_schema_text(spec["schema"], "response_format"))
+        raise ApiError(
+            400,
+            f"response_format type '{kind}' is not supported; use 'text', 'json_object' or "
+            "'json_schema'.",
+            param="response_format",
+        )
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour rather than silently ignoring it."""
@@ -187,13 +227,7 @@ class _GenerationRequest(_Request):
                 f"got {self.truncate_prompt_tokens}",
                 param="truncate_prompt_tokens",
             )
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(
-                400,
-                f"response_format type '{self.response_format.get('type')}' is not supported; "
-                "only 'text'.",
-                param="response_format",
-            )
+        self.structured_outputs_params()  # a 400 for a malformed response_format
         if any(s == "" for s in self.stop_strings):
             raise ApiError(400, "stop strings must not be empty.", param="stop")
 
@@ -255,6 +289,7 @@ class _GenerationRequest(_Request):
                 prompt_logprobs=self.wanted_prompt_logprobs,
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
+                structured_outputs=self.structured_outputs_params(),
                 **chosen,
             )
         except ValueError as e:
@@ -680,3 +715,17 @@ def completion_logprobs(
         "text_offset": offsets,
     }
     return body, text_offset
+
+
+def _schema_text(schema: dict | str, param: str) -> str:
+    """A JSON schema as JSON text (the grammar compiler checks the rest)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as error:
+            raise ApiError(
+                400, f"the JSON schema is not valid JSON: {error}", param=param
+            ) from None
+    if not isinstance(schema, dict):
+        raise ApiError(400, "the JSON schema must be an object.", param=param)
+    return json.dumps(schema)

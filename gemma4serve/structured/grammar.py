@@ -1,0 +1,124 @@
+"""Structured output with xgrammar: a request's grammar spec, its compilation, and the per-sequence
+matcher that fills token bitmasks (docs/performance.md says why xgrammar).
+
+The spec is plain data (picklable) so it crosses a process boundary; matchers live beside the
+engine's sequences and see only committed tokens (drafts are tried on a rollback-able path).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+import xgrammar
+
+from gemma4serve.structured.spec import StructuredOutputsParams
+from gemma4serve.tokenizer import Tokenizer
+from gemma4serve.validation import RequestError
+
+# JSON whitespace runs are bounded so a model cannot fill max_tokens with indentation.
+MAX_WHITESPACE = 4
+_LOOSE_STRING_CHARACTER = r"[^\"\\\r\n]"
+_STRICT_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
+
+
+class GrammarCompiler:
+    """Compiles specs against one tokenizer; compiled grammars are cached by spec."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        # Special tokens as "" (xgrammar never allows those): their text is not the output's text.
+        special = set(tokenizer.all_special_ids)
+        encoded = [""] * vocab_size
+        for text, token_id in vocab.items():
+            if token_id < vocab_size and token_id not in special:
+                encoded[token_id] = text
+        self.info = xgrammar.TokenizerInfo(
+            encoded,
+            _vocab_type(tokenizer),
+            vocab_size=vocab_size,
+            stop_token_ids=stop_token_ids,
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgrammar.GrammarCompiler(self.info)
+        self._compile = functools.lru_cache(maxsize=256)(self._compile_uncached)
+
+    def _compile_uncached(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        # json_object: any JSON object, with the same bounded whitespace and strict strings.
+        schema = spec.json if spec.json is not None else '{"type": "object"}'
+        grammar = xgrammar.Grammar.from_json_schema(
+            schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
+        )
+        # xgrammar's length-bounded strings let raw control characters through (strict JSON
+        # forbids U+0000-U+001F inside strings): its unbounded strings' class is used instead.
+        text = str(grammar).replace(_LOOSE_STRING_CHARACTER, _STRICT_STRING_CHARACTER)
+        return self._compiler.compile_grammar(xgrammar.Grammar.from_ebnf(text))
+
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarState:
+        """A fresh matcher for one sequence; RequestError names a schema it cannot compile."""
+        if spec.json is not None:
+            try:
+                json.loads(spec.json)
+            except ValueError as error:
+                raise RequestError(
+                    f"the JSON schema is not valid JSON: {error}", param="response_format"
+                ) from error
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError) as error:
+            raise RequestError(
+                f"the JSON schema cannot be used: {error}", param="response_format"
+            ) from error
+        return GrammarState(xgrammar.GrammarMatcher(compiled), self.vocab_size)
+
+
+class GrammarState:
+    """One sequence's position in its grammar: advanced by committed tokens only."""
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def commit(self, token: int) -> None:
+        """Advance by an emitted token (emitted tokens were chosen under this grammar's mask)."""
+        if not self.matcher.is_terminated():
+            self.matcher.accept_token(token)
+
+    def fill_rows(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
+        """Fill bitmask rows first_row .. first_row + len(drafts): row j allows what may follow
+        the committed tokens plus drafts[:j]. Rows past the first draft the grammar rejects are
+        never reached (the row before cannot choose that draft) and keep the previous row's
+        mask."""
+        matcher = self.matcher
+        self._fill(bitmask, first_row)
+        advanced = 0
+        for j, draft in enumerate(drafts, start=1):
+            row = first_row + j - 1
+            allowed = (int(bitmask[row, draft // 32]) >> (draft % 32)) & 1
+            if matcher.is_terminated() or not allowed or not matcher.accept_token(draft):
+                bitmask[first_row + j : first_row + len(drafts) + 1] = bitmask[first_row + j - 1]
+                break
+            advanced += 1
+            self._fill(bitmask, first_row + j)
+        if advanced:
+            matcher.rollback(advanced)
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.matcher.is_terminated():
+            # Ended by a stop token: nothing of this row is used; leave everything allowed.
+            bitmask[row] = -1
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _vocab_type(tokenizer: Tokenizer) -> xgrammar.VocabType:
+    """How token strings spell bytes: Gemma's `▁` words with `<0xNN>` byte tokens, GPT-2's
+    byte-level alphabet, or raw text."""
+    decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
+    kinds = json.dumps(decoder)
+    if "ByteFallback" in kinds:
+        return xgrammar.VocabType.BYTE_FALLBACK
+    if "ByteLevel" in kinds:
+        return xgrammar.VocabType.BYTE_LEVEL
+    return xgrammar.VocabType.RAW
