@@ -22,6 +22,7 @@ from fake_engine import REPO_ROOT, ServerProcess, metric, sse_data
 
 from gemma4serve.engine_process.messages import AddRequest, Codec
 from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.structured.spec import StructuredOutputsParams
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -56,6 +57,7 @@ def test_sampling_params_cross_the_boundary_whole():
         logit_bias={5: -1.5, 9: 2.0},
         allowed_token_ids=[5, 6, 9],
         bad_words=["bad"],
+        structured_outputs=StructuredOutputsParams(json='{"type": "object"}'),
     )
     default = SamplingParams()
     unset = [
