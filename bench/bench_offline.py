@@ -47,6 +47,7 @@ from gemma4serve.config import FULL, SLIDING  # noqa: E402
 from gemma4serve.engine.args import EngineArgs  # noqa: E402
 from gemma4serve.engine.engine import LLMEngine  # noqa: E402
 from gemma4serve.sampling_params import SamplingParams  # noqa: E402
+from gemma4serve.structured.spec import StructuredOutputsParams  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,6 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--hf-baseline",
         action="store_true",
         help="also time transformers generate at concurrency 1",
+    )
+    p.add_argument(
+        "--json-object",
+        action="store_true",
+        help="constrain every request to a JSON object (response_format json_object): the cost of "
+        "a grammar step against a run without this flag",
     )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -190,9 +197,18 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_level(
-    engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int, tag: str
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    concurrency: int,
+    output_len: int,
+    tag: str,
+    json_object: bool = False,
 ) -> Level:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # With ignore_eos a finished grammar keeps masking (every token allowed) to the end.
+    structured = StructuredOutputsParams(json_object=True) if json_object else None
+    params = SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, structured_outputs=structured
+    )
     before = engine.snapshot()
     pending = list(enumerate(prompts))[::-1]
     inflight: dict[str, Req] = {}
@@ -628,9 +644,9 @@ def main(argv=None) -> None:
         prompts = [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(n)]
         # First-use costs (allocator, kernels, graphs) stay out of the numbers.
         if not args.no_warmup:
-            run_level(engine, prompts[:c], c, min(args.output_len, 4), f"warm{c}")
+            run_level(engine, prompts[:c], c, min(args.output_len, 4), f"warm{c}", args.json_object)
         compiled = triton_cache_entries()
-        level = run_level(engine, prompts, c, args.output_len, f"c{c}")
+        level = run_level(engine, prompts, c, args.output_len, f"c{c}", args.json_object)
         compiled = triton_cache_entries() - compiled
         roof = roofline(engine, c, args.input_len + args.output_len // 2, bw)
         levels.append((level, roof))

@@ -536,10 +536,10 @@ def test_multibyte_output_streams_whole_characters(engine, monkeypatch):
     n_prompt = 1 + len(tok.encode(prompt))  # the engine puts <bos> before a text prompt
     real_accept = runner_module.accept
 
-    def scripted_accept(logits, drafts, num_drafts, first_position, sb, chosen=None):
+    def scripted_accept(logits, drafts, num_drafts, first_position, sb, chosen=None, bitmask=None):
         # Run the real verification, then replace each emitted token by the script's token for its
         # position.
-        res = real_accept(logits, drafts, num_drafts, first_position, sb, chosen)
+        res = real_accept(logits, drafts, num_drafts, first_position, sb, chosen, bitmask)
         pos = first_position[:, None] + torch.arange(1, res.tokens.shape[1] + 1) - n_prompt
         forced_tokens = torch.tensor(script)[pos.clamp(0, len(script) - 1)]
         res.tokens = torch.where(res.tokens >= 0, forced_tokens, res.tokens)
