@@ -114,3 +114,13 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         # Forced acceptance of 3.1 tokens per verify step, read from the server's counters.
         assert 2.0 < level["mean_accepted_length"] <= 4.0
         assert level["roofline_tpot_ms"] > 0
+
+
+def test_bench_with_json_object_constrains_every_request():
+    out = run_bench(
+        "--input-len", "24", "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
+        "--num-draft-tokens", "3", "--bandwidth-gbps", "50", "--json-object",
+    )  # fmt: skip
+    assert "--json-object" in out.splitlines()[0]
+    rows = table(out)
+    assert set(rows) == {1, 3} and all(row["reqs"] == 3 for row in rows.values())
