@@ -84,13 +84,13 @@ class RequestStream:
 
 
 class _EngineThread:
-    """--no-engine-process: the engine loop on a thread, with a process's `is_alive`/`pid`."""
+    """--no-engine-process: the engine loop on a thread, with the Process methods the client
+    uses."""
 
     def __init__(self, target, args):
         self.thread = threading.Thread(
             target=target, args=args, name="gemma4serve-engine", daemon=True
         )
-        self.pid = None
         self.exitcode = None
 
     def start(self) -> None:

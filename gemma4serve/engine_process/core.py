@@ -88,9 +88,8 @@ class EngineCore:
                 continue
             outputs: list[RequestOutput] = []
             failures: list[RequestFailure] = []
-            if not self._take_requests(outputs, failures):
-                return
-            if engine.has_unfinished():
+            running = self._take_requests(outputs, failures)
+            if running and engine.has_unfinished():
                 try:
                     outputs += engine.step()
                 except Exception as e:  # a bug must not hang every client: fail what runs
@@ -100,9 +99,11 @@ class EngineCore:
                         failures.append(RequestFailure(request_id, f"engine error: {e}", False))
             message = EngineOutputs([_strip(out) for out in outputs], failures, engine.snapshot())
             self.outbox.send(self.codec.encode(message), copy=False)
+            if not running:
+                return
 
     def _take_requests(self, outputs: list[RequestOutput], failures: list[RequestFailure]) -> bool:
-        """Apply every request that arrived; False on `Shutdown`."""
+        """Apply every request that arrived; False on `Shutdown` (after aborting what runs)."""
         while True:
             try:
                 frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
@@ -125,8 +126,9 @@ class EngineCore:
                     if output is not None:
                         outputs.append(output)
             elif isinstance(message, Shutdown):
-                for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
+                outputs += [
+                    self.engine.abort(request_id) for request_id in list(self.engine.requests)
+                ]
                 return False
 
 
