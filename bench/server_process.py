@@ -23,7 +23,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def start_server(model: str, draft: str | None, load_format: str, extra: list[str]):
     """Yields (base url, served model name) once the server says it is ready; its log lines are
-    printed with a `server:` prefix (start-up lines in full, later ones too)."""
+    printed to stderr with a `server:` prefix, so they never split the benchmark's stdout table."""
     port = free_port()
     cmd = [sys.executable, "-m", "gemma4serve.cli", "--model", model, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--load-format", load_format, *extra]
@@ -37,7 +37,7 @@ def start_server(model: str, draft: str | None, load_format: str, extra: list[st
 
     def pump() -> None:
         for line in proc.stdout:
-            print("server:", line, end="", flush=True)
+            sys.stderr.write(f"server: {line}")
             if "gemma4serve ready" in line:
                 started.append(True)
                 ready.set()

@@ -99,8 +99,7 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # The table's rows (the server's log lines, prefixed `server:`, come in between).
-    lines = [line for line in proc.stdout.splitlines() if not line.startswith("server:")]
+    lines = proc.stdout.splitlines()  # the server's log goes to stderr
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["conc", "reqs"])
     rows = {int(line.split()[0]): line.split() for line in lines[header + 1 : header + 3]}
     assert set(rows) == {1, 3} and all(row[1] == "3" for row in rows.values())
