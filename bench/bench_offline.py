@@ -109,6 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="constrain every request to a JSON object (response_format json_object): the cost of "
         "a grammar step against a run without this flag",
     )
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer folder (configs/ hold none; --json-object needs one: "
+        "bench/synthetic_tokenizer.py writes one of the full vocab size)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if bool(args.model) == bool(args.tiny) or (args.tiny and args.draft):
@@ -605,6 +610,7 @@ def main(argv=None) -> None:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         adaptive_draft_length=args.adaptive_draft_length, forced_acceptance=forced, seed=args.seed,
+        tokenizer=args.tokenizer,
         **({"max_num_batched_tokens": batched} if batched else {}),
     ))  # fmt: skip
     state = engine.state
