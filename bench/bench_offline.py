@@ -105,9 +105,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--json-object",
-        action="store_true",
-        help="constrain every request to a JSON object (response_format json_object): the cost of "
-        "a grammar step against a run without this flag",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=["off", "on", "both"],
+        help="constrain every request to a JSON object (response_format json_object); 'both' runs "
+        "each level plain, then constrained, on one loaded engine: the cost of a grammar step",
     )
     p.add_argument(
         "--tokenizer",
@@ -590,6 +593,31 @@ def trace_launches(runner) -> None:
     runner.launch_continued = traced_continued
 
 
+def print_level_details(level: Level, compiled: set) -> None:
+    """Step-time percentiles, the prefill/decode split and the slowest steps of one level."""
+    step_ms = [t * 1e3 for t in level.step_s]
+    print(
+        f"      engine steps that delivered tokens: {len(step_ms)}, "
+        f"ms p10 {percentile(step_ms, 10):.2f} p50 {percentile(step_ms, 50):.2f} "
+        f"p90 {percentile(step_ms, 90):.2f} p99 {percentile(step_ms, 99):.2f} "
+        f"max {max(step_ms):.2f}",
+        flush=True,
+    )
+    split = level.split
+    prefill_rate = split.prefill_tokens / max(split.prefill_s, 1e-9)
+    print(
+        f"      steps with prompt tokens: {split.prefill_steps} taking {split.prefill_s:.2f} s "
+        f"({split.prefill_tokens} prompt tokens, {prefill_rate:.0f}/s); "
+        f"decode-only: {split.decode_steps} taking {split.decode_s:.2f} s "
+        f"(p50 {split.decode_p50_ms:.2f} ms); level {level.elapsed:.2f} s",
+        flush=True,
+    )
+    for t, what in level.slow_steps:  # tail-latency hunting: what the slowest steps ran
+        print(f"      slow step {t * 1e3:.0f} ms, last launch: {what}", flush=True)
+    if compiled:
+        print(f"      Triton compiled during the measurement: {sorted(compiled)}", flush=True)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     print(
@@ -648,36 +676,22 @@ def main(argv=None) -> None:
     for c in args.concurrency:
         n = args.num_prompts or max(8, 4 * c)
         prompts = [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(n)]
-        # First-use costs (allocator, kernels, graphs) stay out of the numbers.
-        if not args.no_warmup:
-            run_level(engine, prompts[:c], c, min(args.output_len, 4), f"warm{c}", args.json_object)
-        compiled = triton_cache_entries()
-        level = run_level(engine, prompts, c, args.output_len, f"c{c}", args.json_object)
-        compiled = triton_cache_entries() - compiled
-        roof = roofline(engine, c, args.input_len + args.output_len // 2, bw)
-        levels.append((level, roof))
-        print(table_row(level, roof), flush=True)
-        step_ms = [t * 1e3 for t in level.step_s]
-        print(
-            f"      engine steps that delivered tokens: {len(step_ms)}, "
-            f"ms p10 {percentile(step_ms, 10):.2f} p50 {percentile(step_ms, 50):.2f} "
-            f"p90 {percentile(step_ms, 90):.2f} p99 {percentile(step_ms, 99):.2f} "
-            f"max {max(step_ms):.2f}",
-            flush=True,
-        )
-        split = level.split
-        prefill_rate = split.prefill_tokens / max(split.prefill_s, 1e-9)
-        print(
-            f"      steps with prompt tokens: {split.prefill_steps} taking {split.prefill_s:.2f} s "
-            f"({split.prefill_tokens} prompt tokens, {prefill_rate:.0f}/s); "
-            f"decode-only: {split.decode_steps} taking {split.decode_s:.2f} s "
-            f"(p50 {split.decode_p50_ms:.2f} ms); level {level.elapsed:.2f} s",
-            flush=True,
-        )
-        for t, what in level.slow_steps:  # tail-latency hunting: what the slowest steps ran
-            print(f"      slow step {t * 1e3:.0f} ms, last launch: {what}", flush=True)
-        if compiled:
-            print(f"      Triton compiled during the measurement: {sorted(compiled)}", flush=True)
+        for constrained in {"off": [False], "on": [True], "both": [False, True]}[args.json_object]:
+            tag = f"c{c}" + ("-json" if constrained else "")
+            # First-use costs (allocator, kernels, graphs) stay out of the numbers.
+            if not args.no_warmup:
+                run_level(
+                    engine, prompts[:c], c, min(args.output_len, 4), f"warm-{tag}", constrained
+                )
+            compiled = triton_cache_entries()
+            level = run_level(engine, prompts, c, args.output_len, tag, constrained)
+            compiled = triton_cache_entries() - compiled
+            roof = roofline(engine, c, args.input_len + args.output_len // 2, bw)
+            levels.append((level, roof))
+            if args.json_object == "both":
+                print(f"      {'json_object' if constrained else 'plain'}:", flush=True)
+            print(table_row(level, roof), flush=True)
+            print_level_details(level, compiled)
 
     print(
         "\ndecode-step roofline "

@@ -19,7 +19,9 @@ from gemma4serve.demo.checkpoints import TOKENIZER_CONFIG
 from gemma4serve.demo.tokenizer import build_tiny_tokenizer
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZéüñçøåß"
-PUNCTUATION = ['"', '":', '{"', '"}', "},", "],", '",', "[", "]", "{", "}", ":", ",", "\\n", "'", "."]
+PUNCTUATION = [
+    '"', '":', '{"', '"}', "},", "],", '",', "[", "]", "{", "}", ":", ",", "\\n", "'", ".",
+]  # fmt: skip
 
 
 def synthetic_piece(rng: random.Random) -> str:

@@ -123,3 +123,15 @@ def test_bench_with_json_object_constrains_every_request():
     assert "--json-object" in out.splitlines()[0]
     rows = table(out)
     assert set(rows) == {1, 3} and all(row["reqs"] == 3 for row in rows.values())
+
+
+def test_bench_json_object_both_runs_each_level_plain_then_constrained():
+    out = run_bench(
+        "--input-len", "24", "--output-len", "12", "--concurrency", "1", "--num-prompts", "2",
+        "--num-draft-tokens", "3", "--bandwidth-gbps", "50", "--json-object", "both",
+    )  # fmt: skip
+    labels = [
+        line.strip() for line in out.splitlines() if line.strip() in ("plain:", "json_object:")
+    ]
+    assert labels == ["plain:", "json_object:"], out
+    assert out.count("GB/step") == 2
