@@ -42,6 +42,8 @@ class EngineArgs:
     async_scheduling: bool = (
         True  # queue the next decode step before reading the current one's tokens
     )
+    # Devices (processes) the model is split over; rank 0 runs the engine, the others follow it.
+    tensor_parallel_size: int = 1
     seed: int = 0  # seeds dummy weights and the per-request seeds drawn when a request gives none
     # Benchmark only: force the mean number of tokens per verify step (bonus included) while every
     # draft and verify computation still runs. Random weights accept ~nothing; this measures MTP's

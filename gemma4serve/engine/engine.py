@@ -35,6 +35,7 @@ from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
 from gemma4serve.kv.manager import KVManager
 from gemma4serve.kv.pool import PagePool
 from gemma4serve.kv.prefix_cache import PrefixCache
+from gemma4serve.parallel.workers import TensorParallelWorkers
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.structured.grammar import GrammarCompiler, GrammarState
 from gemma4serve.tokenizer import Tokenizer
@@ -112,9 +113,30 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, log_level: str | None = None):
+        """`log_level`: the logging level of tensor-parallel worker processes (None: as they
+        start, blank)."""
         self.args = args
-        self.state = load_models(args)
+        if args.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        # Rank 0 of tensor parallelism: this engine schedules, the workers follow its plans.
+        self.workers: TensorParallelWorkers | None = None
+        if args.tensor_parallel_size > 1:
+            self.workers = TensorParallelWorkers(args, log_level)
+        try:
+            self._start(args)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device)."""
+        if self.workers is not None:
+            self.workers.stop()
+
+    def _start(self, args: EngineArgs) -> None:
+        tp = self.workers.tp if self.workers is not None else None
+        self.state = load_models(args, tp)
         cfg = self.state.target.cfg
         self.cfg = cfg
         tokenizer_dir = Path(args.tokenizer) if args.tokenizer else self.state.target_dir
@@ -158,7 +180,13 @@ class LLMEngine:
             )
         graphs, costs = self._capture_graphs(k)
         self.draft_length = DraftLength(k, costs)
-        self.runner = ModelRunner(self.state, num_draft_tokens=k, forced=forced, graphs=graphs)
+        self.runner = ModelRunner(
+            self.state,
+            num_draft_tokens=k,
+            forced=forced,
+            graphs=graphs,
+            followers=self.workers.plans if self.workers is not None else None,
+        )
         if self.state.device.type == "cuda":
             self._warm_up()
         self.requests: dict[str, Request] = {}
@@ -176,6 +204,9 @@ class LLMEngine:
             self.state.device.type != "cuda"
             or args.enforce_eager
             or self.state.attn.name == "torch"
+            # Not yet under tensor parallelism: every rank would capture the same graphs (their
+            # NCCL all-reduces inside) and replay them at rank 0's replays.
+            or self.workers is not None
         ):
             return None, None
         # Mixed steps run FlashInfer's prefill (planned on the host) eagerly where it is installed.

@@ -18,6 +18,12 @@ from gemma4serve.kv.cache import KVCache, page_tokens
 from gemma4serve.kv.sizing import KVPlan, plan_kv
 from gemma4serve.model.assistant import Gemma4Assistant
 from gemma4serve.model.gemma4 import ForwardContext, Gemma4Model
+from gemma4serve.parallel.group import TensorParallel
+from gemma4serve.parallel.shards import (
+    checkpoint_shard,
+    shard_assistant_config,
+    shard_text_config,
+)
 from gemma4serve.weights.dummy import init_dummy_weights
 from gemma4serve.weights.hub import resolve_checkpoint
 from gemma4serve.weights.loader import load_weights
@@ -56,21 +62,29 @@ def resolve_device_dtype(args: EngineArgs) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-def _empty_module(cls, cfg, device, dtype):
+def _empty_module(cls, cfg, device, dtype, tp: TensorParallel | None):
     """Build on the meta device and allocate uninitialised storage once: no wasted random init of
     31B weights."""
     with torch.device("meta"):
-        module = cls(cfg)
+        module = cls(cfg, tp)
     return module.to(dtype).to_empty(device=device).eval().requires_grad_(False)
 
 
-def _load(module, path: Path | None, args: EngineArgs, device, dtype, what: str) -> None:
+def _load(
+    module, path: Path | None, args: EngineArgs, device, dtype, what: str, shard_of=None
+) -> None:
+    """`shard_of`: under tensor parallelism, the part of each checkpoint tensor this rank loads."""
     t0 = time.monotonic()
     if args.load_format == "dummy":
         init_dummy_weights(module, seed=args.seed)
     elif args.load_format in ("auto", "safetensors"):
         load_weights(
-            module, path, to_param_name=module.checkpoint_param_name, device=device, dtype=dtype
+            module,
+            path,
+            to_param_name=module.checkpoint_param_name,
+            device=device,
+            dtype=dtype,
+            shard_of=shard_of,
         )
     else:
         raise ConfigError(f"load_format {args.load_format!r} is not supported (auto, dummy)")
@@ -115,17 +129,21 @@ def make_attention_backend(
     )
 
 
-def _kv_budget(args: EngineArgs, device: torch.device, activations: int) -> int:
-    """Bytes for the KV arena: the --kv-cache-memory given, or what --gpu-memory-utilization of
-    the device leaves after what is in use (the allocator's cache emptied first) and the
-    measured activation reserve."""
+def _kv_budget(
+    args: EngineArgs, device: torch.device, activations: int, tp: TensorParallel | None
+) -> int:
+    """Bytes for the KV arena (of each rank): the --kv-cache-memory given, or what
+    --gpu-memory-utilization of the device leaves after what is in use (the allocator's cache
+    emptied first) and the measured activation reserve; under tensor parallelism the smallest
+    rank's, so that every rank has the pages rank 0 schedules."""
     if args.kv_cache_memory is not None:
         return int(args.kv_cache_memory)
     if device.type != "cuda":
         return 512 * 2**20  # CPU: tiny models only
     torch.cuda.empty_cache()  # cached free blocks of the load are not in use
     free, total = torch.cuda.mem_get_info(device)
-    return max(0, int(total * args.gpu_memory_utilization) - (total - free) - activations)
+    budget = max(0, int(total * args.gpu_memory_utilization) - (total - free) - activations)
+    return budget if tp is None else tp.min_int(budget, device)
 
 
 @torch.inference_mode()
@@ -171,16 +189,21 @@ def _checkpoint_dir(name: str, args: EngineArgs) -> Path:
     return resolve_checkpoint(name, args.revision, cache_dir=args.download_dir)
 
 
-def load_models(args: EngineArgs) -> ModelState:
+def load_models(args: EngineArgs, tp: TensorParallel | None = None) -> ModelState:
+    """The models and KV cache of one device; under tensor parallelism (`tp`), this rank's
+    shard of them: its heads, MLP columns and vocabulary rows, and its heads' KV pages."""
     device, dtype = resolve_device_dtype(args)
+    if tp is not None and device.type == "cuda":
+        device = torch.device("cuda", tp.rank)
     dummy = args.load_format == "dummy"
     target_dir = _checkpoint_dir(args.model, args)
-    cfg = load_config(target_dir)
-    if not isinstance(cfg, TextConfig):
+    full_cfg = load_config(target_dir)
+    if not isinstance(full_cfg, TextConfig):
         raise ConfigError(
             f"{args.model} is an assistant checkpoint; pass it as --draft, with its target as "
             "--model"
         )
+    cfg = full_cfg if tp is None else shard_text_config(full_cfg, tp.size)
     log.info(
         "loading %s (%s, %s) on %s",
         args.model,
@@ -190,9 +213,15 @@ def load_models(args: EngineArgs) -> ModelState:
     )
     # Bound before loading: the weights load straight into the layout the ops read (fused q/k/v
     # and gate/up), with no temporaries the allocator would keep cached.
-    target = _empty_module(Gemma4Model, cfg, device, dtype)
+    target = _empty_module(Gemma4Model, cfg, device, dtype, tp)
     target.bind(device)
-    _load(target, target_dir, args, device, dtype, "target")
+    shard_of = None
+    if tp is not None:
+
+        def shard_of(param, shape):
+            return checkpoint_shard(param, shape, full_cfg, tp, vocab_parallel=True)
+
+    _load(target, target_dir, args, device, dtype, "target", shard_of)
     target.finish_loading()
 
     draft, draft_dir = None, None
@@ -201,10 +230,18 @@ def load_models(args: EngineArgs) -> ModelState:
         dcfg = load_config(draft_dir)
         if not isinstance(dcfg, AssistantConfig):
             raise ConfigError(f"draft model {args.draft} is not a gemma4_assistant checkpoint")
-        dcfg.check_fits(cfg)
-        draft = _empty_module(Gemma4Assistant, dcfg, device, dtype)
+        dcfg.check_fits(full_cfg)
+        full_dcfg = dcfg
+        draft_shard_of = None
+        if tp is not None:
+            dcfg = shard_assistant_config(full_dcfg, tp.size)
+
+            def draft_shard_of(param, shape):
+                return checkpoint_shard(param, shape, full_dcfg.text, tp, vocab_parallel=False)
+
+        draft = _empty_module(Gemma4Assistant, dcfg, device, dtype, tp)
         draft.bind(cfg, device)
-        _load(draft, draft_dir, args, device, dtype, "draft")
+        _load(draft, draft_dir, args, device, dtype, "draft", draft_shard_of)
         draft.finish_loading()
 
     k = args.num_draft_tokens if draft is not None else 0
@@ -222,7 +259,7 @@ def load_models(args: EngineArgs) -> ModelState:
         cache_boundary_rows=math.lcm(*tokens.values()) if args.enable_prefix_caching else 0,
         kv_bytes=None
         if args.kv_cache_tokens is not None
-        else _kv_budget(args, device, activations),
+        else _kv_budget(args, device, activations, tp),
         kv_tokens=args.kv_cache_tokens,
         max_model_len=args.max_model_len,
     )

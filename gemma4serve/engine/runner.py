@@ -31,6 +31,7 @@ from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.engine.sampler import AcceptResult, SamplingBatch, accept
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, StepResult
 from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
+from gemma4serve.engine.step_plan import ContinuedPlan, SamplingPlan, ScheduledPlan
 from gemma4serve.kv.manager import SeqPages
 from gemma4serve.model.gemma4 import ForwardContext
 from gemma4serve.structured.bitmask import new_bitmask
@@ -141,10 +142,10 @@ class PromptRows:
     """The rows of a step whose logits score the next prompt token, for requests that want
     prompt logprobs (chosen on the host when the step is built)."""
 
-    sequences: list[Sequence]  # per row
+    sequences: list[Sequence]  # per row (empty on tensor-parallel workers: they read nothing)
     positions: list[int]  # per row: the position of the prompt token it scores
-    rows: torch.Tensor  # [P] int64: rows of the forward
-    targets: torch.Tensor  # [P] int64: the prompt token each row scores
+    rows: torch.Tensor  # [P] int64 on the host: rows of the forward
+    targets: torch.Tensor  # [P] int64 on the host: the prompt token each row scores
     width: int  # the most top logprobs any of them wants
 
 
@@ -252,6 +253,44 @@ def scheduled_batch(chunks: list[ScheduledChunk]) -> TargetBatch:
     )
 
 
+def sampling_plan(chunks: list[ScheduledChunk], batch: TargetBatch) -> SamplingPlan | None:
+    """The rows and settings of the chunks that sample (None: the step only prefills)."""
+    sampling = [(group, chunk) for group, chunk in enumerate(chunks) if chunk.samples]
+    if not sampling:
+        return None
+    K = max(len(chunk.drafts) for _, chunk in sampling)
+    ends = batch.group_starts[1:].tolist()
+    rows, first_position, drafts, drafted = [], [], [], []
+    for group, chunk in sampling:
+        num_drafts = len(chunk.drafts)
+        first = ends[group] - num_drafts - 1
+        rows.append([first + min(j, num_drafts) for j in range(K + 1)])
+        first_position.append(chunk.start + chunk.length - 1)
+        drafts.append(chunk.drafts + [-1] * (K - num_drafts))
+        drafted.append(num_drafts)
+    sequences = [chunk.seq for _, chunk in sampling]
+    return SamplingPlan(
+        rows=rows,
+        first_position=first_position,
+        drafts=drafts,
+        drafted=drafted,
+        table_rows=[group for group, _ in sampling],
+        params=[seq.params for seq in sequences],
+        seeds=[seq.seed for seq in sequences],
+        output_ids=[seq.output_ids for seq in sequences],
+        prompt_ids=[seq.token_ids[: seq.num_prompt] for seq in sequences],
+        token_rules=[seq.token_rules for seq in sequences],
+        rows_are_all=[r for row in rows for r in row] == list(range(ends[-1])),
+    )
+
+
+def _without_sequences(rows: PromptRows | None) -> PromptRows | None:
+    """Prompt rows as a worker needs them: which rows to score, not whom they belong to."""
+    if rows is None:
+        return None
+    return PromptRows([], [], rows.rows, rows.targets, rows.width)
+
+
 @dataclass
 class _ContinuationRows:
     """Index tensors of every continued step of B sequences x Q rows, made once (each would be a
@@ -271,8 +310,14 @@ class ModelRunner:
         num_draft_tokens: int,
         forced: ForcedAcceptance | None = None,
         graphs: CudaGraphs | None = None,
+        followers=None,
+        leader=None,
     ):
+        """Tensor parallelism: `followers` (rank 0) gets every step's plan, which the other
+        ranks' runners take from their `leader`; both None on one device."""
         self.state = state
+        self.followers = followers
+        self.leader = leader
         self.num_draft_tokens = num_draft_tokens  # 0 without a drafter (the engine decides)
         self.draft_loop = DraftLoop(state) if num_draft_tokens else None
         self.forced = forced
@@ -286,7 +331,19 @@ class ModelRunner:
     def launch(self, chunks: list[ScheduledChunk], draft_len: int) -> StepHandle:
         """Queue a scheduled step that proposes `draft_len` (0 or k) drafts for the next one."""
         batch = scheduled_batch(chunks)
-        inputs = self._scheduled_sampling_inputs(chunks, batch)
+        prompt_rows = self._prompt_rows(chunks, batch)
+        plan = ScheduledPlan(batch, sampling_plan(chunks, batch), prompt_rows, draft_len)
+        if self.followers is not None:
+            self.followers.send(
+                ScheduledPlan(batch, plan.sampling, _without_sequences(prompt_rows), draft_len)
+            )
+        return self.run_scheduled(plan, [chunk.seq for chunk in chunks if chunk.samples])
+
+    def run_scheduled(self, plan: ScheduledPlan, sequences: list[Sequence] | None) -> StepHandle:
+        """The step of a plan; `sequences`: the sampling ones (None on a tensor-parallel worker,
+        which never reads its results)."""
+        batch, sampling = plan.batch, plan.sampling
+        inputs = self._sampling_inputs(sampling, sequences) if sampling is not None else None
         continuable = (
             batch.decode_query_len is not None
             and inputs is not None
@@ -294,16 +351,25 @@ class ModelRunner:
             # A grammar's next mask needs this step's tokens on the host: run such batches sync.
             and not inputs.sampling.constrained
         )
-        prompt_rows = self._prompt_rows(chunks, batch)
         return self._run(
-            batch, inputs, draft_len=draft_len, continuable=continuable, prompt_rows=prompt_rows
+            batch,
+            inputs,
+            draft_len=plan.draft_len,
+            continuable=continuable,
+            prompt_rows=plan.prompt_rows,
         )
 
     @torch.inference_mode()
     def launch_continued(self, previous: StepHandle, pages: list[SeqPages]) -> StepHandle:
         """Queue the decode step after `previous` for the same sequences, from its device outputs.
         `pages` must already map every position that step can write."""
-        batch, inputs = self._continued_inputs(previous, pages)
+        tables = page_tables(pages)
+        if self.followers is not None:
+            self.followers.send(ContinuedPlan(tables))
+        return self.run_continued(previous, tables)
+
+    def run_continued(self, previous: StepHandle, tables: dict[str, torch.Tensor]) -> StepHandle:
+        batch, inputs = self._continued_inputs(previous, tables)
         return self._run(batch, inputs, draft_len=previous.draft_len, continuable=True)
 
     # ---- the step -------------------------------------------------------------------------------
@@ -350,21 +416,22 @@ class ModelRunner:
                 targets.append(seq.token_ids[p + 1])
         if not rows:
             return None
-        device = self.state.device
         return PromptRows(
             sequences=sequences,
             positions=positions,
-            rows=to_device(torch.tensor(rows, dtype=torch.int64), device),
-            targets=to_device(torch.tensor(targets, dtype=torch.int64), device),
+            rows=torch.tensor(rows, dtype=torch.int64),
+            targets=torch.tensor(targets, dtype=torch.int64),
             width=max(seq.params.prompt_logprobs for seq in sequences),
         )
 
     def _score_prompt(self, prompt: PromptRows, target: TargetOutputs) -> _PinnedPromptLogprobs:
         """Log-softmax of the model's logits at the prompt rows, in slices; copied to the host."""
         chosen, rank, top_ids, top_logprobs = [], [], [], []
-        for start in range(0, prompt.rows.shape[0], PROMPT_LOGPROB_SLICE):
-            rows = prompt.rows[start : start + PROMPT_LOGPROB_SLICE]
-            targets = prompt.targets[start : start + PROMPT_LOGPROB_SLICE, None]
+        all_rows = to_device(prompt.rows, self.state.device)
+        all_targets = to_device(prompt.targets, self.state.device)
+        for start in range(0, all_rows.shape[0], PROMPT_LOGPROB_SLICE):
+            rows = all_rows[start : start + PROMPT_LOGPROB_SLICE]
+            targets = all_targets[start : start + PROMPT_LOGPROB_SLICE, None]
             logprobs = torch.log_softmax(
                 self.state.target.logits(target.hidden[rows]).float(), dim=-1
             )
@@ -449,11 +516,15 @@ class ModelRunner:
     def _grammar_bitmask(self, inputs: SamplingInputs) -> torch.Tensor:
         """[B * (K+1), ceil(V / 32)] on the device: each grammar row's allowed tokens along its
         draft path, every token for the other sequences' rows."""
+        if self.leader is not None:  # rank 0 fills it (it holds the grammars)
+            return to_device(self.leader.recv(), self.state.device)
         B, K1 = inputs.rows.shape
         bitmask = new_bitmask(B * K1, self.state.target.cfg.vocab_size)
         for i, seq in enumerate(inputs.sequences):
             if seq.grammar is not None:
                 seq.grammar.fill_rows(bitmask, i * K1, seq.drafts[: inputs.drafted[i]])
+        if self.followers is not None:
+            self.followers.send(bitmask)
         return to_device(bitmask, self.state.device)
 
     def _accept(
@@ -542,52 +613,37 @@ class ModelRunner:
 
     # ---- input builders -------------------------------------------------------------------------
 
-    def _scheduled_sampling_inputs(
-        self, chunks: list[ScheduledChunk], batch: TargetBatch
-    ) -> SamplingInputs | None:
+    def _sampling_inputs(
+        self, plan: SamplingPlan, sequences: list[Sequence] | None
+    ) -> SamplingInputs:
         """Host -> device for verification and drafting, built before the forward is queued."""
         device = self.state.device
-        sampling = [(group, chunk) for group, chunk in enumerate(chunks) if chunk.samples]
-        if not sampling:
-            return None
-        K = max(len(chunk.drafts) for _, chunk in sampling)
-        ends = batch.group_starts[1:].tolist()
-        rows, first_position, drafts, drafted = [], [], [], []
-        for group, chunk in sampling:
-            num_drafts = len(chunk.drafts)
-            first = ends[group] - num_drafts - 1
-            rows.append([first + min(j, num_drafts) for j in range(K + 1)])
-            first_position.append(chunk.start + chunk.length - 1)
-            drafts.append(chunk.drafts + [-1] * (K - num_drafts))
-            drafted.append(num_drafts)
-        sequences = [chunk.seq for _, chunk in sampling]
+        B, K = len(plan.rows), len(plan.drafts[0])
 
         def int64(values):
             return to_device(torch.tensor(values, dtype=torch.int64), device)
 
         return SamplingInputs(
-            sequences=sequences,
-            rows=int64(rows),
-            first_position=int64(first_position),
-            drafts=int64(drafts).view(len(sampling), K),
-            num_drafts=int64(drafted),
-            table_rows=to_device(
-                torch.tensor([group for group, _ in sampling], dtype=torch.int32), device
-            ),
+            sequences=sequences if sequences is not None else [None] * B,
+            rows=int64(plan.rows),
+            first_position=int64(plan.first_position),
+            drafts=int64(plan.drafts).view(B, K),
+            num_drafts=int64(plan.drafted),
+            table_rows=to_device(torch.tensor(plan.table_rows, dtype=torch.int32), device),
             sampling=SamplingBatch.build(
-                [seq.params for seq in sequences],
-                [seq.seed for seq in sequences],
-                [seq.output_ids for seq in sequences],
-                [seq.token_ids[: seq.num_prompt] for seq in sequences],
+                plan.params,
+                plan.seeds,
+                plan.output_ids,
+                plan.prompt_ids,
                 device,
-                [seq.token_rules for seq in sequences],
+                plan.token_rules,
             ),
-            drafted=drafted,
-            rows_are_all=[r for row in rows for r in row] == list(range(ends[-1])),
+            drafted=plan.drafted,
+            rows_are_all=plan.rows_are_all,
         )
 
     def _continued_inputs(
-        self, previous: StepHandle, pages: list[SeqPages]
+        self, previous: StepHandle, tables: dict[str, torch.Tensor]
     ) -> tuple[TargetBatch, SamplingInputs]:
         """Each sequence's newest token and next drafts, at the positions after its outputs."""
         outputs = previous.outputs
@@ -605,7 +661,7 @@ class ModelRunner:
         batch = TargetBatch(
             token_ids=token_ids.view(-1),
             positions=positions.view(-1),
-            page_tables=page_tables(pages),
+            page_tables=tables,
             decode_query_len=Q,
         )
         # The drafts as copied into `token_ids`: `next_drafts` may be a graph output, which the

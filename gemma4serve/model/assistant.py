@@ -15,13 +15,15 @@ from gemma4serve.config import AssistantConfig, TextConfig
 from gemma4serve.model import fused
 from gemma4serve.model.gemma4 import DecoderLayer, ForwardContext, Rotary, run_layers
 from gemma4serve.model.layers import REFERENCE_OPS, RMSNorm, TorchOps, bind_ops
+from gemma4serve.parallel.group import TensorParallel
 
 
 class _Stack(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, tp: TensorParallel | None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # only the tied LM head
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
+        # Only the tied LM head; replicated under tensor parallelism (every rank drafts the same).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, tp) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -49,11 +51,12 @@ class CentroidHead(nn.Module):
 class Gemma4Assistant(nn.Module):
     ops: TorchOps = REFERENCE_OPS
 
-    def __init__(self, cfg: AssistantConfig):
+    def __init__(self, cfg: AssistantConfig, tp: TensorParallel | None = None):
+        """`tp`: the layers split as the target's (their queries read its KV shard)."""
         super().__init__()
         self.cfg = cfg
         Ha, Hb = cfg.text.hidden_size, cfg.backbone_hidden_size
-        self.model = _Stack(cfg.text)
+        self.model = _Stack(cfg.text, tp)
         self.pre_projection = nn.Linear(2 * Hb, Ha, bias=False)
         self.post_projection = nn.Linear(Ha, Hb, bias=False)
         self.masked_embedding = CentroidHead(cfg) if cfg.use_ordered_embeddings else None

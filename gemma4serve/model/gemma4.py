@@ -29,6 +29,12 @@ from gemma4serve.model.layers import (
     gelu_tanh,
     rope_inv_freq,
 )
+from gemma4serve.parallel.group import (
+    TensorParallel,
+    vocab_parallel_argmax,
+    vocab_parallel_logits,
+    vocab_parallel_lookup,
+)
 
 
 @dataclass
@@ -41,9 +47,12 @@ class ForwardContext:
 class Attention(nn.Module):
     ops: TorchOps = REFERENCE_OPS
 
-    def __init__(self, cfg: TextConfig, spec: LayerSpec, hidden_size: int):
+    def __init__(
+        self, cfg: TextConfig, spec: LayerSpec, hidden_size: int, tp: TensorParallel | None
+    ):
         super().__init__()
         self.spec = spec
+        self.tp = tp  # o_proj is row-parallel: its partial sums are all-reduced
         self.kv_layer = spec.kv_layer  # the assistant rebinds this to the target's store layer
         self.eps = cfg.rms_norm_eps
         nh, hd, nkv = cfg.num_heads, spec.head_dim, spec.num_kv_heads
@@ -73,17 +82,19 @@ class Attention(nn.Module):
             slots = ctx.meta.write_slot[kind]
             q = self.ops.project_qkv(self, h, cos, sin, k_cache, v_cache, slots)
         out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
-        return self.ops.linear(out.reshape(T, -1), self.o_proj.weight)
+        out = self.ops.linear(out.reshape(T, -1), self.o_proj.weight)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     ops: TorchOps = REFERENCE_OPS
 
-    def __init__(self, cfg: TextConfig, spec: LayerSpec):
+    def __init__(self, cfg: TextConfig, spec: LayerSpec, tp: TensorParallel | None = None):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.spec = spec
-        self.self_attn = Attention(cfg, spec, H)
+        self.tp = tp  # down_proj and the experts' down are row-parallel: one all-reduce
+        self.self_attn = Attention(cfg, spec, H, tp)
         self.mlp = MLP(H, spec.mlp_width)
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
@@ -140,7 +151,11 @@ class DecoderLayer(nn.Module):
         if self.moe:
             weights, experts = self.router(residual)
             moe_out = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
+            if self.tp is not None:  # both partial sums in one all-reduce
+                h, moe_out = self.tp.all_reduce(torch.stack([h, moe_out])).unbind(0)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
+        elif self.tp is not None:
+            h = self.tp.all_reduce(h)
         # layer_scalar scales the whole residual stream, after PLE when there is one
         if not self.ple:
             return self._add_norm(
@@ -196,16 +211,19 @@ class Gemma4Model(nn.Module):
 
     ops: TorchOps = REFERENCE_OPS
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, tp: TensorParallel | None = None):
+        """`cfg`: this rank's shard of the config under tensor parallelism (`tp`), whose
+        embedding tables hold this rank's share of the vocabulary rows."""
         super().__init__()
         self.cfg = cfg
-        H = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
+        self.tp = tp
+        H, shards = cfg.hidden_size, tp.size if tp is not None else 1
+        self.embed_tokens = nn.Embedding(cfg.vocab_size // shards, H)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, tp) for spec in cfg.layers)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         if cfg.ple_dim:
             L, D = cfg.num_layers, cfg.ple_dim
-            self.embed_tokens_per_layer = nn.Embedding(cfg.ple_vocab_size, L * D)
+            self.embed_tokens_per_layer = nn.Embedding(cfg.ple_vocab_size // shards, L * D)
             self.per_layer_model_projection = nn.Linear(H, L * D, bias=False)
             self.per_layer_projection_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary: Rotary | None = None
@@ -223,20 +241,29 @@ class Gemma4Model(nn.Module):
             ops.prepare(layer)
 
     def finish_loading(self) -> None:
-        """What needs the loaded weights: the greedy head's int8 copy of the LM head."""
-        self.greedy_head = self.ops.greedy_head(self.embed_tokens.weight, self.softcap)
+        """What needs the loaded weights: the greedy head's int8 copy of the LM head (one device:
+        a rank's head is a vocabulary shard, whose candidates are exchanged instead)."""
+        if self.tp is None:
+            self.greedy_head = self.ops.greedy_head(self.embed_tokens.weight, self.softcap)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The scaled embedding E[ids] * dtype(sqrt(H)); the drafter embeds its tokens with it
         too."""
         w = self.embed_tokens.weight
-        return w[ids] * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(w.dtype)
+        scale = torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(w.dtype)
+        if self.tp is not None:
+            return vocab_parallel_lookup(self.tp, w, ids, self.cfg.vocab_size, scale)
+        return w[ids] * scale
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         T, L, D = ids.shape[0], cfg.num_layers, cfg.ple_dim
         w = self.embed_tokens_per_layer.weight
-        tok = (w[ids] * torch.tensor(D**0.5, dtype=torch.float32).to(w.dtype)).view(T, L, D)
+        scale = torch.tensor(D**0.5, dtype=torch.float32).to(w.dtype)
+        if self.tp is None:
+            tok = (w[ids] * scale).view(T, L, D)
+        else:
+            tok = vocab_parallel_lookup(self.tp, w, ids, cfg.ple_vocab_size, scale).view(T, L, D)
         proj = (self.per_layer_model_projection(x) * cfg.hidden_size**-0.5).view(T, L, D)
         proj = self.per_layer_projection_norm(proj)
         return (proj + tok) * 2.0**-0.5
@@ -252,8 +279,9 @@ class Gemma4Model(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the
-        cap)."""
-        return self.softcap(self.ops.linear(hidden, self.embed_tokens.weight))
+        cap). Under tensor parallelism every rank gets the whole [T, V]."""
+        logits = self.softcap(self.ops.linear(hidden, self.embed_tokens.weight))
+        return logits if self.tp is None else vocab_parallel_logits(self.tp, logits)
 
     def softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcapping
@@ -262,6 +290,9 @@ class Gemma4Model(nn.Module):
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The first argmax of logits(hidden) per row, [T] int64. Few rows take the greedy head
         where there is one: it reads most of the head as int8 and gets the same tokens."""
+        if self.tp is not None:
+            local = self.softcap(self.ops.linear(hidden, self.embed_tokens.weight))
+            return vocab_parallel_argmax(self.tp, local)
         return self.ops.argmax_tokens(self.greedy_head, hidden, self.logits)
 
     def checkpoint_param_name(self, name: str) -> str | None:

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from gemma4serve.parallel.shards import Shard
+
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -34,6 +36,25 @@ class _Entry:
     name: str  # in the checkpoint
     param: str  # in the module
     nbytes: int
+    shard: Shard | None  # the part this process loads (tensor parallelism); None: all of it
+
+
+def _sharded_shape(shape: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
+    if shard is None:
+        return shape
+    out = list(shape)
+    out[shard.dim] = sum(end - start for start, end in shard.ranges)
+    return tuple(out)
+
+
+def _read(reader, name: str, shard: Shard | None) -> torch.Tensor:
+    """The tensor, or only its shard's ranges (read from the file, never the whole tensor)."""
+    if shard is None:
+        return reader.get_tensor(name)
+    tensor = reader.get_slice(name)
+    lead = (slice(None),) * shard.dim
+    parts = [tensor[(*lead, slice(start, end))] for start, end in shard.ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
 
 
 def checkpoint_files(ckpt_dir: str | Path) -> list[Path]:
@@ -75,6 +96,7 @@ def load_weights(
     device: str | torch.device,
     dtype: torch.dtype | None,
     progress: bool = True,
+    shard_of: Callable[[str, tuple[int, ...]], Shard | None] | None = None,
 ) -> None:
     """Copy each checkpoint tensor that `to_param_name` maps into the module's tensor of that name.
 
@@ -82,6 +104,9 @@ def load_weights(
     (e.g. the assistant's `token_ordering`) keep theirs. Raises WeightLoadError, naming the
     tensors, for names the module does not have, shape mismatches, a parameter loaded twice, and
     parameters left unloaded (except those in `module.optional_weights`).
+
+    `shard_of(param, checkpoint shape)`: under tensor parallelism, the part of a tensor this rank
+    loads (None: all of it); the module's tensors have the shard's shape.
     """
     device = torch.device(device)
     # Persistent parameters and buffers, by name (tied ones twice).
@@ -104,10 +129,12 @@ def load_weights(
                 header = reader.get_slice(name)
                 shape = tuple(header.get_shape())
                 expected = tuple(targets[param_name].shape)
-                if shape != expected:
+                shard = shard_of(param_name, shape) if shard_of is not None else None
+                if _sharded_shape(shape, shard) != expected:
                     mismatched.append(
-                        f"{name}: checkpoint {list(shape)}, "
-                        f"module {param_name} expects {list(expected)}"
+                        f"{name}: checkpoint {list(shape)}"
+                        + (f" (shard {list(_sharded_shape(shape, shard))})" if shard else "")
+                        + f", module {param_name} expects {list(expected)}"
                     )
                     continue
                 if param_name in loaded_by:
@@ -116,7 +143,8 @@ def load_weights(
                 loaded_by[param_name] = name
                 dtype_name = header.get_dtype()
                 itemsize = _DTYPES[dtype_name].itemsize if dtype_name in _DTYPES else 1
-                entries.append(_Entry(file, name, param_name, itemsize * _numel(shape)))
+                nbytes = itemsize * _numel(_sharded_shape(shape, shard))
+                entries.append(_Entry(file, name, param_name, nbytes, shard))
 
     # Tied parameters appear under several names; loading any of them loads the tensor.
     loaded_tensors = {id(targets[param]) for param in loaded_by}
@@ -167,7 +195,7 @@ def load_weights(
             for file, file_entries in by_file.items():
                 with safe_open(str(file), framework="pt", device=st_device) as reader:
                     for entry in file_entries:
-                        tensor = reader.get_tensor(entry.name)
+                        tensor = _read(reader, entry.name, entry.shard)
                         target = targets[entry.param]
                         if tensor.is_floating_point():
                             tensor = tensor.to(dtype or target.dtype)

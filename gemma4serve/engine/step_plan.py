@@ -1,0 +1,52 @@
+"""A step as rank 0 hands it to the other tensor-parallel ranks: host data only, picklable.
+
+Every rank builds its device inputs from the same plan and runs the same forward on its shard, so
+the ranks stay in step without a scheduler of their own (docs/architecture.md, "Tensor
+parallelism").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gemma4serve.engine.sampler import TokenRules
+from gemma4serve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingPlan:
+    """What `SamplingInputs` is built from: per sampling sequence, its rows and settings."""
+
+    rows: list[list[int]]  # [B][K+1] forward rows of (last token, d_1..d_K)
+    first_position: list[int]
+    drafts: list[list[int]]  # [B][K] -1 padded
+    drafted: list[int]
+    table_rows: list[int]
+    params: list[SamplingParams]
+    seeds: list[int]
+    output_ids: list[list[int]]
+    prompt_ids: list[list[int]]
+    token_rules: list[TokenRules | None]
+    rows_are_all: bool
+
+
+@dataclass
+class ScheduledPlan:
+    batch: object  # runner.TargetBatch, its tensors on the host
+    sampling: SamplingPlan | None  # None: the step only prefills
+    prompt_rows: object | None  # runner.PromptRows without its sequences
+    draft_len: int
+
+
+@dataclass
+class ContinuedPlan:
+    """The decode step after the previous one, built on each rank from its own outputs."""
+
+    page_tables: dict[str, torch.Tensor]
+
+
+@dataclass
+class Stop:
+    """No more steps: the worker leaves its loop."""

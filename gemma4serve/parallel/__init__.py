@@ -1,0 +1,2 @@
+"""Tensor parallelism: one process per device, each holding its shard of every layer
+(docs/architecture.md, "Tensor parallelism")."""

@@ -1,0 +1,81 @@
+"""The tensor-parallel group a rank's model runs its collectives over, passed explicitly.
+
+Modules hold `tp: TensorParallel | None`; None (one device) runs no collective and never touches
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int
+    size: int
+    group: dist.ProcessGroup  # NCCL on CUDA, gloo on CPU
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, in place (a row-parallel projection's partial outputs)."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x, in rank order."""
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        return out.view(self.size, *x.shape)
+
+    def min_int(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (start-up only: a host sync)."""
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """[start, end) of the vocabulary rows this rank holds (an equal share each)."""
+        n = vocab_size // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    def kv_head_block(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first KV head, KV heads) this rank holds: an equal share, or one replicated head when
+        there are fewer KV heads than ranks (each serves the query heads beside it)."""
+        if num_kv_heads >= self.size:
+            n = num_kv_heads // self.size
+            return self.rank * n, n
+        return self.rank * num_kv_heads // self.size, 1
+
+
+def vocab_parallel_lookup(
+    tp: TensorParallel, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int, scale
+) -> torch.Tensor:
+    """weight[ids] * scale for a table split by vocabulary rows: each rank looks up its own ids,
+    zeroes the rest, and the sum over ranks is exact (one rank is non-zero per row)."""
+    start, end = tp.vocab_range(vocab_size)
+    outside = (ids < start) | (ids >= end)
+    local = torch.where(outside, 0, ids - start)
+    rows = weight[local] * scale
+    rows = rows.masked_fill(outside[:, None], 0)
+    return tp.all_reduce(rows)
+
+
+def vocab_parallel_argmax(tp: TensorParallel, local_logits: torch.Tensor) -> torch.Tensor:
+    """The first argmax over the whole vocabulary [T] from each rank's [T, V / size] logits: the
+    best of each rank's candidates, ties to the lowest rank (so to the lowest token id)."""
+    index = local_logits.argmax(dim=-1)  # the first of the rank's ties
+    best = local_logits.gather(-1, index[:, None]).squeeze(-1)
+    start = tp.rank * local_logits.shape[-1]
+    values = tp.all_gather(best.float())  # [size, T]
+    ids = tp.all_gather(index + start)
+    winner = (values == values.max(dim=0).values).int().argmax(dim=0)  # first rank at the max
+    return ids.gather(0, winner[None]).squeeze(0)
+
+
+def vocab_parallel_logits(tp: TensorParallel, local_logits: torch.Tensor) -> torch.Tensor:
+    """[T, V] from each rank's [T, V / size]: every rank gets the full logits (it samples them
+    with the same seeds, so the ranks draw the same tokens)."""
+    parts = tp.all_gather(local_logits)  # [size, T, V / size]
+    return parts.permute(1, 0, 2).reshape(local_logits.shape[0], -1)

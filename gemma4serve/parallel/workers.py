@@ -1,0 +1,204 @@
+"""Ranks 1..N-1 of tensor parallelism: processes the engine starts itself, each running the model
+runner on its shard over the plans rank 0 sends (docs/architecture.md, "Tensor parallelism").
+
+Plans travel over one pipe per worker (pickled once, written to each): a worker waits on its pipe
+without a collective's timeout however long the server idles, and sees rank 0 go as the pipe's
+end. A worker that dies takes rank 0 down (`os._exit(1)`), so the server fails its requests and
+exits instead of waiting on a collective that will never complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.step_plan import ContinuedPlan, ScheduledPlan, Stop
+from gemma4serve.parallel.group import TensorParallel
+
+log = logging.getLogger("gemma4serve")
+
+# Bounds one collective: start-up (loading) included, so it is generous.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+LEADER_POLL_S = 0.5  # a worker checks this often that rank 0 is still there
+STOP_TIMEOUT_S = 10.0
+
+
+class PlanSender:
+    """Rank 0's end: every plan (and grammar bitmask) goes to every worker, in order."""
+
+    def __init__(self, connections: list[multiprocessing.connection.Connection]):
+        self.connections = connections
+
+    def send(self, obj) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        for connection in self.connections:
+            connection.send_bytes(data)
+
+
+class PlanReceiver:
+    """A worker's end."""
+
+    def __init__(self, connection: multiprocessing.connection.Connection):
+        self.connection = connection
+
+    def recv(self):
+        return pickle.loads(self.connection.recv_bytes())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+    )
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def _rank_device(args: EngineArgs, rank: int) -> torch.device:
+    """Rank r runs on cuda:r (or the CPU)."""
+    from gemma4serve.engine.models import resolve_device_dtype
+
+    device, _ = resolve_device_dtype(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    return device
+
+
+class TensorParallelWorkers:
+    """Rank 0's handle on the other ranks: their processes, the plan pipes and the group."""
+
+    def __init__(self, args: EngineArgs, log_level: str | None):
+        size = args.tensor_parallel_size
+        device = _rank_device(args, 0)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        spawn = multiprocessing.get_context("spawn")  # CUDA must not be forked
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        connections = []
+        for rank in range(1, size):
+            receiver, sender = spawn.Pipe(duplex=False)
+            process = spawn.Process(
+                target=run_worker,
+                args=(args, rank, init_method, receiver, os.getpid(), log_level),
+                name=f"gemma4serve-tp{rank}",
+                daemon=True,
+            )
+            process.start()
+            receiver.close()  # the worker holds the only reading end
+            self.processes.append(process)
+            connections.append(sender)
+        self.plans = PlanSender(connections)
+        self._stopping = False
+        threading.Thread(target=self._watch, name="gemma4serve-tp-watch", daemon=True).start()
+        self.tp = init_group(0, size, init_method, device)
+        self.device = device
+
+    def _watch(self) -> None:
+        """A worker that exits before `stop` leaves rank 0 nothing to wait for: end this process
+        (the server sees its engine gone: requests fail, /health fails, it exits 1)."""
+        sentinels = {p.sentinel: p for p in self.processes}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._stopping:
+            return
+        dead = sentinels[ready[0]]
+        dead.join(0.1)
+        log.error(
+            "tensor-parallel worker %s exited (code %s); stopping the engine",
+            dead.name,
+            dead.exitcode,
+        )
+        logging.shutdown()
+        os._exit(1)
+
+    def stop(self) -> None:
+        """Tell every worker to leave, wait for them, and leave the group."""
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self.plans.send(Stop())
+        except OSError:
+            pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self.plans.connections:
+            connection.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_with_leader(leader_pid: int) -> None:
+    """A worker whose rank 0 is gone exits, even from inside a collective that would wait."""
+
+    def watch():
+        while os.getppid() == leader_pid:
+            time.sleep(LEADER_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="gemma4serve-leader-watch", daemon=True).start()
+
+
+def run_worker(
+    args: EngineArgs,
+    rank: int,
+    init_method: str,
+    connection: multiprocessing.connection.Connection,
+    leader_pid: int,
+    log_level: str | None,
+) -> None:
+    """Rank `rank`'s process: load its shard, then run each plan rank 0 sends until `Stop`."""
+    if log_level is not None:
+        from gemma4serve.cli import setup_logging
+
+        setup_logging(log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us
+    _exit_with_leader(leader_pid)
+    from gemma4serve.engine.models import load_models
+    from gemma4serve.engine.runner import ModelRunner
+    from gemma4serve.engine.spec import ForcedAcceptance
+
+    device = _rank_device(args, rank)
+    tp = init_group(rank, args.tensor_parallel_size, init_method, device)
+    state = load_models(args, tp)
+    k = args.num_draft_tokens if state.draft is not None else 0
+    forced = None
+    if args.forced_acceptance is not None and k:
+        forced = ForcedAcceptance(args.forced_acceptance, k, state.device)
+    plans = PlanReceiver(connection)
+    runner = ModelRunner(state, num_draft_tokens=k, forced=forced, leader=plans)
+    handle = None
+    with torch.inference_mode():
+        while True:
+            try:
+                plan = plans.recv()
+            except EOFError:  # rank 0 is gone
+                os._exit(1)
+            if isinstance(plan, Stop):
+                break
+            if isinstance(plan, ScheduledPlan):
+                handle = runner.run_scheduled(plan, None)
+            else:
+                assert isinstance(plan, ContinuedPlan), plan
+                handle = runner.run_continued(handle, plan.page_tables)
+    dist.destroy_process_group()
