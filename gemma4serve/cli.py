@@ -103,6 +103,13 @@ def _count(minimum: int):
     return parse
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -214,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine = p.add_argument_group("engine")
     engine.add_argument(
         "--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu."
+    )
+    engine.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="Split the model over N devices (GPUs 0..N-1, or N CPU processes), one process "
+        "each, started by the server.",
     )
     engine.add_argument(
         "--max-model-len",
@@ -472,6 +488,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         generation_config=ns.generation_config,
         dtype=_DTYPE_ALIASES.get(ns.dtype, ns.dtype),
         device=ns.device,
+        tensor_parallel_size=ns.tensor_parallel_size,
         load_format="auto" if ns.load_format == "safetensors" else ns.load_format,
         max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs,

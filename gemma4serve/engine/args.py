@@ -44,6 +44,9 @@ class EngineArgs:
     )
     # Devices (processes) the model is split over; rank 0 runs the engine, the others follow it.
     tensor_parallel_size: int = 1
+    # Test knob: a folder where every tensor-parallel rank writes each step's tokens, one line
+    # per step (rank0.jsonl, rank1.jsonl, ...), to check that the ranks agree.
+    tensor_parallel_step_log: str | None = None
     seed: int = 0  # seeds dummy weights and the per-request seeds drawn when a request gives none
     # Benchmark only: force the mean number of tokens per verify step (bonus included) while every
     # draft and verify computation still runs. Random weights accept ~nothing; this measures MTP's

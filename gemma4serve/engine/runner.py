@@ -337,7 +337,10 @@ class ModelRunner:
             self.followers.send(
                 ScheduledPlan(batch, plan.sampling, _without_sequences(prompt_rows), draft_len)
             )
-        return self.run_scheduled(plan, [chunk.seq for chunk in chunks if chunk.samples])
+        handle = self.run_scheduled(plan, [chunk.seq for chunk in chunks if chunk.samples])
+        if self.followers is not None:
+            self.followers.launched(handle)
+        return handle
 
     def run_scheduled(self, plan: ScheduledPlan, sequences: list[Sequence] | None) -> StepHandle:
         """The step of a plan; `sequences`: the sampling ones (None on a tensor-parallel worker,
@@ -366,7 +369,10 @@ class ModelRunner:
         tables = page_tables(pages)
         if self.followers is not None:
             self.followers.send(ContinuedPlan(tables))
-        return self.run_continued(previous, tables)
+        handle = self.run_continued(previous, tables)
+        if self.followers is not None:
+            self.followers.launched(handle)
+        return handle
 
     def run_continued(self, previous: StepHandle, tables: dict[str, torch.Tensor]) -> StepHandle:
         batch, inputs = self._continued_inputs(previous, tables)

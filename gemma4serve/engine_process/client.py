@@ -147,7 +147,8 @@ class EngineProcessClient:
                 target=run_engine_core,
                 args=(args, input_address, output_address, log_level),
                 name="gemma4serve-engine",
-                daemon=True,
+                # A daemonic process may not start processes: the tensor-parallel workers.
+                daemon=args.tensor_parallel_size == 1,
             )
         self._engine.start()
         try:

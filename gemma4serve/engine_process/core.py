@@ -54,7 +54,7 @@ def run_engine_core(
     codec = Codec()
     try:
         try:
-            engine = LLMEngine(args)
+            engine = LLMEngine(args, log_level)
         except Exception as e:  # bad path, no GPU, out of memory...: the server reports it
             log.debug("engine start-up failed", exc_info=True)
             outbox.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
@@ -68,7 +68,10 @@ def run_engine_core(
             stats=engine.snapshot(),
         )
         outbox.send(codec.encode(ready))
-        EngineCore(engine, inbox, outbox, codec).run()
+        try:
+            EngineCore(engine, inbox, outbox, codec).run()
+        finally:
+            engine.shutdown()
     finally:
         context.destroy(linger=1000)
 

@@ -9,6 +9,7 @@ exits instead of waiting on a collective that will never complete.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -19,6 +20,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,16 +37,46 @@ LEADER_POLL_S = 0.5  # a worker checks this often that rank 0 is still there
 STOP_TIMEOUT_S = 10.0
 
 
+class StepLog:
+    """`tensor_parallel_step_log`: each step's tokens as this rank computed them, a JSON line per
+    step (a host sync per step: for tests)."""
+
+    def __init__(self, folder: str, rank: int):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.file = open(Path(folder) / f"rank{rank}.jsonl", "a")  # noqa: SIM115
+
+    def write(self, handle) -> None:
+        outputs = handle.outputs
+        line = None
+        if outputs is not None:
+            drafts = outputs.next_drafts
+            line = {
+                "tokens": outputs.tokens.tolist(),
+                "num_emitted": outputs.num_emitted.tolist(),
+                "next_drafts": drafts.tolist() if drafts is not None else None,
+            }
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+
 class PlanSender:
     """Rank 0's end: every plan (and grammar bitmask) goes to every worker, in order."""
 
-    def __init__(self, connections: list[multiprocessing.connection.Connection]):
+    def __init__(
+        self, connections: list[multiprocessing.connection.Connection], log: StepLog | None
+    ):
         self.connections = connections
+        self.log = log
 
     def send(self, obj) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         for connection in self.connections:
             connection.send_bytes(data)
+
+    def launched(self, handle) -> None:
+        """Rank 0 launched the step of the plan just sent."""
+        if self.log is not None:
+            self.log.write(handle)
 
 
 class PlanReceiver:
@@ -102,9 +134,11 @@ class TensorParallelWorkers:
             )
             process.start()
             receiver.close()  # the worker holds the only reading end
+            log.info("tensor-parallel worker rank %d started (pid %d)", rank, process.pid)
             self.processes.append(process)
             connections.append(sender)
-        self.plans = PlanSender(connections)
+        folder = args.tensor_parallel_step_log
+        self.plans = PlanSender(connections, StepLog(folder, 0) if folder else None)
         self._stopping = False
         threading.Thread(target=self._watch, name="gemma4serve-tp-watch", daemon=True).start()
         self.tp = init_group(0, size, init_method, device)
@@ -187,6 +221,8 @@ def run_worker(
         forced = ForcedAcceptance(args.forced_acceptance, k, state.device)
     plans = PlanReceiver(connection)
     runner = ModelRunner(state, num_draft_tokens=k, forced=forced, leader=plans)
+    folder = args.tensor_parallel_step_log
+    step_log = StepLog(folder, rank) if folder else None
     handle = None
     with torch.inference_mode():
         while True:
@@ -201,4 +237,6 @@ def run_worker(
             else:
                 assert isinstance(plan, ContinuedPlan), plan
                 handle = runner.run_continued(handle, plan.page_tables)
+            if step_log is not None:
+                step_log.write(handle)
     dist.destroy_process_group()

@@ -1,0 +1,146 @@
+"""Tensor parallelism over gloo on CPU: two ranks give the tokens one device gives.
+
+The offline engine with `tensor_parallel_size=2` (rank 0 in the test process, a spawned worker)
+against the one-device engine on tiny checkpoints of every variant (k_eq_v full layers with one KV
+head, replicated to both ranks; PLE with KV-shared layers; MoE), with the MTP drafter; every
+rank's per-step tokens compared; the real server started with `-tp 2`; a killed worker taking the
+server down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import httpx
+import openai
+import pytest
+from fake_engine import ServerProcess
+
+from gemma4serve import LLM, SamplingParams
+from gemma4serve.config import ConfigError, load_config
+from gemma4serve.parallel.shards import shard_text_config
+
+pytestmark = [pytest.mark.timeout(300)]
+
+PROMPTS = [[2, 5, 9, 17, 33], [2, 100, 7], [2, *range(40, 80)]]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank(monkeypatch):
+    """Spawned workers read it at start: two ranks on two cores must not contend."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [choice.token_ids for out in outputs for choice in out.outputs]
+
+
+def generate(target, draft, params_list, **kwargs) -> list[list[list[int]]]:
+    llm = LLM(str(target), draft=str(draft) if draft else None, device="cpu", **kwargs)
+    try:
+        return [token_ids(llm.generate(PROMPTS, params)) for params in params_list]
+    finally:
+        llm.engine.shutdown()
+
+
+def read_steps(path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("variant", ["dense", "ple", "moe"])
+def test_two_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, variant):
+    """Greedy and seeded sampling with TP=2 and MTP equal TP=1 without MTP (speculation is
+    lossless), and both ranks compute the same tokens and drafts at every step."""
+    target = tiny_checkpoints.get(variant)
+    assistant = tiny_checkpoints.get_assistant(variant)
+    expected = generate(target, None, [GREEDY, SAMPLED])
+    log = tmp_path / "steps"
+    got = generate(
+        target,
+        assistant,
+        [GREEDY, SAMPLED],
+        tensor_parallel_size=2,
+        num_draft_tokens=3,
+        tensor_parallel_step_log=str(log),
+    )
+    assert got == expected
+    assert len(set(map(tuple, expected[0]))) > 1  # the prompts do not all give one answer
+    rank0, rank1 = read_steps(log / "rank0.jsonl"), read_steps(log / "rank1.jsonl")
+    assert len(rank0) > 10
+    assert rank0 == rank1
+    assert any(step and step["next_drafts"] for step in rank0)  # the drafter ran on both ranks
+
+
+def test_kv_heads_and_widths_split_per_rank(tiny_checkpoints):
+    cfg = load_config(tiny_checkpoints.get("moe"))
+    shard = shard_text_config(cfg, 2)
+    assert shard.num_heads == cfg.num_heads // 2
+    assert shard.moe_intermediate_size == cfg.moe_intermediate_size // 2
+    for full, local in zip(cfg.layers, shard.layers):
+        # 2 KV heads split one per rank; a single KV head is held by both ranks
+        assert local.num_kv_heads == max(1, full.num_kv_heads // 2)
+        assert local.mlp_width == full.mlp_width // 2
+    with pytest.raises(ConfigError, match="tensor-parallel-size 3"):
+        shard_text_config(cfg, 3)
+
+
+# ---- the real server ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_checkpoints):
+    target = tiny_checkpoints.get("dense")
+    assistant = tiny_checkpoints.get_assistant("dense")
+    args = [
+        "-m", "gemma4serve.cli", "--model", str(target), "--draft", str(assistant),
+        "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "-tp", "2",
+        "--served-model-name", "tiny", "--num-draft-tokens", "3", "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    with ServerProcess(args, ready_timeout=240, env={"OMP_NUM_THREADS": "1"}) as proc:
+        yield proc, target
+
+
+def test_server_with_two_ranks_serves_the_one_device_tokens(tp_server):
+    server, target = tp_server
+    llm = LLM(str(target), device="cpu")
+    expected = [out.outputs[0].text for out in llm.generate(PROMPTS, GREEDY)]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    for prompt, text in zip(PROMPTS, expected):
+        completion = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=20, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert completion.usage.completion_tokens == 20
+        assert completion.choices[0].text == text
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_killed_worker_takes_the_server_down(tp_server):
+    """A running stream fails, the server exits non-zero. Last in this file: it ends the module's
+    server."""
+    server, _ = tp_server
+    started = [re.search(r"rank 1 started \(pid (\d+)\)", line) for line in server.lines]
+    pid = int(next(m for m in started if m).group(1))
+    body = {"model": "tiny", "prompt": [2, 5, 9], "max_tokens": 3000, "stream": True}
+    body |= {"ignore_eos": True, "temperature": 0.0}
+    rest = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        os.kill(pid, signal.SIGKILL)
+        try:
+            rest += lines
+        except httpx.HTTPError:  # the connection may end without an event
+            rest.append("<connection closed>")
+    assert "[DONE]" not in rest[-3:] or any('"error"' in line for line in rest), rest[-5:]
+    assert not any('"finish_reason":"length"' in line for line in rest)
+    assert server.wait(timeout=30) != 0
+    assert any("gemma4serve-tp1 exited" in line for line in server.lines)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health", timeout=5)
