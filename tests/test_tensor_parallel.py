@@ -17,17 +17,30 @@ import signal
 import httpx
 import openai
 import pytest
+import torch.distributed
 from fake_engine import ServerProcess
 
 from gemma4serve import LLM, SamplingParams
 from gemma4serve.config import ConfigError, load_config
 from gemma4serve.parallel.shards import shard_text_config
+from gemma4serve.structured.spec import StructuredOutputsParams
 
 pytestmark = [pytest.mark.timeout(300)]
 
 PROMPTS = [[2, 5, 9, 17, 33], [2, 100, 7], [2, *range(40, 80)]]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+# The paths whose inputs cross to the workers besides the step plan (a grammar's bitmask) or read
+# the whole logits (penalties, logprobs, prompt logprobs).
+CONSTRAINED = SamplingParams(
+    max_tokens=24,
+    temperature=0.8,
+    seed=3,
+    presence_penalty=0.5,
+    logprobs=2,
+    prompt_logprobs=1,
+    structured_outputs=StructuredOutputsParams(json_object=True),
+)
 
 
 @pytest.fixture(autouse=True)
@@ -58,12 +71,13 @@ def test_two_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, varian
     lossless), and both ranks compute the same tokens and drafts at every step."""
     target = tiny_checkpoints.get(variant)
     assistant = tiny_checkpoints.get_assistant(variant)
-    expected = generate(target, None, [GREEDY, SAMPLED])
+    expected = generate(target, None, [GREEDY, SAMPLED, CONSTRAINED])
+    assert not torch.distributed.is_initialized()  # one device never starts a group
     log = tmp_path / "steps"
     got = generate(
         target,
         assistant,
-        [GREEDY, SAMPLED],
+        [GREEDY, SAMPLED, CONSTRAINED],
         tensor_parallel_size=2,
         num_draft_tokens=3,
         tensor_parallel_step_log=str(log),
