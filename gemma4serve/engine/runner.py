@@ -334,8 +334,9 @@ class ModelRunner:
         prompt_rows = self._prompt_rows(chunks, batch)
         plan = ScheduledPlan(batch, sampling_plan(chunks, batch), prompt_rows, draft_len)
         if self.followers is not None:
+            sent = plan.sampling.as_sent() if plan.sampling is not None else None
             self.followers.send(
-                ScheduledPlan(batch, plan.sampling, _without_sequences(prompt_rows), draft_len)
+                ScheduledPlan(batch, sent, _without_sequences(prompt_rows), draft_len)
             )
         handle = self.run_scheduled(plan, [chunk.seq for chunk in chunks if chunk.samples])
         if self.followers is not None:

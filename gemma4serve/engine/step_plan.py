@@ -7,6 +7,7 @@ parallelism").
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,19 @@ class SamplingPlan:
     prompt_ids: list[list[int]]
     token_rules: list[TokenRules | None]
     rows_are_all: bool
+
+    def as_sent(self) -> SamplingPlan:
+        """The plan as the workers get it: only the token histories that a penalty or a token
+        rule reads (`SamplingBatch.build` reads no others), not a long prompt every step."""
+        params = self.params
+        repetition = any(p.repetition_penalty != 1.0 for p in params)
+        counted = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        empty = [[] for _ in params]
+        return dataclasses.replace(
+            self,
+            output_ids=self.output_ids if repetition or counted or any(self.token_rules) else empty,
+            prompt_ids=self.prompt_ids if repetition else empty,
+        )
 
 
 @dataclass
