@@ -103,6 +103,11 @@ def test_kv_heads_and_widths_split_per_rank(tiny_checkpoints):
         shard_text_config(cfg, 3)
 
 
+def test_a_size_the_model_cannot_split_by_fails_before_any_worker(tiny_checkpoints):
+    with pytest.raises(ConfigError, match="tensor-parallel-size 3 does not divide"):
+        LLM(str(tiny_checkpoints.get("dense")), device="cpu", tensor_parallel_size=3)
+
+
 # ---- the real server ----------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from gemma4serve.config import FULL, SLIDING
 from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.cuda_graphs import CudaGraphs
-from gemma4serve.engine.models import load_models
+from gemma4serve.engine.models import check_tensor_parallel, load_models
 from gemma4serve.engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -122,6 +122,7 @@ class LLMEngine:
         # Rank 0 of tensor parallelism: this engine schedules, the workers follow its plans.
         self.workers: TensorParallelWorkers | None = None
         if args.tensor_parallel_size > 1:
+            check_tensor_parallel(args)
             self.workers = TensorParallelWorkers(args, log_level)
         try:
             self._start(args)

@@ -189,6 +189,24 @@ def _checkpoint_dir(name: str, args: EngineArgs) -> Path:
     return resolve_checkpoint(name, args.revision, cache_dir=args.download_dir)
 
 
+def check_tensor_parallel(args: EngineArgs) -> None:
+    """Refuse a --tensor-parallel-size the devices or the model cannot take, before any worker
+    starts; the checkpoints are resolved here once (downloaded), before the workers read them."""
+    size = args.tensor_parallel_size
+    device, _ = resolve_device_dtype(args)
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ConfigError(
+            f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible"
+        )
+    cfg = load_config(_checkpoint_dir(args.model, args))
+    if isinstance(cfg, TextConfig):
+        shard_text_config(cfg, size)
+    if args.draft:
+        draft_cfg = load_config(_checkpoint_dir(args.draft, args))
+        if isinstance(draft_cfg, AssistantConfig):
+            shard_assistant_config(draft_cfg, size)
+
+
 def load_models(args: EngineArgs, tp: TensorParallel | None = None) -> ModelState:
     """The models and KV cache of one device; under tensor parallelism (`tp`), this rank's
     shard of them: its heads, MLP columns and vocabulary rows, and its heads' KV pages."""
