@@ -205,7 +205,8 @@ def run_worker(
     if log_level is not None:
         from gemma4serve.cli import setup_logging
 
-        setup_logging(log_level)
+        # Rank 0 logs what every rank does (loading, KV sizing); workers only their problems.
+        setup_logging(log_level if log_level == "debug" else "warning")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us
     _exit_with_leader(leader_pid)
     from gemma4serve.engine.models import load_models
