@@ -53,10 +53,12 @@ def token_ids(outputs) -> list[list[int]]:
     return [choice.token_ids for out in outputs for choice in out.outputs]
 
 
-def generate(target, draft, params_list, **kwargs) -> list[list[list[int]]]:
+def generate(target, draft, params_list, **kwargs) -> tuple[list[list[list[int]]], int]:
+    """Each params' token ids for PROMPTS, and the KV pages of (each rank of) the engine."""
     llm = LLM(str(target), draft=str(draft) if draft else None, device="cpu", **kwargs)
     try:
-        return [token_ids(llm.generate(PROMPTS, params)) for params in params_list]
+        outputs = [token_ids(llm.generate(PROMPTS, params)) for params in params_list]
+        return outputs, llm.engine.state.kv_plan.num_pages
     finally:
         llm.engine.shutdown()
 
@@ -71,10 +73,10 @@ def test_two_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, varian
     lossless), and both ranks compute the same tokens and drafts at every step."""
     target = tiny_checkpoints.get(variant)
     assistant = tiny_checkpoints.get_assistant(variant)
-    expected = generate(target, None, [GREEDY, SAMPLED, CONSTRAINED])
+    expected, pages = generate(target, None, [GREEDY, SAMPLED, CONSTRAINED])
     assert not torch.distributed.is_initialized()  # one device never starts a group
     log = tmp_path / "steps"
-    got = generate(
+    got, rank_pages = generate(
         target,
         assistant,
         [GREEDY, SAMPLED, CONSTRAINED],
@@ -83,6 +85,8 @@ def test_two_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, varian
         tensor_parallel_step_log=str(log),
     )
     assert got == expected
+    if variant == "dense":  # its sliding layers' two KV heads split, one per rank: twice the pages
+        assert rank_pages >= 2 * pages - 1
     assert len(set(map(tuple, expected[0]))) > 1  # the prompts do not all give one answer
     rank0, rank1 = read_steps(log / "rank0.jsonl"), read_steps(log / "rank1.jsonl")
     assert len(rank0) > 10
@@ -128,6 +132,7 @@ def test_server_with_two_ranks_serves_the_one_device_tokens(tp_server):
     server, target = tp_server
     llm = LLM(str(target), device="cpu")
     expected = [out.outputs[0].text for out in llm.generate(PROMPTS, GREEDY)]
+    assert len(set(expected)) > 1
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=120)
     for prompt, text in zip(PROMPTS, expected):
         completion = client.completions.create(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from gemma4serve.engine.step_plan import ContinuedPlan, SamplingPlan, ScheduledP
 from gemma4serve.kv.manager import SeqPages
 from gemma4serve.model.gemma4 import ForwardContext
 from gemma4serve.structured.bitmask import new_bitmask
+
+if TYPE_CHECKING:
+    from gemma4serve.parallel.workers import PlanReceiver, PlanSender
 
 # ---- what crosses the step ----------------------------------------------------------------------
 
@@ -310,8 +314,8 @@ class ModelRunner:
         num_draft_tokens: int,
         forced: ForcedAcceptance | None = None,
         graphs: CudaGraphs | None = None,
-        followers=None,
-        leader=None,
+        followers: PlanSender | None = None,
+        leader: PlanReceiver | None = None,
     ):
         """Tensor parallelism: `followers` (rank 0) gets every step's plan, which the other
         ranks' runners take from their `leader`; both None on one device."""

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gemma4serve.engine.sampler import TokenRules
 from gemma4serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gemma4serve.engine.runner import PromptRows, TargetBatch
 
 
 @dataclass
@@ -48,9 +52,9 @@ class SamplingPlan:
 
 @dataclass
 class ScheduledPlan:
-    batch: object  # runner.TargetBatch, its tensors on the host
+    batch: TargetBatch  # its tensors on the host
     sampling: SamplingPlan | None  # None: the step only prefills
-    prompt_rows: object | None  # runner.PromptRows without its sequences
+    prompt_rows: PromptRows | None  # as sent: without its sequences
     draft_len: int
 
 
