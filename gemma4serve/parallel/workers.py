@@ -142,7 +142,6 @@ class TensorParallelWorkers:
         self._stopping = False
         threading.Thread(target=self._watch, name="gemma4serve-tp-watch", daemon=True).start()
         self.tp = init_group(0, size, init_method, device)
-        self.device = device
 
     def _watch(self) -> None:
         """A worker that exits before `stop` leaves rank 0 nothing to wait for: end this process
