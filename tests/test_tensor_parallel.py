@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import httpx
 import openai
@@ -115,8 +116,7 @@ def test_a_size_the_model_cannot_split_by_fails_before_any_worker(tiny_checkpoin
 # ---- the real server ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tp_server(tiny_checkpoints):
+def start_tp_server(tiny_checkpoints) -> ServerProcess:
     target = tiny_checkpoints.get("dense")
     assistant = tiny_checkpoints.get_assistant("dense")
     args = [
@@ -124,8 +124,27 @@ def tp_server(tiny_checkpoints):
         "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "-tp", "2",
         "--served-model-name", "tiny", "--num-draft-tokens", "3", "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    with ServerProcess(args, ready_timeout=240, env={"OMP_NUM_THREADS": "1"}) as proc:
-        yield proc, target
+    return ServerProcess(args, ready_timeout=240, env={"OMP_NUM_THREADS": "1"})
+
+
+def logged_pid(server: ServerProcess, pattern: str) -> int:
+    matches = [re.search(pattern, line) for line in server.lines]
+    return int(next(m for m in matches if m).group(1))
+
+
+def alive(pid: int) -> bool:
+    """Running (an exited process that no one has reaped yet is a zombie: not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_checkpoints):
+    with start_tp_server(tiny_checkpoints) as proc:
+        yield proc, tiny_checkpoints.get("dense")
 
 
 def test_server_with_two_ranks_serves_the_one_device_tokens(tp_server):
@@ -148,8 +167,7 @@ def test_a_killed_worker_takes_the_server_down(tp_server):
     """A running stream fails, the server exits non-zero. Last in this file: it ends the module's
     server."""
     server, _ = tp_server
-    started = [re.search(r"rank 1 started \(pid (\d+)\)", line) for line in server.lines]
-    pid = int(next(m for m in started if m).group(1))
+    pid = logged_pid(server, r"rank 1 started \(pid (\d+)\)")
     body = {"model": "tiny", "prompt": [2, 5, 9], "max_tokens": 3000, "stream": True}
     body |= {"ignore_eos": True, "temperature": 0.0}
     rest = []
@@ -168,3 +186,14 @@ def test_a_killed_worker_takes_the_server_down(tp_server):
     assert any("gemma4serve-tp1 exited" in line for line in server.lines)
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health", timeout=5)
+
+
+def test_a_killed_rank_0_takes_the_server_and_its_worker_down(tiny_checkpoints):
+    with start_tp_server(tiny_checkpoints) as server:
+        worker = logged_pid(server, r"rank 1 started \(pid (\d+)\)")
+        os.kill(logged_pid(server, r"engine process started \(pid (\d+)\)"), signal.SIGKILL)
+        assert server.wait(timeout=30) != 0
+        deadline = time.monotonic() + 10
+        while alive(worker):  # the worker, inside a collective or waiting for a plan, exits too
+            assert time.monotonic() < deadline, "the worker outlived its rank 0"
+            time.sleep(0.1)
