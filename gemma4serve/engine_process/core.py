@@ -92,16 +92,22 @@ class EngineCore:
             outputs: list[RequestOutput] = []
             failures: list[RequestFailure] = []
             running = self._take_requests(outputs, failures)
+            failed = None
             if running and engine.has_unfinished():
                 try:
                     outputs += engine.step()
                 except Exception as e:  # a bug must not hang every client: fail what runs
                     log.exception("engine step failed; aborting in-flight requests")
+                    failed = e
                     for request_id in list(engine.requests):
                         engine.abort(request_id)
                         failures.append(RequestFailure(request_id, f"engine error: {e}", False))
             message = EngineOutputs([_strip(out) for out in outputs], failures, engine.snapshot())
             self.outbox.send(self.codec.encode(message), copy=False)
+            if failed is not None and engine.workers is not None:
+                # The tensor-parallel ranks may have stopped at different collectives of that
+                # step: no later step can run, so the engine ends (the server exits 1).
+                raise RuntimeError("a tensor-parallel step failed") from failed
             if not running:
                 return
 
