@@ -68,7 +68,9 @@ class GrammarCompiler:
                     "this tokenizer lacks Gemma 4's tool-call and channel tokens, which "
                     "tool_choice and thinking grammars need"
                 )
-            texts = {tokenizer.id_to_token(i) for i in tokenizer.all_special_ids} | set(MARKER_TEXTS)
+            texts = {tokenizer.id_to_token(i) for i in tokenizer.all_special_ids} | set(
+                MARKER_TEXTS
+            )
             self._markers = MarkerTokens(*ids, specials=tuple(sorted(texts)))
             self._marker_compiler = xgrammar.GrammarCompiler(self._info(tuple(ids)))
         return self._markers, self._marker_compiler

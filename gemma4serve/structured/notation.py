@@ -9,9 +9,9 @@ text, finds no marker inside it.
 
 Supported schema keywords: type (object, array, string, number, integer, boolean, null, or a
 list of them), properties, required, additionalProperties (an object with properties takes only
-those; one without takes any keys), items, enum, const, anyOf/oneOf, maxLength (such a string
-holds no `<`). Others (minimum, pattern, minItems, $ref, ...) are not enforced: a node whose type
-the grammar cannot tell takes any value.
+those; one without takes any keys), items, minItems, maxItems, enum, const, anyOf/oneOf,
+maxLength (such a string holds no `<`). Others (minimum, pattern, $ref, ...) are not enforced:
+a node whose type the grammar cannot tell takes any value.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def tool_calls_ebnf(tools: list[dict], parallel: bool, markers: MarkerTokens, pr
     calls = "call+" if parallel else "call"
     head = (
         f"root ::= {prefix} {calls}\n"
-        f"call ::= Token({markers.call_open}) \"call:\" ({' | '.join(alternatives)}) "
+        f'call ::= Token({markers.call_open}) "call:" ({" | ".join(alternatives)}) '
         f"Token({markers.call_close})\n"
         f"quote ::= Token({markers.quote})\n"
     )
@@ -134,11 +134,21 @@ class _Builder:
         if kind == "null":
             return "null"
         if kind == "array":
-            item = self.value(schema.get("items"))
-            return self._rule(f'"[" ({item} ("," {item})*)? "]"')
+            return self._array(schema)
         if kind == "object" or "properties" in schema:
             return self.object_rule(schema)
         return "any"
+
+    def _array(self, schema: dict) -> str:
+        least, most = schema.get("minItems", 0), schema.get("maxItems")
+        least = least if isinstance(least, int) and least > 0 else 0
+        most = most if isinstance(most, int) and most >= least else None
+        if most == 0:
+            return '("[" "]")'
+        item = self.value(schema.get("items"))
+        more = f"{{{max(least - 1, 0)},{'' if most is None else most - 1}}}"
+        items = f'{item} ("," {item}){more}'
+        return self._rule(f'"[" {items} "]"' if least else f'"[" ({items})? "]"')
 
     def object_rule(self, schema: dict) -> str:
         """Declared properties, in the chat template's order (sorted, ignoring case), the
@@ -148,7 +158,7 @@ class _Builder:
             return "any_obj"
         required = set(schema.get("required") or ())
         keys = sorted(properties, key=str.lower)
-        members = [f"{self._key(key)} \":\" {self.value(properties[key])}" for key in keys]
+        members = [f'{self._key(key)} ":" {self.value(properties[key])}' for key in keys]
         # rest(i, first): the members from i on, `first` when none was written before them
         rest = {(len(keys), True): '""', (len(keys), False): '""'}
         for i in range(len(keys) - 1, -1, -1):
