@@ -156,7 +156,9 @@ class _Builder:
         properties = schema.get("properties")
         if not isinstance(properties, dict):
             return "any_obj"
-        required = set(schema.get("required") or ())
+        required = {key for key in schema.get("required") or () if isinstance(key, str)}
+        # a required key the properties do not declare takes any value
+        properties = {**{key: {} for key in required}, **properties}
         keys = sorted(properties, key=str.lower)
         members = [f'{self._key(key)} ":" {self.value(properties[key])}' for key in keys]
         # rest(i, first): the members from i on, `first` when none was written before them
