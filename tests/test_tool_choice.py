@@ -258,3 +258,60 @@ def test_grammar_starts_inside_an_open_channel(tiny_checkpoints):
     for token in [ids["<|tool_call>"], *tokenizer.encode("call:ping{}")]:
         assert allowed(token)
         state.commit(token)
+
+
+NOTATION_TOOL = {
+    "type": "object",
+    "properties": {
+        "b": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2},
+        "A": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+        "c": {"enum": ["x", 2, True]},
+        "odd:key": {"type": "boolean"},
+    },
+    "required": ["b", "extra"],
+}
+# The arguments text after `call:f` (keys in the template's order: case-insensitively sorted);
+# `"` stands for the `<|"|>` token.
+ACCEPTED = [
+    '{b:[1],extra:"free text, {}: kept"}',
+    '{A:-2.5e3,b:[0,-7],c:"x",extra:null}',
+    '{A:null,b:[3],c:2,extra:{any_key:[true]},"odd:key":false}',
+    "{b:[1],c:true,extra:12}",
+]
+REJECTED = [
+    "{extra:1,b:[1]}",  # out of order
+    "{b:[1]}",  # a required key missing
+    "{b:[],extra:1}",  # minItems
+    "{b:[1,2,3],extra:1}",  # maxItems
+    "{b:[1.5],extra:1}",  # an integer item
+    '{b:[1],c:"y",extra:1}',  # not in the enum
+    "{b:[1],extra:1,z:1}",  # an undeclared key
+    "{b:[01],extra:1}",  # not a number
+    '{b:[1],extra:"a<eos>b"}',  # a special token's text inside a string
+    "{ b:[1],extra:1}",  # whitespace
+]
+
+
+def test_notation_grammar_follows_the_schema(tiny_checkpoints):
+    from gemma4serve.structured.grammar import GrammarCompiler
+    from gemma4serve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_checkpoints.get("dense"))
+    quote, call_open, call_close = (
+        tokenizer.token_to_id(text) for text in ('<|"|>', "<|tool_call>", "<tool_call|>")
+    )
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, list(tokenizer.eos_token_ids))
+    tools = json.dumps([{"name": "f", "parameters": NOTATION_TOOL}])
+
+    def accepts(arguments: str) -> bool:
+        matcher = compiler.matcher(StructuredOutputsParams(tool_calls=tools)).matcher
+        assert matcher.accept_token(call_open) and matcher.accept_string("call:f")
+        for i, text in enumerate(arguments.split('"')):
+            if i and not matcher.accept_token(quote):
+                return False
+            if text and not matcher.accept_string(text):
+                return False
+        return matcher.accept_token(call_close) and matcher.accept_token(1)  # then <eos>
+
+    assert [arguments for arguments in ACCEPTED if not accepts(arguments)] == []
+    assert [arguments for arguments in REJECTED if accepts(arguments)] == []
