@@ -20,6 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from gemma4serve.structured.spec import IN_THOUGHT, NO_THINKING
 from gemma4serve.validation import RequestError
 
 # Keys the model writes bare (the chat template writes them so); others are quoted.
@@ -63,11 +64,11 @@ class MarkerTokens:
 def thinking_rules(markers: MarkerTokens, thinking: str) -> tuple[str, str]:
     """(the rules, the expression that goes before the constrained part) for the spec's
     `thinking`: none, an optional thought channel, or the rest of one the prompt opened."""
-    if thinking == "none":
+    if thinking == NO_THINKING:
         return "", ""
     rules = markers.text_rule("thought_text")
     close = f"thought_text Token({markers.channel_close})"
-    if thinking == "open":
+    if thinking == IN_THOUGHT:
         return rules, close
     return rules, f"(Token({markers.channel_open}) {close})?"
 
@@ -84,7 +85,11 @@ def tool_calls_ebnf(tools: list[dict], parallel: bool, markers: MarkerTokens, pr
                 f"the tool name {name!r} cannot be written in Gemma's call notation",
                 param="tool_choice",
             )
-        arguments = builder.object_rule(tool.get("parameters") or {"properties": {}})
+        parameters = tool.get("parameters")
+        # no parameters: the call takes `{}` (vLLM's default schema for such a tool)
+        if not isinstance(parameters, dict) or not parameters:
+            parameters = {"properties": {}}
+        arguments = builder.object_rule(parameters)
         alternatives.append(f"{_literal(name)} {arguments}")
     calls = "call+" if parallel else "call"
     head = (
