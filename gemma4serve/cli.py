@@ -439,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Accepted for vLLM compatibility: Gemma 4's tool-call parser is always on.",
     )
     api.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="As vLLM: leave the tools out of the prompt of a request with tool_choice "
+        '"none" (by default they are rendered, and no calls are parsed).',
+    )
+    api.add_argument(
         "--reasoning-parser",
         choices=["gemma4"],
         help="Accepted for vLLM compatibility: Gemma 4's reasoning parser is always on.",
@@ -621,6 +627,7 @@ def serve(
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     log_requests: bool = False,
     limits: RequestLimits | None = None,
+    exclude_tools_when_tool_choice_none: bool = False,
 ) -> None:
     """Serve `engine` until SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks;
     call it from the main thread (signals are delivered there). `log_level` is uvicorn's."""
@@ -637,6 +644,7 @@ def serve(
         max_logprobs=max_logprobs,
         log_requests=log_requests,
         limits=limits,
+        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
     )
     scheme = "https" if ssl_certfile else "http"
     state = app.state.gemma4serve
@@ -747,6 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         max_logprobs=ns.max_logprobs,
         log_requests=ns.enable_log_requests,
         limits=request_limits(ns),
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
     )
     if engine.dead:
         logger.error("stopped: the engine process died")

@@ -89,6 +89,8 @@ class FakeTokenizer:
     ) -> str:
         self.template_threads.append(threading.current_thread())
         out = ["<bos>"]
+        if tools:
+            out.append("tools: " + ",".join(tool["function"]["name"] for tool in tools) + "\n")
         for i, m in enumerate(messages):
             if m["role"] in ("system", "developer") and i > 0:
                 raise ValueError(

@@ -212,6 +212,66 @@ def test_choices_are_parsed_apart_and_reasoning_can_be_dropped(client):
     assert message_of(response.choices[0]) == ("The answer is 4.", None, [])
 
 
+def streamed_message(client, body) -> tuple[str, list, str]:
+    """A streamed response's content, calls (name, arguments text) and finish_reason."""
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(**body, stream=True):
+        (choice,) = chunk.choices
+        finish = choice.finish_reason or finish
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            if call.id is not None:
+                calls.append([call.function.name, ""])
+            calls[call.index][1] += call.function.arguments or ""
+    return content, [(name, json.loads(arguments)) for name, arguments in calls], finish
+
+
+@pytest.mark.parametrize("name", ["single call", "thinking then call", "parallel calls"])
+def test_forced_calls_let_the_model_write_its_call(client, name):
+    """tool_choice "required" and a named function: the grammar allows exactly what the trained
+    model writes (thinking first, when on); a named function is called once."""
+    content, reasoning, calls = EXPECTED[name]
+    named = {"type": "function", "function": {"name": calls[0][0]}}
+    for tool_choice, wanted in (("required", calls), (named, calls[:1])):
+        body = EXAMPLES[name].create_kwargs(
+            model=MODEL, max_tokens=200, temperature=0, tool_choice=tool_choice
+        )
+        (choice,) = client.chat.completions.create(**body).choices
+        assert message_of(choice) == (content, reasoning, wanted)
+        assert choice.finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(client):
+    """As vLLM: under "auto" the model's second call is dropped; under "required" the grammar
+    ends the output after one call."""
+    first = EXPECTED["parallel calls"][2][:1]
+    for tool_choice in ("auto", "required"):
+        body = EXAMPLES["parallel calls"].create_kwargs(
+            model=MODEL,
+            max_tokens=200,
+            temperature=0,
+            tool_choice=tool_choice,
+            parallel_tool_calls=False,
+        )
+        (choice,) = client.chat.completions.create(**body).choices
+        assert message_of(choice) == (None, None, first)
+        assert choice.finish_reason == "tool_calls"
+        assert streamed_message(client, body) == ("", first, "tool_calls")
+
+
+def test_tool_choice_none_parses_no_calls(client):
+    """As vLLM: the tools stay in the prompt and what the model writes is content; the call
+    markers, special tokens, are not."""
+    body = EXAMPLES["single call"].create_kwargs(
+        model=MODEL, max_tokens=200, temperature=0, tool_choice="none"
+    )
+    (choice,) = client.chat.completions.create(**body).choices
+    text = "call:get_weather{city:Rome,days:3}"
+    assert message_of(choice) == (text, None, [])
+    assert choice.finish_reason == "stop"
+    assert streamed_message(client, body) == (text, [], "stop")
+
+
 def test_agent_loop_with_thinking(client):
     """An agent loop as written against any OpenAI server: the model calls the tool, the loop
     runs it and sends the result back, the model answers."""

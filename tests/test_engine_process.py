@@ -57,7 +57,13 @@ def test_sampling_params_cross_the_boundary_whole():
         logit_bias={5: -1.5, 9: 2.0},
         allowed_token_ids=[5, 6, 9],
         bad_words=["bad"],
-        structured_outputs=StructuredOutputsParams(json='{"type": "object"}'),
+        structured_outputs=StructuredOutputsParams(
+            json='{"type": "object"}',
+            json_object=True,
+            tool_calls='[{"name": "f", "parameters": null}]',
+            parallel_tool_calls=True,
+            thinking="open",
+        ),
     )
     default = SamplingParams()
     unset = [

@@ -389,6 +389,24 @@ def test_unknown_fields_ignored_nulls_accepted(server):
     assert httpx.post(server.url + CHAT, json=body).status_code == 200
 
 
+def test_tool_choice_none_renders_the_tools_unless_told_not_to():
+    """vLLM: the tools stay in the prompt under tool_choice "none", unless the server runs with
+    --exclude-tools-when-tool-choice-none."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for exclude, choice, rendered in (
+        (False, "none", True),
+        (True, "none", False),
+        (True, "auto", True),
+    ):
+        engine = FakeEngine()
+        with serve_fake(engine, exclude_tools_when_tool_choice_none=exclude) as server:
+            body = {"model": "fake", "messages": HI, "tools": tools, "tool_choice": choice}
+            r = httpx.post(server.url + CHAT, json=body)
+            assert r.status_code == 200, r.text
+            prompt_ids, _ = engine.requests[r.json()["id"]]
+            assert ("tools: f" in engine.tokenizer.decode(prompt_ids)) == rendered
+
+
 def test_multipart_text_content_and_tool_messages(client):
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "be brief"}]},

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from gemma4serve.chat.arguments import QUOTE, ArgumentsStream
+from gemma4serve.structured.spec import IN_THOUGHT, MAY_THINK, NO_THINKING
 
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
 CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
@@ -78,6 +79,13 @@ class ChatMarkers:
         closed = max((i for i, t in enumerate(tail) if t == self.channel_close_id), default=-1)
         return opened > closed
 
+    def thinking(self, prompt_ids: list[int], enable_thinking: bool) -> str:
+        """Where a grammar starts (structured/spec.py): inside the channel the prompt left
+        open, after an optional thought channel when thinking is on, else at once."""
+        if self.starts_in_reasoning(prompt_ids):
+            return IN_THOUGHT
+        return MAY_THINK if enable_thinking else NO_THINKING
+
 
 @dataclass
 class ToolCall:
@@ -127,7 +135,17 @@ class ChatOutputParser:
     and "arguments". A bare `call:NAME{` (no `<|tool_call>`) opens a call in content when NAME is
     one of the request's tools and the opener starts the text or follows whitespace."""
 
-    def __init__(self, markers: ChatMarkers, tool_schemas: dict[str, dict], in_reasoning: bool):
+    def __init__(
+        self,
+        markers: ChatMarkers,
+        tool_schemas: dict[str, dict],
+        in_reasoning: bool,
+        calls: bool = True,
+    ):
+        # calls=False (tool_choice "none"): call markers are dropped like any other special
+        # token, and what the call wrote stays content.
+        self.calls = calls
+        tool_schemas = tool_schemas if calls else {}
         self.tool_schemas = tool_schemas
         self._markers = markers
         self.state = "reasoning" if in_reasoning else "content"
@@ -198,7 +216,7 @@ class ChatOutputParser:
         if self.state == "content" and self._held.strip():  # a label or opener cut short: text
             delta.content, self._held = self._held, ""
             self._content_started, self._boundary = True, False
-        if marker == CALL_OPEN:  # also from reasoning, which it ends
+        if marker == CALL_OPEN and self.calls:  # also from reasoning, which it ends
             self._held, self._head, self.state = "", "", "head"
         elif marker == CHANNEL_OPEN and self.state == "content":
             self.state, self._label = "reasoning", True

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from gemma4serve.chat.messages import template_message, tool_schemas
+from gemma4serve.chat.messages import template_message, tool_calls_spec, tool_schemas
 from gemma4serve.chat.output import ChatMarkers, ChatOutputParser
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.engine import LLMEngine
@@ -54,11 +54,16 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
         """One conversation (or a list of them) rendered by the checkpoint's chat template, as
         the server renders it. Each choice's `text` is the answer, `reasoning` the thought text
         and `tool_calls` the calls (arguments as JSON typed by the tool's schema), split out as
-        the server splits them, unless the params ask for raw text (skip_special_tokens=False)."""
+        the server splits them, unless the params ask for raw text (skip_special_tokens=False).
+        `tool_choice` and `parallel_tool_calls` as the server takes them: "required" or a named
+        function forces calls through a grammar, "none" parses none."""
+        forced = tool_calls_spec(tools, tool_choice, parallel_tool_calls)  # ValueError if bad
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             self.tokenizer.encode(
@@ -79,15 +84,27 @@ class LLM:
             dataclasses.replace(p, skip_special_tokens=False) if wanted else p
             for p, wanted in zip(params, parse)
         ]
+        enable_thinking = bool((chat_template_kwargs or {}).get("enable_thinking"))
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            structured = forced or p.structured_outputs
+            if structured is not None and self._markers is not None:
+                # the grammar starts after the thinking, as the server's does
+                thinking = self._markers.thinking(prompt, enable_thinking)
+                structured = dataclasses.replace(structured, thinking=thinking)
+            params[i] = dataclasses.replace(p, structured_outputs=structured)
         outputs = self.generate(prompts, params)
         for output, wanted in zip(outputs, parse):
             if wanted:
-                self._split(output, tool_schemas(tools))
+                self._split(output, tool_schemas(tools), calls=tool_choice != "none")
+            if parallel_tool_calls is False:  # as the server: the first call only
+                for choice in output.outputs:
+                    choice.tool_calls = choice.tool_calls and choice.tool_calls[:1]
         return outputs
 
-    def _split(self, output: RequestOutput, schemas: dict) -> None:
+    def _split(self, output: RequestOutput, schemas: dict, calls: bool) -> None:
         in_reasoning = self._markers.starts_in_reasoning(output.prompt_token_ids)
         for choice in output.outputs:
-            parsed = ChatOutputParser(self._markers, schemas, in_reasoning).parse(choice.text)
+            parser = ChatOutputParser(self._markers, schemas, in_reasoning, calls=calls)
+            parsed = parser.parse(choice.text)
             choice.text, choice.reasoning = parsed.content, parsed.reasoning
             choice.tool_calls = parsed.whole_calls()

@@ -16,6 +16,8 @@ async generator is closed and the request is aborted, so its KV pages go back to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -127,6 +129,7 @@ class ServerState:
     limits: RequestLimits
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1 = no cap
     log_requests: bool = False  # one log line per request: its id, prompt size and settings
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: such prompts get no tools
     created: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False  # the engine thread runs
     draining: bool = False  # shutting down: refuse new work, let running requests finish
@@ -503,8 +506,14 @@ def _needs_tokenizer(tokenizer, what: str, param: str) -> None:
         )
 
 
-def _render_chat(tokenizer, req: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
+def _render_chat(
+    tokenizer, req: ChatCompletionRequest | TokenizeChatRequest, exclude_tools: bool = False
+) -> Prompt:
+    """`exclude_tools`: a request with tool_choice "none" renders without its tools."""
     _needs_tokenizer(tokenizer, "chat messages", "messages")
+    tools = req.tools
+    if exclude_tools and getattr(req, "tool_choice", None) == "none":
+        tools = None
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = RESERVED_TEMPLATE_KWARGS & kwargs.keys()
     if reserved:
@@ -518,7 +527,7 @@ def _render_chat(tokenizer, req: ChatCompletionRequest | TokenizeChatRequest) ->
             req.template_messages(),
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            tools=req.tools,
+            tools=tools,
             **kwargs,
         )
     except Exception as e:  # jinja2's raise_exception ("roles must alternate", ...): the input's
@@ -546,8 +555,8 @@ def _completion_prompt(tokenizer, req: CompletionRequest, prompt: str | list[int
     return Prompt(list(prompt), echo)
 
 
-def _chat_prompts(tokenizer, req: ChatCompletionRequest) -> list[Prompt]:
-    return [_render_chat(tokenizer, req)]
+def _chat_prompts(tokenizer, req: ChatCompletionRequest, exclude_tools: bool) -> list[Prompt]:
+    return [_render_chat(tokenizer, req, exclude_tools)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -612,6 +621,14 @@ async def _generation(
         )
     header = ResponseHeader(request_id, int(time.time()), model)
     fmt = response_format(header, req, state.token_strings, prompts, markers=state.chat_markers)
+    if isinstance(req, ChatCompletionRequest) and state.chat_markers is not None:
+        enable_thinking = bool((req.chat_template_kwargs or {}).get("enable_thinking"))
+        for prompt, one in zip(prompts, params):
+            if one.structured_outputs is not None:  # its grammar starts after the thinking
+                thinking = state.chat_markers.thinking(prompt.token_ids, enable_thinking)
+                one.structured_outputs = dataclasses.replace(
+                    one.structured_outputs, thinking=thinking
+                )
     if fmt.parses_output:  # the parser reads the special tokens the model writes
         for one in params:
             one.skip_special_tokens = False
@@ -639,8 +656,10 @@ def _truncate(prompt: Prompt, truncate_prompt_tokens: int | None, max_model_len:
 
 
 async def chat_completions(request: Request):
+    exclude_tools = _state(request).exclude_tools_when_tool_choice_none
+    prompts = functools.partial(_chat_prompts, exclude_tools=exclude_tools)
     return await _generation(
-        request, ChatCompletionRequest, _chat_prompts, ChatFormat, id_prefix="chatcmpl"
+        request, ChatCompletionRequest, prompts, ChatFormat, id_prefix="chatcmpl"
     )
 
 
@@ -781,6 +800,7 @@ def build_app(
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     log_requests: bool = False,
     limits: RequestLimits | None = None,
+    exclude_tools_when_tool_choice_none: bool = False,
 ) -> Starlette:
     """The ASGI app over `engine` (an EngineProcessClient or anything with its interface).
 
@@ -807,6 +827,7 @@ def build_app(
         max_logprobs=max_logprobs,
         log_requests=log_requests,
         limits=limits or RequestLimits(),
+        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
     )
     cors = cors or CorsSettings()
 

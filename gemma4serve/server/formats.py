@@ -200,6 +200,7 @@ class ChatFormat(ResponseFormat):
             self.markers,
             tool_schemas(self.request.tools),
             self.markers.starts_in_reasoning(prompt_ids),
+            calls=self.request.parses_tool_calls,
         )
 
     def _fields(self, delta: ChatDelta, *, streamed: bool) -> dict:
@@ -210,8 +211,11 @@ class ChatFormat(ResponseFormat):
         if delta.reasoning and self.request.include_reasoning:
             # vLLM's two names for it: reasoning_content (before 0.18) and reasoning
             fields["reasoning_content"] = fields["reasoning"] = delta.reasoning
-        if delta.tool_calls:
-            fields["tool_calls"] = [_tool_call(call, streamed) for call in delta.tool_calls]
+        calls = delta.tool_calls
+        if self.request.parallel_tool_calls is False:  # vLLM keeps the first call only
+            calls = [call for call in calls if call.index == 0]
+        if calls:
+            fields["tool_calls"] = [_tool_call(call, streamed) for call in calls]
         return fields
 
 

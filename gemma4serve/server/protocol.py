@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from gemma4serve.chat.messages import template_message
+from gemma4serve.chat.messages import template_message, tool_calls_spec
 from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.structured.spec import StructuredOutputsParams
@@ -343,6 +343,7 @@ class ChatCompletionRequest(_GenerationRequest, _ChatPrompt):
     def check_supported(self) -> None:
         super().check_supported()
         self.check_messages()
+        self.tool_calls_spec()  # a 400 for a malformed tool_choice
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.top_logprobs is not None and self.top_logprobs < 0:
@@ -351,6 +352,24 @@ class ChatCompletionRequest(_GenerationRequest, _ChatPrompt):
                 f"top_logprobs must be non-negative, got {self.top_logprobs}",
                 param="top_logprobs",
             )
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """vLLM: with tool_choice "none" the model's calls are not parsed (the tools are still
+        in the prompt, as vLLM renders them unless --exclude-tools-when-tool-choice-none)."""
+        return self.tool_choice != "none"
+
+    def tool_calls_spec(self) -> StructuredOutputsParams | None:
+        """The grammar that enforces tool_choice, or None; ApiError(400) as vLLM words it."""
+        try:
+            return tool_calls_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tool_choice") from e
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A forced tool call's grammar wins over response_format, as in vLLM."""
+        forced = self.tool_calls_spec()
+        return forced if forced is not None else super().structured_outputs_params()
 
     @property
     def requested_max_tokens(self) -> int | None:

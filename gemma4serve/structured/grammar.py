@@ -13,7 +13,8 @@ import json
 import torch
 import xgrammar
 
-from gemma4serve.structured.spec import StructuredOutputsParams
+from gemma4serve.structured.notation import MarkerTokens, thinking_rules, tool_calls_ebnf
+from gemma4serve.structured.spec import NO_THINKING, StructuredOutputsParams
 from gemma4serve.tokenizer import Tokenizer
 from gemma4serve.validation import RequestError
 
@@ -21,30 +22,76 @@ from gemma4serve.validation import RequestError
 MAX_WHITESPACE = 4
 _LOOSE_STRING_CHARACTER = r"[^\"\\\r\n]"
 _STRICT_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
+# The special tokens tool-call and thinking grammars write (docs/gemma4.md §13).
+MARKER_TEXTS = ("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>")
 
 
 class GrammarCompiler:
     """Compiles specs against one tokenizer; compiled grammars are cached by spec."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
-        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-        # Special tokens as "" (xgrammar never allows those): their text is not the output's text.
-        special = set(tokenizer.all_special_ids)
-        encoded = [""] * vocab_size
-        for text, token_id in vocab.items():
-            if token_id < vocab_size and token_id not in special:
-                encoded[token_id] = text
-        self.info = xgrammar.TokenizerInfo(
-            encoded,
-            _vocab_type(tokenizer),
-            vocab_size=vocab_size,
-            stop_token_ids=stop_token_ids,
-        )
         self.vocab_size = vocab_size
-        self._compiler = xgrammar.GrammarCompiler(self.info)
+        self._tokenizer = tokenizer
+        self._stop_token_ids = stop_token_ids
+        self._compiler = xgrammar.GrammarCompiler(self._info(marker_ids=()))
+        self._markers: MarkerTokens | None = None
+        self._marker_compiler: xgrammar.GrammarCompiler | None = None  # made on first use
         self._compile = functools.lru_cache(maxsize=256)(self._compile_uncached)
 
+    def _info(self, marker_ids: tuple[int, ...]) -> xgrammar.TokenizerInfo:
+        """Special tokens are "" (xgrammar never allows those: their text is not the output's
+        text), except the markers a grammar names by id: their text starts with a control
+        character, so no JSON string or free text can take them."""
+        tokenizer = self._tokenizer
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        special = set(tokenizer.all_special_ids)
+        encoded = [""] * self.vocab_size
+        for text, token_id in vocab.items():
+            if token_id < self.vocab_size and token_id not in special:
+                encoded[token_id] = text
+            elif token_id in marker_ids:
+                encoded[token_id] = "\x01" + text
+        return xgrammar.TokenizerInfo(
+            encoded,
+            _vocab_type(tokenizer),
+            vocab_size=self.vocab_size,
+            stop_token_ids=self._stop_token_ids,
+        )
+
+    def _marker_tokens(self) -> tuple[MarkerTokens, xgrammar.GrammarCompiler]:
+        """The markers' ids and a compiler whose vocabulary lets Token(id) name them."""
+        if self._marker_compiler is None:
+            tokenizer = self._tokenizer
+            ids = [tokenizer.token_to_id(text) for text in MARKER_TEXTS]
+            if None in ids or max(ids) >= self.vocab_size:
+                raise RequestError(
+                    "this tokenizer lacks Gemma 4's tool-call and channel tokens, which "
+                    "tool_choice and thinking grammars need"
+                )
+            texts = {tokenizer.id_to_token(i) for i in tokenizer.all_special_ids} | set(
+                MARKER_TEXTS
+            )
+            self._markers = MarkerTokens(*ids, specials=tuple(sorted(texts)))
+            self._marker_compiler = xgrammar.GrammarCompiler(self._info(tuple(ids)))
+        return self._markers, self._marker_compiler
+
     def _compile_uncached(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        if spec.tool_calls is not None:
+            markers, compiler = self._marker_tokens()
+            rules, prefix = thinking_rules(markers, spec.thinking)
+            tools = json.loads(spec.tool_calls)
+            ebnf = tool_calls_ebnf(tools, spec.parallel_tool_calls, markers, prefix) + rules
+            return compiler.compile_grammar(xgrammar.Grammar.from_ebnf(ebnf))
+        grammar = self._json_grammar(spec)
+        if spec.thinking == NO_THINKING:
+            return self._compiler.compile_grammar(grammar)
+        # Thinking first: the JSON grammar applies once the thought channel closes.
+        markers, compiler = self._marker_tokens()
+        rules, prefix = thinking_rules(markers, spec.thinking)
+        thinking = xgrammar.Grammar.from_ebnf(f'root ::= {prefix} ""\n' + rules)
+        return compiler.compile_grammar(xgrammar.Grammar.concat(thinking, grammar))
+
+    def _json_grammar(self, spec: StructuredOutputsParams) -> xgrammar.Grammar:
         # json_object: any JSON object, with the same bounded whitespace and strict strings.
         schema = spec.json if spec.json is not None else '{"type": "object"}'
         grammar = xgrammar.Grammar.from_json_schema(
@@ -53,7 +100,7 @@ class GrammarCompiler:
         # xgrammar's length-bounded strings let raw control characters through (strict JSON
         # forbids U+0000-U+001F inside strings): its unbounded strings' class is used instead.
         text = str(grammar).replace(_LOOSE_STRING_CHARACTER, _STRICT_STRING_CHARACTER)
-        return self._compiler.compile_grammar(xgrammar.Grammar.from_ebnf(text))
+        return xgrammar.Grammar.from_ebnf(text)
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher for one sequence; RequestError names a schema it cannot compile."""
@@ -66,10 +113,15 @@ class GrammarCompiler:
                 ) from error
         try:
             compiled = self._compile(spec)
+        except RequestError:
+            raise
         except (RuntimeError, ValueError) as error:
-            raise RequestError(
-                f"the JSON schema cannot be used: {error}", param="response_format"
-            ) from error
+            what, param = (
+                ("the tools' schemas", "tools")
+                if spec.tool_calls is not None
+                else ("the JSON schema", "response_format")
+            )
+            raise RequestError(f"{what} cannot be used: {error}", param=param) from error
         return GrammarState(xgrammar.GrammarMatcher(compiled), self.vocab_size)
 
 

@@ -1,0 +1,317 @@
+"""tool_choice "required" and named functions, enforced by a grammar: every output of a random tiny
+model, over seeds, is a well-formed Gemma call of an allowed tool whose arguments validate against
+its schema; MTP changes no token; thinking comes before the grammar; bad tool_choice values get
+a 400."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from test_server_real import MODEL, free_pages, start_server, wait_for_free_pages
+
+from gemma4serve.sampling_params import SamplingParams
+from gemma4serve.structured.spec import IN_THOUGHT, StructuredOutputsParams
+
+pytestmark = [pytest.mark.timeout(300)]
+
+# Strings have a maxLength so that a random model ends them; additionalProperties false checks that
+# the grammar writes declared keys only.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer"},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+SEARCH = {
+    "type": "object",
+    "properties": {
+        "query": {"type": "string", "maxLength": 6},
+        "Filters": {
+            "type": "object",
+            "properties": {
+                "max_price": {"type": "number"},
+                "in_stock": {"type": "boolean"},
+                "tags": {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 3},
+                    "minItems": 1,
+                    "maxItems": 3,
+                },
+            },
+            "required": ["in_stock"],
+            "additionalProperties": False,
+        },
+        "note": {"anyOf": [{"type": "string", "maxLength": 4}, {"type": "null"}]},
+        "mode": {"const": "fast"},
+    },
+    "required": ["query", "mode"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "search": SEARCH, "ping": {"type": "object", "maxProperties": 0}}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "search", "parameters": SEARCH}},
+    {"type": "function", "function": {"name": "ping"}},  # no parameters: called with {}
+]
+HI = [{"role": "user", "content": "Use a tool."}]
+N = 4  # choices per request: each a sample of its own seed (batched: cheaper than requests)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from gemma4serve.demo.checkpoints import ensure_demo_model
+
+    target, assistant = ensure_demo_model(tmp_path_factory.mktemp("demo-cache"))
+    # One intra-op thread in the server too (conftest.py says why), set before torch starts there.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        proc = start_server(target, assistant)
+    with proc:
+        proc.free_pages_at_start = free_pages(proc)
+        yield proc
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def valid_calls(message) -> list[tuple[str, dict]]:
+    """The message's calls, each of a declared tool with arguments its schema accepts."""
+    calls = []
+    for call in message.tool_calls or []:
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+def create(client, seed: int = 0, **fields):
+    return client.chat.completions.create(
+        model=MODEL, messages=HI, tools=TOOLS, max_tokens=200, seed=seed, temperature=1.0, **fields
+    )
+
+
+def test_required_outputs_are_valid_calls(client):
+    names = set()
+    for choice in create(client, tool_choice="required", n=N).choices:
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.content is None
+        calls = valid_calls(choice.message)
+        assert calls
+        names.update(name for name, _ in calls)
+    assert len(names) >= 2  # the grammar lets the model pick among the tools
+
+
+def test_named_function_is_called_once(client):
+    for name in ("search", "get_weather"):
+        named = {"type": "function", "function": {"name": name}}
+        for choice in create(client, tool_choice=named, n=N).choices:
+            assert choice.finish_reason == "tool_calls"
+            assert [n for n, _ in valid_calls(choice.message)] == [name]
+
+
+def test_parallel_tool_calls_false_gives_one_call(client):
+    r = create(client, seed=1, tool_choice="required", parallel_tool_calls=False, n=N)
+    for choice in r.choices:
+        assert len(valid_calls(choice.message)) == 1
+
+
+def test_streaming_equals_non_streaming(client):
+    fields = {"seed": 2, "tool_choice": "required", "n": 3}
+    whole = create(client, **fields)
+    streamed = {i: [] for i in range(3)}
+    finish = {}
+    for chunk in create(client, stream=True, **fields):
+        for choice in chunk.choices:
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+            for call in choice.delta.tool_calls or []:
+                if call.id is not None:
+                    streamed[choice.index].append([call.function.name, ""])
+                streamed[choice.index][call.index][1] += call.function.arguments or ""
+    for choice in whole.choices:
+        joined = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert [tuple(c) for c in streamed[choice.index]] == joined
+        assert finish[choice.index] == choice.finish_reason == "tool_calls"
+
+
+def test_thinking_comes_before_the_calls(client):
+    """enable_thinking: the output may think first, then the grammar applies. The bias makes the
+    random model open and close its channel."""
+    choices = create(
+        client,
+        tool_choice="required",
+        n=N,
+        logit_bias={"100": 4.0, "101": 8.0},  # <|channel>, <channel|> of the demo tokenizer
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    ).choices
+    for choice in choices:
+        assert choice.finish_reason == "tool_calls" and valid_calls(choice.message)
+    assert sum(bool(choice.message.reasoning_content) for choice in choices) >= 2
+
+
+def test_response_format_after_thinking(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    choices = client.chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=200,
+        n=N,
+        seed=3,
+        logit_bias={"100": 4.0, "101": 8.0},
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    ).choices
+    for choice in choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    assert any(choice.message.reasoning_content for choice in choices)
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"tool_choice": "required"}, "`tools` must be set"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "Invalid value for `tool_choice`"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "does not match any",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "Correct usage"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ""}}},
+            "Correct usage",
+        ),
+    ],
+)
+def test_bad_tool_choice_is_a_400(server, body, words):
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": HI, **body},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tool_choice" and words in error["message"], error
+
+
+def test_every_kv_page_comes_back(server):
+    wait_for_free_pages(server, server.free_pages_at_start)
+
+
+def test_mtp_gives_the_same_forced_calls(tiny_checkpoints):
+    """The offline LLM.chat with and without the drafter: the same tokens, greedy and seeded,
+    and every output parses into valid calls."""
+    from gemma4serve.engine.llm import LLM
+
+    target, assistant = tiny_checkpoints.get("dense"), tiny_checkpoints.get_assistant("dense")
+    spec = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=3)
+    plain = LLM(str(target), device="cpu", dtype="float32")
+    named = {"type": "function", "function": {"name": "search"}}
+    for tool_choice in ("required", named):
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(max_tokens=200, temperature=temperature, seed=7, n=3)
+            (with_drafts,) = spec.chat(HI, params, tools=TOOLS, tool_choice=tool_choice)
+            (without,) = plain.chat(HI, params, tools=TOOLS, tool_choice=tool_choice)
+            assert [c.token_ids for c in with_drafts.outputs] == [
+                c.token_ids for c in without.outputs
+            ]
+            for choice in with_drafts.outputs:
+                assert choice.finish_reason == "stop" and choice.tool_calls
+                for call in choice.tool_calls:
+                    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert spec.engine.snapshot().spec_drafted_tokens > 0
+
+
+def test_grammar_starts_inside_an_open_channel(tiny_checkpoints):
+    """A prompt that leaves a thought channel open: the output starts in reasoning, and the call
+    may start only after `<channel|>`."""
+    from gemma4serve.structured.bitmask import new_bitmask
+    from gemma4serve.structured.grammar import GrammarCompiler
+    from gemma4serve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_checkpoints.get("dense"))
+    ids = {text: tokenizer.token_to_id(text) for text in ("<|tool_call>", "<channel|>")}
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, list(tokenizer.eos_token_ids))
+    tools = json.dumps([{"name": "ping", "parameters": None}])
+    state = compiler.matcher(StructuredOutputsParams(tool_calls=tools, thinking=IN_THOUGHT))
+    mask = new_bitmask(1, tokenizer.vocab_size)
+
+    def allowed(token: int) -> bool:
+        state.fill_rows(mask, 0, [])
+        return bool((int(mask[0, token // 32]) >> (token % 32)) & 1)
+
+    assert allowed(ids["<channel|>"]) and not allowed(ids["<|tool_call>"])
+    for token in tokenizer.encode("Hm, a ping."):
+        assert allowed(token)
+        state.commit(token)
+    state.commit(ids["<channel|>"])
+    assert allowed(ids["<|tool_call>"]) and not allowed(ids["<channel|>"])
+    for token in [ids["<|tool_call>"], *tokenizer.encode("call:ping{}")]:
+        assert allowed(token)
+        state.commit(token)
+
+
+NOTATION_TOOL = {
+    "type": "object",
+    "properties": {
+        "b": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2},
+        "A": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+        "c": {"enum": ["x", 2, True]},
+        "odd:key": {"type": "boolean"},
+    },
+    "required": ["b", "extra"],
+}
+# The arguments text after `call:f` (keys in the template's order: case-insensitively sorted);
+# `"` stands for the `<|"|>` token.
+ACCEPTED = [
+    '{b:[1],extra:"free text, {}: kept"}',
+    '{A:-2.5e3,b:[0,-7],c:"x",extra:null}',
+    '{A:null,b:[3],c:2,extra:{any_key:[true]},"odd:key":false}',
+    "{b:[1],c:true,extra:12}",
+]
+REJECTED = [
+    "{extra:1,b:[1]}",  # out of order
+    "{b:[1]}",  # a required key missing
+    "{b:[],extra:1}",  # minItems
+    "{b:[1,2,3],extra:1}",  # maxItems
+    "{b:[1.5],extra:1}",  # an integer item
+    '{b:[1],c:"y",extra:1}',  # not in the enum
+    "{b:[1],extra:1,z:1}",  # an undeclared key
+    "{b:[01],extra:1}",  # not a number
+    '{b:[1],extra:"a<eos>b"}',  # a special token's text inside a string
+    "{ b:[1],extra:1}",  # whitespace
+]
+
+
+def test_notation_grammar_follows_the_schema(tiny_checkpoints):
+    from gemma4serve.structured.grammar import GrammarCompiler
+    from gemma4serve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_checkpoints.get("dense"))
+    quote, call_open, call_close = (
+        tokenizer.token_to_id(text) for text in ('<|"|>', "<|tool_call>", "<tool_call|>")
+    )
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, list(tokenizer.eos_token_ids))
+    tools = json.dumps([{"name": "f", "parameters": NOTATION_TOOL}])
+
+    def accepts(arguments: str) -> bool:
+        matcher = compiler.matcher(StructuredOutputsParams(tool_calls=tools)).matcher
+        assert matcher.accept_token(call_open) and matcher.accept_string("call:f")
+        for i, text in enumerate(arguments.split('"')):
+            if i and not matcher.accept_token(quote):
+                return False
+            if text and not matcher.accept_string(text):
+                return False
+        return matcher.accept_token(call_close) and matcher.accept_token(1)  # then <eos>
+
+    assert [arguments for arguments in ACCEPTED if not accepts(arguments)] == []
+    assert [arguments for arguments in REJECTED if accepts(arguments)] == []
