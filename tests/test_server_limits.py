@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
 from fake_engine import FakeEngine
 from test_server_fake import assert_openai_error, serve_fake
@@ -89,6 +90,14 @@ LIMITS = [
     ),
     ("n", CHAT, {"messages": M, "n": 129}, "n", "--max-n"),
     (
+        "batched-choices",
+        COMPLETIONS,
+        {"prompt": ["a"] * 9, "n": 128, "max_tokens": 1},
+        "prompt",
+        "--max-choices",
+    ),
+    ("batched-prompts", COMPLETIONS, {"prompt": [[10]] * 1025}, "prompt", "--max-choices"),
+    (
         "messages",
         CHAT,
         {"messages": [{"role": "user", "content": "a"}] * 4097},
@@ -144,6 +153,26 @@ def test_limits_are_configurable():
         assert "--max-request-body-bytes" in error["message"]
 
 
+def test_batched_prompts_times_n_is_bounded_by_max_choices():
+    """A batched completion makes n engine sequences per prompt: len(prompt) x n is bounded by
+    --max-choices (a 400 naming it, the engine untouched); at the bound it is served."""
+    engine = FakeEngine()
+    with serve_fake(engine, limits=RequestLimits(max_choices=6)) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        served = client.completions.create(model="fake", prompt=["a", "b", "c"], n=2, max_tokens=2)
+        assert sorted(c.index for c in served.choices) == list(range(6))
+        before = len(engine.requests)
+        for prompt, n, param in [(["a"] * 7, 1, "prompt"), (["a"] * 4, 2, "prompt"), ("a", 7, "n")]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.completions.create(model="fake", prompt=prompt, n=n, max_tokens=2)
+            error = refused.value.body
+            assert refused.value.status_code == 400 and error["param"] == param
+            assert (
+                "--max-choices" in error["message"] and f"has {len(prompt) * n}" in error["message"]
+            )
+        assert len(engine.requests) == before
+
+
 def test_token_id_lists_are_bounded_by_the_vocabulary():
     engine = FakeEngine()
     engine.tokenizer.vocab_size = 300
@@ -168,16 +197,19 @@ def test_cli_flags_set_the_limits():
     ns = parse_args(
         ["--model", "m", "--max-request-body-bytes", "1MiB", "--max-stop-sequences", "8"]
         + ["--max-stop-chars", "100", "--max-n", "4", "--max-messages", "9"]
+        + ["--max-choices", "16"]
     )
     assert request_limits(ns) == RequestLimits(
         max_request_body_bytes=1024 * 1024,
         max_stop_sequences=8,
         max_stop_chars=100,
         max_n=4,
+        max_choices=16,
         max_messages=9,
     )
     assert request_limits(parse_args(["--model", "m"])) == RequestLimits()
-    for bad in (["--max-n", "0"], ["--max-stop-chars", "-1"], ["--max-messages", "x"]):
+    bad_flags = (["--max-n", "0"], ["--max-stop-chars", "-1"], ["--max-messages", "x"])
+    for bad in (*bad_flags, ["--max-choices", "0"]):
         with pytest.raises(SystemExit):
             parse_args(["--model", "m", *bad])
 
