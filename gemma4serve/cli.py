@@ -709,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
 
         logger.info("--demo: preparing the tiny random Gemma 4 and its assistant")
         ns.model, ns.draft = (str(p) for p in ensure_demo_model())
+        logger.info("--demo: serving %s with its assistant %s", ns.model, ns.draft)
         ns.served_model_name = ns.served_model_name or [DEMO_MODEL_NAME]
     args = engine_args(ns)
     if ns.disable_log_requests:
