@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -13,7 +14,9 @@ import pytest
 from fake_engine import FakeEngine
 from test_server_fake import assert_openai_error, serve_fake
 
+from gemma4serve.server import limits as server_limits
 from gemma4serve.server.limits import RequestLimits
+from gemma4serve.server.protocol import parse_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,6 +64,24 @@ def test_two_million_stop_strings_get_a_400_and_others_are_served(server, engine
     assert "--max-stop-sequences" in error["message"] and "2000000" in error["message"]
     assert served.status_code == 200 and served.json()["choices"][0]["text"]
     assert len(engine.requests) == before + 1, "the refused request must not reach the engine"
+
+
+def test_large_bodies_are_parsed_off_the_event_loop(server, monkeypatch):
+    """A body past PARSE_IN_THREAD_BYTES is parsed in a worker thread: the event loop keeps
+    serving others meanwhile."""
+    threads = []
+
+    def recording(request_type, body):
+        threads.append((len(body), threading.current_thread()))
+        return parse_request(request_type, body)
+
+    monkeypatch.setattr(server_limits, "parse_request", recording)
+    large = {"prompt": "x", "max_tokens": 1, "user": "u" * server_limits.PARSE_IN_THREAD_BYTES}
+    for body in ({"prompt": "x", "max_tokens": 1}, large):
+        assert post(server, COMPLETIONS, body).status_code == 200
+    (small, small_thread), (big, big_thread) = threads
+    assert small < server_limits.PARSE_IN_THREAD_BYTES < big
+    assert small_thread is server.thread and big_thread is not server.thread
 
 
 M = HI
