@@ -421,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Most choices (`n`) per request.",
     )
     limits.add_argument(
+        "--max-choices",
+        type=_count(1),
+        default=RequestLimits.max_choices,
+        help="Most choices per request: `n` times the number of prompts of a batched completion.",
+    )
+    limits.add_argument(
         "--max-messages",
         type=_count(1),
         default=RequestLimits.max_messages,
@@ -525,6 +531,7 @@ def request_limits(ns: argparse.Namespace) -> RequestLimits:
         max_stop_sequences=ns.max_stop_sequences,
         max_stop_chars=ns.max_stop_chars,
         max_n=ns.max_n,
+        max_choices=ns.max_choices,
         max_messages=ns.max_messages,
     )
 
@@ -710,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
 
         logger.info("--demo: preparing the tiny random Gemma 4 and its assistant")
         ns.model, ns.draft = (str(p) for p in ensure_demo_model())
+        logger.info("--demo: serving %s with its assistant %s", ns.model, ns.draft)
         ns.served_model_name = ns.served_model_name or [DEMO_MODEL_NAME]
     args = engine_args(ns)
     if ns.disable_log_requests:

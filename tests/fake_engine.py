@@ -358,6 +358,7 @@ class FakeEngine:
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"^gemma4serve ready: (https?://\S+) \(model (.+)\)$")
+READER_GRACE_S = 5.0  # after the exit, how long the output may take to be read to its end
 
 
 class ServerProcess:
@@ -381,7 +382,8 @@ class ServerProcess:
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self._ready.wait(ready_timeout) or not self.url:
             self.kill()
             raise RuntimeError(
@@ -405,7 +407,11 @@ class ServerProcess:
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
+        """The exit status, once `lines` holds everything the process wrote (a child that still
+        holds the pipe, such as a live engine process, gets READER_GRACE_S)."""
+        status = self.proc.wait(timeout)
+        self._reader.join(READER_GRACE_S)
+        return status
 
     def kill(self) -> None:
         if self.proc.poll() is None:

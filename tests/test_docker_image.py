@@ -1,4 +1,5 @@
-"""The Docker image, built and run for real: skipped where no Docker daemon answers (as in CI).
+"""The Docker image, built and run for real: skipped where no Docker daemon answers (as in CI), or
+where the base image is neither in the local image store nor pullable (no registry reachable).
 
 `--demo` serves /health and chat completions as the non-root uid 10001 and as an arbitrary uid
 in group 0, the HEALTHCHECK turns healthy, the HF cache is a volume both can write, `docker stop`
@@ -15,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -31,6 +33,7 @@ MODEL = "gemma4serve-demo"
 BASE_IMAGE_ENV = "GEMMA4SERVE_TEST_BASE_IMAGE"
 ARBITRARY_USER = "12345:0"
 NUM_STREAMS = 4
+PULL_TIMEOUT_S = 300  # the default base is about 100 MB
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True) -> str:
@@ -69,12 +72,46 @@ def daemon_answers() -> bool:
     return probe.returncode == 0
 
 
+def base_image() -> str:
+    """The base the build starts from: GEMMA4SERVE_TEST_BASE_IMAGE, else the Dockerfile's
+    `ARG BASE_IMAGE=` default."""
+    if base := os.environ.get(BASE_IMAGE_ENV):
+        return base
+    for line in (REPO_ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("ARG BASE_IMAGE="):
+            return line.removeprefix("ARG BASE_IMAGE=").strip()
+    raise AssertionError("the Dockerfile declares no `ARG BASE_IMAGE=` default")
+
+
+def base_image_unavailable(base: str) -> str | None:
+    """Why the build could not get `base` (None when it can): it is not in the local image store
+    and pulling it failed (no registry reachable)."""
+    if subprocess.run(["docker", "image", "inspect", base], capture_output=True).returncode == 0:
+        return None
+    try:
+        pull = subprocess.run(
+            ["docker", "pull", base], capture_output=True, text=True, timeout=PULL_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        failure = f"no answer in {PULL_TIMEOUT_S} s"
+    else:
+        if pull.returncode == 0:
+            return None
+        failure = (pull.stderr.strip() or pull.stdout.strip() or "no message").splitlines()[-1]
+    return (
+        f"the base image {base} is not present locally and could not be pulled ({failure}); "
+        f"set {BASE_IMAGE_ENV} to a local image"
+    )
+
+
 @pytest.fixture(scope="module")
 def image() -> str:
     if not daemon_answers():
         pytest.skip("no Docker daemon answers here")
-    base = os.environ.get(BASE_IMAGE_ENV)
-    build_args = ["--build-arg", f"BASE_IMAGE={base}"] if base else []
+    base = base_image()
+    if reason := base_image_unavailable(base):
+        pytest.skip(reason)
+    build_args = ["--build-arg", f"BASE_IMAGE={base}"]
     docker("build", "-t", TAG, *build_args, str(REPO_ROOT), timeout=1500)
     return TAG
 
@@ -248,3 +285,79 @@ def test_triton_can_build_its_launcher(image):
         "sys.path.insert(0, str(tmp)); import probe; print('built', probe.__name__)\n"
     )
     assert docker("run", "--rm", "--entrypoint", "python", image, "-c", probe) == "built probe"
+
+
+# ---- the skip rule, against a stand-in `docker` (these run everywhere) --------------------------
+
+OFFLINE_PULL = (
+    'Error response from daemon: Get "https://registry-1.docker.io/v2/": '
+    "dial tcp: lookup registry-1.docker.io: no such host"
+)
+
+
+@pytest.fixture
+def fake_docker(tmp_path, monkeypatch):
+    """A `docker` on PATH whose daemon answers; `image inspect` and `pull` exit with
+    $FAKE_INSPECT_RC and $FAKE_PULL_RC (a pull that fails says what an offline daemon says);
+    every call is logged to the returned file."""
+    calls = tmp_path / "calls"
+    script = tmp_path / "bin" / "docker"
+    script.parent.mkdir()
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{calls}"\n'
+        'case "$1 $2" in\n'
+        '  "info "*|"buildx version") exit 0 ;;\n'
+        '  "image inspect") exit "$FAKE_INSPECT_RC" ;;\n'
+        f'  "pull "*) [ "$FAKE_PULL_RC" = 0 ] || echo \'{OFFLINE_PULL}\' >&2; '
+        'exit "$FAKE_PULL_RC" ;;\n'
+        "  *) exit 99 ;;\n"
+        "esac\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
+    calls.touch()
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("inspect_rc", "pull_rc", "available"), [(0, 1, True), (1, 0, True), (1, 1, False)]
+)
+def test_skip_rule_is_the_base_image_local_or_pullable(
+    fake_docker, monkeypatch, inspect_rc, pull_rc, available
+):
+    monkeypatch.setenv("FAKE_INSPECT_RC", str(inspect_rc))
+    monkeypatch.setenv("FAKE_PULL_RC", str(pull_rc))
+    reason = base_image_unavailable("local/base:1")
+    if available:
+        assert reason is None
+    else:
+        assert "local/base:1 is not present locally" in reason and "no such host" in reason
+        assert BASE_IMAGE_ENV in reason
+    pulled = "pull local/base:1" in fake_docker.read_text().splitlines()
+    assert pulled == (inspect_rc != 0)  # a local base is never pulled
+
+
+def test_skip_rule_reads_the_base_from_the_env_or_the_dockerfile(monkeypatch):
+    monkeypatch.setenv(BASE_IMAGE_ENV, "local/base:1")
+    assert base_image() == "local/base:1"
+    monkeypatch.delenv(BASE_IMAGE_ENV)
+    default = base_image()
+    assert f"ARG BASE_IMAGE={default}\n" in (REPO_ROOT / "Dockerfile").read_text()
+    assert default.startswith("nvidia/cuda:")
+
+
+def test_skip_rule_skips_the_image_tests_without_building(fake_docker, monkeypatch):
+    """With a daemon that answers but no base image to be had, the image tests skip (not error)
+    and nothing is built."""
+    monkeypatch.setenv("FAKE_INSPECT_RC", "1")
+    monkeypatch.setenv("FAKE_PULL_RC", "1")
+    monkeypatch.setenv(BASE_IMAGE_ENV, "local/base:1")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+         "-k", "not test_skip_rule", __file__],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0 and "3 skipped" in done.stdout, done.stdout + done.stderr
+    assert "local/base:1 is not present locally" in done.stdout
+    assert not any(call.startswith("build") for call in fake_docker.read_text().splitlines())

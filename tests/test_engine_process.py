@@ -242,3 +242,23 @@ def test_engine_start_up_error_exits_with_its_message(tmp_path):
     assert done.returncode == 1
     text = log.read_text()
     assert "could not start the engine:" in text and "missing" in text
+
+
+def test_a_start_up_error_sent_just_before_the_engine_exits_is_kept(monkeypatch, tmp_path):
+    """The engine sends StartupFailed and exits between two of the server's polls (a loaded
+    machine deschedules the server there): the error still says what failed, not only that the
+    process exited."""
+    import multiprocessing.process
+
+    from gemma4serve.engine.args import EngineArgs
+    from gemma4serve.engine_process.client import EngineProcessClient, EngineStartupError
+
+    is_alive = multiprocessing.process.BaseProcess.is_alive
+
+    def answers_once_exited(process) -> bool:
+        process.join(120)
+        return is_alive(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "is_alive", answers_once_exited)
+    with pytest.raises(EngineStartupError, match="missing"):
+        EngineProcessClient(EngineArgs(model=str(tmp_path / "missing"), device="cpu"))

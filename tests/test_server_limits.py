@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
+import openai
 import pytest
 from fake_engine import FakeEngine
 from test_server_fake import assert_openai_error, serve_fake
 
+from gemma4serve.server import limits as server_limits
 from gemma4serve.server.limits import RequestLimits
+from gemma4serve.server.protocol import parse_request
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,6 +66,24 @@ def test_two_million_stop_strings_get_a_400_and_others_are_served(server, engine
     assert len(engine.requests) == before + 1, "the refused request must not reach the engine"
 
 
+def test_large_bodies_are_parsed_off_the_event_loop(server, monkeypatch):
+    """A body past PARSE_IN_THREAD_BYTES is parsed in a worker thread: the event loop keeps
+    serving others meanwhile."""
+    threads = []
+
+    def recording(request_type, body):
+        threads.append((len(body), threading.current_thread()))
+        return parse_request(request_type, body)
+
+    monkeypatch.setattr(server_limits, "parse_request", recording)
+    large = {"prompt": "x", "max_tokens": 1, "user": "u" * server_limits.PARSE_IN_THREAD_BYTES}
+    for body in ({"prompt": "x", "max_tokens": 1}, large):
+        assert post(server, COMPLETIONS, body).status_code == 200
+    (small, small_thread), (big, big_thread) = threads
+    assert small < server_limits.PARSE_IN_THREAD_BYTES < big
+    assert small_thread is server.thread and big_thread is not server.thread
+
+
 M = HI
 LIMITS = [
     ("stop-count", CHAT, {"messages": M, "stop": ["x"] * 65}, "stop", "--max-stop-sequences"),
@@ -88,6 +110,14 @@ LIMITS = [
         "--max-stop-chars",
     ),
     ("n", CHAT, {"messages": M, "n": 129}, "n", "--max-n"),
+    (
+        "batched-choices",
+        COMPLETIONS,
+        {"prompt": ["a"] * 9, "n": 128, "max_tokens": 1},
+        "prompt",
+        "--max-choices",
+    ),
+    ("batched-prompts", COMPLETIONS, {"prompt": [[10]] * 1025}, "prompt", "--max-choices"),
     (
         "messages",
         CHAT,
@@ -144,6 +174,26 @@ def test_limits_are_configurable():
         assert "--max-request-body-bytes" in error["message"]
 
 
+def test_batched_prompts_times_n_is_bounded_by_max_choices():
+    """A batched completion makes n engine sequences per prompt: len(prompt) x n is bounded by
+    --max-choices (a 400 naming it, the engine untouched); at the bound it is served."""
+    engine = FakeEngine()
+    with serve_fake(engine, limits=RequestLimits(max_choices=6)) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        served = client.completions.create(model="fake", prompt=["a", "b", "c"], n=2, max_tokens=2)
+        assert sorted(c.index for c in served.choices) == list(range(6))
+        before = len(engine.requests)
+        for prompt, n, param in [(["a"] * 7, 1, "prompt"), (["a"] * 4, 2, "prompt"), ("a", 7, "n")]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.completions.create(model="fake", prompt=prompt, n=n, max_tokens=2)
+            error = refused.value.body
+            assert refused.value.status_code == 400 and error["param"] == param
+            assert (
+                "--max-choices" in error["message"] and f"has {len(prompt) * n}" in error["message"]
+            )
+        assert len(engine.requests) == before
+
+
 def test_token_id_lists_are_bounded_by_the_vocabulary():
     engine = FakeEngine()
     engine.tokenizer.vocab_size = 300
@@ -168,16 +218,19 @@ def test_cli_flags_set_the_limits():
     ns = parse_args(
         ["--model", "m", "--max-request-body-bytes", "1MiB", "--max-stop-sequences", "8"]
         + ["--max-stop-chars", "100", "--max-n", "4", "--max-messages", "9"]
+        + ["--max-choices", "16"]
     )
     assert request_limits(ns) == RequestLimits(
         max_request_body_bytes=1024 * 1024,
         max_stop_sequences=8,
         max_stop_chars=100,
         max_n=4,
+        max_choices=16,
         max_messages=9,
     )
     assert request_limits(parse_args(["--model", "m"])) == RequestLimits()
-    for bad in (["--max-n", "0"], ["--max-stop-chars", "-1"], ["--max-messages", "x"]):
+    bad_flags = (["--max-n", "0"], ["--max-stop-chars", "-1"], ["--max-messages", "x"])
+    for bad in (*bad_flags, ["--max-choices", "0"]):
         with pytest.raises(SystemExit):
             parse_args(["--model", "m", *bad])
 

@@ -204,6 +204,21 @@ def test_disconnect_mid_stream_returns_kv_pages(server):
     wait_for_free_pages(server, baseline)
 
 
+def test_request_success_counts_requests_not_choices(server, client):
+    """One chat request of 3 choices is one finished request in /metrics, under its reason."""
+
+    def finished() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return metric(text, "gemma4serve:request_success_total", finished_reason="length")
+
+    before = finished()
+    response = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=3, n=3, extra_body={"ignore_eos": True}
+    )
+    assert [c.finish_reason for c in response.choices] == ["length"] * 3
+    assert finished() - before == 1
+
+
 def test_spec_decode_metrics_move(server, client):
     before = httpx.get(server.url + "/metrics").text
     client.chat.completions.create(
@@ -266,13 +281,16 @@ def test_demo_flag_and_sigterm_exits_0(demo_root):
             "--port",
             "0",
             "--drain-timeout",
-            "20",
+            "120",  # outlasts the 60 tokens even on a loaded 2-core machine
         ],
         ready_timeout=240,
         env={"GEMMA4SERVE_CACHE": str(root)},
     )
     with proc:
         assert proc.ready_lines()[0].endswith("(model gemma4serve-demo)")
+        # where the README says --demo keeps its model
+        where = f"serving {root / 'demo-v1' / 'target'} with its assistant {root / 'demo-v1'}"
+        assert any(where in line for line in proc.lines), proc.lines
         body = {
             "model": "gemma4serve-demo",
             "messages": HI,
@@ -287,7 +305,7 @@ def test_demo_flag_and_sigterm_exits_0(demo_root):
             payloads = sse_data([first, *lines])  # the running stream finishes
         assert payloads[-1] == "[DONE]"
         assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(60) == 0
+        assert proc.wait(150) == 0
 
 
 def test_prefix_cache_hit_is_reported(server, client):

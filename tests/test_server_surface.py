@@ -305,7 +305,8 @@ def _hub_cache_with(target, cache, repo: str) -> None:
 def test_download_dir_generation_config_and_chat_template(demo_root, tmp_path):
     """A Hub id found offline in --download-dir; defaults from a --generation-config folder
     (temperature 0: greedy unless the request asks otherwise); an inline --chat-template; uvicorn
-    at its default level logs each request."""
+    at its default level logs each request; --disable-log-requests (vLLM's) is taken and requests
+    are not logged."""
     _, target, assistant = demo_root
     _hub_cache_with(target, tmp_path / "hub", "test-org/tiny")
     (tmp_path / "gen").mkdir()
@@ -321,6 +322,7 @@ def test_download_dir_generation_config_and_chat_template(demo_root, tmp_path):
         str(tmp_path / "gen"),
         "--chat-template",
         template,
+        "--disable-log-requests",
         env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-home")},
     ) as proc:
         assert proc.ready_lines()[0].endswith("(model test-org/tiny)")
@@ -335,6 +337,7 @@ def test_download_dir_generation_config_and_chat_template(demo_root, tmp_path):
         greedy = client.completions.create(**kwargs, temperature=0)
         assert {c.text for c in defaulted.choices} == {greedy.choices[0].text}
         assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in proc.lines)
+        assert not any("Received request" in line for line in proc.lines)
 
 
 def _self_signed(tmp_path) -> tuple[str, str]:

@@ -100,7 +100,9 @@ def test_soak_with_disconnects_and_aborts(server):
         gate = asyncio.Semaphore(CONCURRENCY)
         outcomes: Counter = Counter()
         limits = httpx.Limits(max_connections=CONCURRENCY * 2)
-        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as client:
+        # The client waits as long as the hang bound, so a slow request is judged by that bound.
+        timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
+        async with httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits) as client:
 
             async def bounded(i: int) -> None:
                 async with gate:

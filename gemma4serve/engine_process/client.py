@@ -46,6 +46,7 @@ log = logging.getLogger("gemma4serve")
 
 WATCH_INTERVAL_S = 0.1  # how often the watchdog checks that the engine lives
 STOP_TIMEOUT_S = 10.0  # after Shutdown, how long the engine gets to exit before it is killed
+LAST_MESSAGE_WAIT_MS = 1000  # how long a message an exited engine sent may take to be readable
 
 
 class EngineStartupError(RuntimeError):
@@ -166,7 +167,8 @@ class EngineProcessClient:
 
     def _wait_for_ready(self) -> Ready:
         while not self._output.poll(int(WATCH_INTERVAL_S * 1000)):
-            if not self._engine.is_alive():
+            # An engine may send StartupFailed and exit after a poll: read its last words first.
+            if not self._engine.is_alive() and not self._output.poll(LAST_MESSAGE_WAIT_MS):
                 raise EngineStartupError(
                     f"the engine process exited with code {self._engine.exitcode} while starting"
                 )

@@ -2,8 +2,9 @@
 
 Everything a request asks for costs the server in proportion to some size in it: the body to read
 and parse, the stop strings to match after every token, the choices (each a sequence with its own
-KV pages), the messages to template. Each size is bounded here and a request past a bound gets a
-400 naming the field and the flag (a body past its bound gets a 413, before it is parsed).
+KV pages; a batched completion has n per prompt), the messages to template. Each size is bounded
+here and a request past a bound gets a 400 naming the field and the flag (a body past its bound
+gets a 413, before it is parsed).
 Logprobs are bounded by vLLM's `--max-logprobs`, checked in the app.
 """
 
@@ -33,6 +34,8 @@ class RequestLimits:
     max_stop_sequences: int = 64  # entries of `stop`, of `stop_token_ids`, of `bad_words`
     max_stop_chars: int = 4096  # characters over all of `stop`, over all of `bad_words`
     max_n: int = 128  # OpenAI's bound on `n`
+    # Each choice is an engine sequence: `n` times the prompts of a batched completion.
+    max_choices: int = 1024
     max_messages: int = 4096  # entries of a chat's `messages`
 
     def check(
@@ -54,6 +57,14 @@ class RequestLimits:
             "--max-stop-sequences",
         )
         _bound("n", request.n, self.max_n, "choices (n)", "--max-n")
+        prompts = len(request.prompts()) if isinstance(request, CompletionRequest) else 1
+        _bound(
+            "prompt" if prompts > 1 else "n",
+            prompts * request.n,
+            self.max_choices,
+            "choices (prompts times n)",
+            "--max-choices",
+        )
         if isinstance(request, ChatCompletionRequest):
             _bound(
                 "messages", len(request.messages), self.max_messages, "messages", "--max-messages"

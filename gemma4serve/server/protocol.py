@@ -93,8 +93,6 @@ def _validation_error(exc: ValidationError) -> ApiError:
 # ------------------------------------------------------------------------------------------------
 # Requests
 
-MAX_BATCHED_PROMPTS = 1024  # prompts of one /v1/completions request; each is an engine request
-
 
 # Numbers are finite (NaN or inf temperatures turn into NaN probabilities inside a batch shared with
 # others).
@@ -431,12 +429,6 @@ class CompletionRequest(_GenerationRequest):
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
             else [prompt]
         )
-        if len(batch) > MAX_BATCHED_PROMPTS:
-            raise ApiError(
-                400,
-                f"a request may batch at most {MAX_BATCHED_PROMPTS} prompts, got {len(batch)}.",
-                param="prompt",
-            )
         if any(len(one) == 0 for one in batch):
             raise ApiError(400, "prompt must not be empty.", param="prompt", code="invalid_value")
         return batch
