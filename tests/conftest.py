@@ -13,7 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # The tiny models are far too small for intra-op threads to pay; with two cores they only contend.
+# The environment variable gives the servers and engine processes the tests start one thread too.
 torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 class TinyCheckpoints:

@@ -44,12 +44,6 @@ CONSTRAINED = SamplingParams(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread_per_rank(monkeypatch):
-    """Spawned workers read it at start: two ranks on two cores must not contend."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
 def token_ids(outputs) -> list[list[int]]:
     return [choice.token_ids for out in outputs for choice in out.outputs]
 
@@ -124,7 +118,7 @@ def start_tp_server(tiny_checkpoints) -> ServerProcess:
         "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "-tp", "2",
         "--served-model-name", "tiny", "--num-draft-tokens", "3", "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    return ServerProcess(args, ready_timeout=240, env={"OMP_NUM_THREADS": "1"})
+    return ServerProcess(args, ready_timeout=240)
 
 
 def logged_pid(server: ServerProcess, pattern: str) -> int:

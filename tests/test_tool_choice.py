@@ -70,10 +70,7 @@ def server(tmp_path_factory):
     from gemma4serve.demo.checkpoints import ensure_demo_model
 
     target, assistant = ensure_demo_model(tmp_path_factory.mktemp("demo-cache"))
-    # One intra-op thread in the server too (conftest.py says why), set before torch starts there.
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OMP_NUM_THREADS", "1")
-        proc = start_server(target, assistant)
+    proc = start_server(target, assistant)
     with proc:
         proc.free_pages_at_start = free_pages(proc)
         yield proc
