@@ -928,6 +928,8 @@ def test_engine_client_concurrent_consumers(tiny_checkpoints, engine):
     # The quitter was aborted, not run to its length: only the full consumers finished.
     assert stats.requests_finished.get("length") == len(prompts)
     assert not client.ready and not client.dead
+    # Its zmq context is ended by shutdown: one left to the garbage collector could hang in term().
+    assert client._context.closed
 
 
 def test_generation_config_supplies_the_default_sampling_settings(tiny_checkpoints):

@@ -254,9 +254,18 @@ class EngineProcessClient:
             self._engine.kill()
             self._engine.join(STOP_TIMEOUT_S)
         if self._loop is not None and not self._loop.is_closed():
-            for task in self._tasks:
-                self._loop.call_soon_threadsafe(task.cancel)
+            asyncio.run_coroutine_threadsafe(self._close_sockets(), self._loop)
+        else:
+            self._context.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    async def _close_sockets(self) -> None:
+        """Stop the readers, then end the context now: one left to the garbage collector can be
+        finalized before its sockets and block forever in term()."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._context.destroy(linger=0)
 
     async def _read_outputs(self, socket: zmq.asyncio.Socket) -> None:
         decode = self._codec.messages.decode
