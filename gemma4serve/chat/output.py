@@ -20,7 +20,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from gemma4serve.chat.arguments import QUOTE, ArgumentsStream
-from gemma4serve.structured.spec import IN_THOUGHT, MAY_THINK, NO_THINKING
+from gemma4serve.structured.spec import (
+    IN_THOUGHT,
+    MAY_THINK,
+    NO_THINKING,
+    StructuredOutputsParams,
+)
 
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
 CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
@@ -79,12 +84,23 @@ class ChatMarkers:
         closed = max((i for i, t in enumerate(tail) if t == self.channel_close_id), default=-1)
         return opened > closed
 
-    def thinking(self, prompt_ids: list[int], enable_thinking: bool) -> str:
-        """Where a grammar starts (structured/spec.py): inside the channel the prompt left
-        open, after an optional thought channel when thinking is on, else at once."""
+    def after_thinking(
+        self,
+        spec: StructuredOutputsParams | None,
+        prompt_ids: list[int],
+        chat_template_kwargs: dict | None,
+    ) -> StructuredOutputsParams | None:
+        """`spec` starting where the answer starts: inside the channel the prompt left open,
+        after an optional thought channel when thinking is on, else at once."""
+        if spec is None:
+            return None
         if self.starts_in_reasoning(prompt_ids):
-            return IN_THOUGHT
-        return MAY_THINK if enable_thinking else NO_THINKING
+            thinking = IN_THOUGHT
+        elif (chat_template_kwargs or {}).get("enable_thinking"):
+            thinking = MAY_THINK
+        else:
+            thinking = NO_THINKING
+        return dataclasses.replace(spec, thinking=thinking)
 
 
 @dataclass

@@ -171,9 +171,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         k = args.num_draft_tokens if self.state.draft is not None else 0
         self.num_draft_tokens = k
-        forced = None
-        if args.forced_acceptance is not None and k:
-            forced = ForcedAcceptance(args.forced_acceptance, k, self.state.device)
+        forced = ForcedAcceptance.from_args(args, k, self.state.device)
+        if forced is not None:
             log.warning(
                 "BENCHMARK MODE: --forced-acceptance forces %.2f tokens per verify step; "
                 "generated text is NOT the model's output",

@@ -84,13 +84,10 @@ class LLM:
             dataclasses.replace(p, skip_special_tokens=False) if wanted else p
             for p, wanted in zip(params, parse)
         ]
-        enable_thinking = bool((chat_template_kwargs or {}).get("enable_thinking"))
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             structured = forced or p.structured_outputs
-            if structured is not None and self._markers is not None:
-                # the grammar starts after the thinking, as the server's does
-                thinking = self._markers.thinking(prompt, enable_thinking)
-                structured = dataclasses.replace(structured, thinking=thinking)
+            if self._markers is not None:  # the grammar starts after the thinking, as served
+                structured = self._markers.after_thinking(structured, prompt, chat_template_kwargs)
             params[i] = dataclasses.replace(p, structured_outputs=structured)
         outputs = self.generate(prompts, params)
         for output, wanted in zip(outputs, parse):

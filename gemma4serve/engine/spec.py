@@ -9,6 +9,7 @@ import torch
 
 from gemma4serve.attention.metadata import AttentionMetadata
 from gemma4serve.config import FULL, SLIDING
+from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.random_streams import Stream, uniform
 from gemma4serve.model.gemma4 import ForwardContext
 
@@ -122,6 +123,13 @@ class ForcedAcceptance:
             probs = sorted((float(p) for p in profile), reverse=True)[:num_draft_tokens]
             probs += [0.0] * (num_draft_tokens - len(probs))
         self.probs = torch.tensor(probs, dtype=torch.float32, device=device)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, num_draft_tokens: int, device) -> ForcedAcceptance | None:
+        """--forced-acceptance where the engine drafts (every rank builds the same); else None."""
+        if args.forced_acceptance is None or not num_draft_tokens:
+            return None
+        return cls(args.forced_acceptance, num_draft_tokens, device)
 
     @property
     def mean_tokens_per_step(self) -> float:

@@ -216,9 +216,7 @@ def run_worker(
     tp = init_group(rank, args.tensor_parallel_size, init_method, device)
     state = load_models(args, tp)
     k = args.num_draft_tokens if state.draft is not None else 0
-    forced = None
-    if args.forced_acceptance is not None and k:
-        forced = ForcedAcceptance(args.forced_acceptance, k, state.device)
+    forced = ForcedAcceptance.from_args(args, k, state.device)
     plans = PlanReceiver(connection)
     runner = ModelRunner(state, num_draft_tokens=k, forced=forced, leader=plans)
     folder = args.tensor_parallel_step_log

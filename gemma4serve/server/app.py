@@ -16,7 +16,6 @@ async generator is closed and the request is aborted, so its KV pages go back to
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import hmac
 import json
@@ -622,13 +621,10 @@ async def _generation(
     header = ResponseHeader(request_id, int(time.time()), model)
     fmt = response_format(header, req, state.token_strings, prompts, markers=state.chat_markers)
     if isinstance(req, ChatCompletionRequest) and state.chat_markers is not None:
-        enable_thinking = bool((req.chat_template_kwargs or {}).get("enable_thinking"))
         for prompt, one in zip(prompts, params):
-            if one.structured_outputs is not None:  # its grammar starts after the thinking
-                thinking = state.chat_markers.thinking(prompt.token_ids, enable_thinking)
-                one.structured_outputs = dataclasses.replace(
-                    one.structured_outputs, thinking=thinking
-                )
+            one.structured_outputs = state.chat_markers.after_thinking(
+                one.structured_outputs, prompt.token_ids, req.chat_template_kwargs
+            )
     if fmt.parses_output:  # the parser reads the special tokens the model writes
         for one in params:
             one.skip_special_tokens = False

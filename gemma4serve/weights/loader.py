@@ -130,10 +130,11 @@ def load_weights(
                 shape = tuple(header.get_shape())
                 expected = tuple(targets[param_name].shape)
                 shard = shard_of(param_name, shape) if shard_of is not None else None
-                if _sharded_shape(shape, shard) != expected:
+                loaded_shape = _sharded_shape(shape, shard)
+                if loaded_shape != expected:
                     mismatched.append(
                         f"{name}: checkpoint {list(shape)}"
-                        + (f" (shard {list(_sharded_shape(shape, shard))})" if shard else "")
+                        + (f" (shard {list(loaded_shape)})" if shard else "")
                         + f", module {param_name} expects {list(expected)}"
                     )
                     continue
@@ -143,7 +144,7 @@ def load_weights(
                 loaded_by[param_name] = name
                 dtype_name = header.get_dtype()
                 itemsize = _DTYPES[dtype_name].itemsize if dtype_name in _DTYPES else 1
-                nbytes = itemsize * _numel(_sharded_shape(shape, shard))
+                nbytes = itemsize * _numel(loaded_shape)
                 entries.append(_Entry(file, name, param_name, nbytes, shard))
 
     # Tied parameters appear under several names; loading any of them loads the tensor.
