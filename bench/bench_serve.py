@@ -248,15 +248,23 @@ def roofline_of(args) -> tuple[object, float, str] | None:
         bandwidth, source = args.bandwidth_gbps * 1e9, "given"
     else:
         bandwidth, source = measure_bandwidth(device), f"measured by a {device.type} copy here"
+    ranks = server_flag(args, ("-tp", "--tensor-parallel-size"), 1)
+    if ranks > 1:  # each rank reads its 1/N of the bytes at once
+        bandwidth, source = bandwidth * ranks, f"{source}, x{ranks} tensor-parallel ranks"
     return (lambda c, context: roofline(engine, c, context, bandwidth)), bandwidth, source
 
 
-def num_draft_tokens(args) -> int:
+def server_flag(args, names: tuple[str, ...], default: int) -> int:
+    """An integer flag of --server-args, or the server's default."""
     flags = args.server_args.split()
-    for name in ("--num-draft-tokens", "--num-speculative-tokens"):
+    for name in names:
         if name in flags:
             return int(flags[flags.index(name) + 1])
-    return 4  # the server's default
+    return default
+
+
+def num_draft_tokens(args) -> int:
+    return server_flag(args, ("--num-draft-tokens", "--num-speculative-tokens"), 4)
 
 
 COLUMNS = ("conc", "reqs", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean",

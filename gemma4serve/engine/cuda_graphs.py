@@ -52,6 +52,29 @@ def mixed_group_buckets(max_batch: int) -> list[int]:
     return [g for g in (4, 16, 64) if g < max_batch] + [max_batch]
 
 
+def capture_graphs(state, args, k: int) -> tuple[CudaGraphs | None, dict[int, StepCost] | None]:
+    """The decode/verify, mixed and draft-loop graphs of one rank (CUDA, Triton attention), and
+    each bucket's measured step costs for the adaptive draft length. Under tensor parallelism every
+    rank calls this at the same point with the same arguments: the graphs hold the all-reduces, so
+    every rank captures, measures and replays the same graphs in the same order."""
+    if state.device.type != "cuda" or args.enforce_eager or state.attn.name == "torch":
+        return None, None
+    # Mixed steps run FlashInfer's prefill (planned on the host) eagerly where it is installed.
+    mixed_tokens = 0 if state.attn.name == "flashinfer" else args.max_num_batched_tokens
+    graphs = CudaGraphs(state, args.max_num_seqs, state.kv_plan.max_model_len, k, mixed_tokens)
+    graphs.capture()
+    costs = graphs.measure() if args.adaptive_draft_length else None
+    if costs:
+        log.info(
+            "step costs per batch bucket (decode / verify / draft loop ms): %s",
+            "; ".join(
+                f"{b}: {c.decode * 1e3:.2f} / {c.verify * 1e3:.2f} / {c.draft * 1e3:.2f}"
+                for b, c in costs.items()
+            ),
+        )
+    return graphs, costs
+
+
 class CudaGraphs:
     def __init__(
         self,

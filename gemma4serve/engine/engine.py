@@ -18,7 +18,7 @@ from pathlib import Path
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
-from gemma4serve.engine.cuda_graphs import CudaGraphs
+from gemma4serve.engine.cuda_graphs import capture_graphs
 from gemma4serve.engine.models import check_tensor_parallel, load_models
 from gemma4serve.engine.outputs import (
     CompletionOutput,
@@ -178,7 +178,7 @@ class LLMEngine:
                 "generated text is NOT the model's output",
                 forced.mean_tokens_per_step,
             )
-        graphs, costs = self._capture_graphs(k)
+        graphs, costs = capture_graphs(self.state, args, k)
         self.draft_length = DraftLength(k, costs)
         self.runner = ModelRunner(
             self.state,
@@ -195,34 +195,6 @@ class LLMEngine:
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self._inflight: StepHandle | None = None  # a launched decode step not read yet
         self.num_continued_steps = 0  # steps queued before the step before them was read
-
-    def _capture_graphs(self, k: int) -> tuple[CudaGraphs | None, dict | None]:
-        """CUDA graphs of the decode/verify steps and the draft loop (CUDA, Triton attention), and
-        each bucket's measured step costs for the adaptive draft length."""
-        args = self.args
-        if (
-            self.state.device.type != "cuda"
-            or args.enforce_eager
-            or self.state.attn.name == "torch"
-            # Not yet under tensor parallelism: every rank would capture the same graphs (their
-            # NCCL all-reduces inside) and replay them at rank 0's replays.
-            or self.workers is not None
-        ):
-            return None, None
-        # Mixed steps run FlashInfer's prefill (planned on the host) eagerly where it is installed.
-        mixed_tokens = 0 if self.state.attn.name == "flashinfer" else args.max_num_batched_tokens
-        graphs = CudaGraphs(self.state, args.max_num_seqs, self.max_model_len, k, mixed_tokens)
-        graphs.capture()
-        costs = graphs.measure() if args.adaptive_draft_length else None
-        if costs:
-            log.info(
-                "step costs per batch bucket (decode / verify / draft loop ms): %s",
-                "; ".join(
-                    f"{b}: {c.decode * 1e3:.2f} / {c.verify * 1e3:.2f} / {c.draft * 1e3:.2f}"
-                    for b, c in costs.items()
-                ),
-            )
-        return graphs, costs
 
     def _warm_up(self) -> None:
         """One eager step per chunk-length bucket, so Triton compiles the shape-selected kernel

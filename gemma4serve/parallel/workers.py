@@ -208,6 +208,7 @@ def run_worker(
         setup_logging(log_level if log_level == "debug" else "warning")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us
     _exit_with_leader(leader_pid)
+    from gemma4serve.engine.cuda_graphs import capture_graphs
     from gemma4serve.engine.models import load_models
     from gemma4serve.engine.runner import ModelRunner
     from gemma4serve.engine.spec import ForcedAcceptance
@@ -217,8 +218,9 @@ def run_worker(
     state = load_models(args, tp)
     k = args.num_draft_tokens if state.draft is not None else 0
     forced = ForcedAcceptance.from_args(args, k, state.device)
+    graphs, _ = capture_graphs(state, args, k)  # rank 0 captures the same, at the same point
     plans = PlanReceiver(connection)
-    runner = ModelRunner(state, num_draft_tokens=k, forced=forced, leader=plans)
+    runner = ModelRunner(state, num_draft_tokens=k, forced=forced, graphs=graphs, leader=plans)
     folder = args.tensor_parallel_step_log
     step_log = StepLog(folder, rank) if folder else None
     handle = None

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""All-reduce latency at a decode step's sizes, replayed in a CUDA graph as the server replays it:
+NCCL (what tensor parallelism uses) and PyTorch's symmetric-memory one-shot all-reduce (a
+custom-all-reduce candidate: each GPU reads the others' buffers over NVLink P2P, no multicast).
+
+A 31B decode step all-reduces [rows, 5376] bf16 twice per layer (60 layers): this times one
+all-reduce as the mean over a graph of --repeats of them, and prints the per-step cost and the
+link roofline (bytes each GPU must read / --link-gbps) beside it.
+
+    python bench/bench_allreduce.py --ranks 2 --rows 1 4 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HIDDEN = 5376  # the 31B's hidden size
+ALL_REDUCES_PER_STEP = 120  # two per layer, 60 layers
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    p.add_argument("--hidden", type=int, default=HIDDEN)
+    p.add_argument("--repeats", type=int, default=200, help="all-reduces in one timed graph")
+    p.add_argument(
+        "--link-gbps", type=float, default=450.0, help="NVLink bandwidth per direction (H100/H200)"
+    )
+    return p.parse_args(argv)
+
+
+def time_graph(fn, repeats: int) -> float:
+    """Seconds per call of fn, replayed `repeats` times in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (3 * repeats)
+
+
+def nccl(x: torch.Tensor):
+    def fn():
+        dist.all_reduce(x)
+
+    return fn
+
+
+def one_shot(x: torch.Tensor):
+    """torch's symmetric-memory one-shot all-reduce, or None where it does not run here."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD.group_name
+        buffer = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
+        symm_mem.rendezvous(buffer, group)
+        buffer.copy_(x)
+
+        def fn():
+            torch.ops.symm_mem.one_shot_all_reduce(buffer, "sum", group)
+
+        fn()
+        torch.cuda.synchronize()
+        return fn
+    except Exception as e:  # noqa: BLE001 - report and time NCCL alone
+        if dist.get_rank() == 0:
+            print(f"one-shot all-reduce unavailable: {type(e).__name__}: {e}")
+        return None
+
+
+def worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks
+    )
+    dist.all_reduce(torch.ones(1, device="cuda"))  # create the communicator before capture
+    if rank == 0:
+        print(f"{args.ranks} ranks, {torch.cuda.get_device_name()}; times per all-reduce (us)")
+        print(f"{'rows':>6} {'KiB':>8} {'NCCL':>8} {'one-shot':>9} {'link roof':>10} "
+              f"{'NCCL/step ms':>13}")  # fmt: skip
+    use_one_shot = True
+    for rows in args.rows:
+        x = torch.randn(rows, args.hidden, dtype=torch.bfloat16, device="cuda")
+        t_nccl = time_graph(nccl(x), args.repeats)
+        fn = one_shot(x) if use_one_shot else None
+        use_one_shot = fn is not None
+        try:
+            t_one = time_graph(fn, args.repeats) if fn is not None else None
+        except Exception as e:  # noqa: BLE001 - e.g. not capturable in a graph
+            if rank == 0:
+                print(f"one-shot all-reduce in a graph failed: {type(e).__name__}: {e}")
+            t_one, use_one_shot = None, False
+        nbytes = x.numel() * x.element_size()
+        roof = nbytes * (args.ranks - 1) / (args.link_gbps * 1e9)
+        if rank == 0:
+            one = f"{t_one * 1e6:9.1f}" if t_one is not None else f"{'-':>9}"
+            print(f"{rows:6d} {nbytes / 1024:8.1f} {t_nccl * 1e6:8.1f} {one} {roof * 1e6:10.1f} "
+                  f"{t_nccl * ALL_REDUCES_PER_STEP * 1e3:13.2f}", flush=True)  # fmt: skip
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args, port), nprocs=args.ranks)
+
+
+if __name__ == "__main__":
+    main()
