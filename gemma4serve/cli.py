@@ -232,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         "each, started by the server.",
     )
     engine.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="Tensor parallelism: NCCL for every all-reduce (default: a one-shot all-reduce "
+        "through symmetric memory for small ones on CUDA).",
+    )
+    engine.add_argument(
         "--max-model-len",
         type=_token_count,
         metavar="TOKENS",
@@ -513,6 +519,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_tokens=ns.kv_cache_tokens,
         attention_backend=ns.attention_backend,
         enforce_eager=ns.enforce_eager,
+        disable_custom_all_reduce=ns.disable_custom_all_reduce,
         enable_prefix_caching=ns.enable_prefix_caching,
         async_scheduling=ns.async_scheduling,
         seed=ns.seed,

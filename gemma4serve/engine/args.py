@@ -44,6 +44,7 @@ class EngineArgs:
     )
     # Devices (processes) the model is split over; rank 0 runs the engine, the others follow it.
     tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False  # NCCL for every all-reduce, small ones included
     # Test knob: a folder where every tensor-parallel rank writes each step's tokens, one line
     # per step (rank0.jsonl, rank1.jsonl, ...), to check that the ranks agree.
     tensor_parallel_step_log: str | None = None

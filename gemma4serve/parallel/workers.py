@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.step_plan import ContinuedPlan, ScheduledPlan, Stop
-from gemma4serve.parallel.group import TensorParallel
+from gemma4serve.parallel.group import OneShotAllReduce, TensorParallel
 
 log = logging.getLogger("gemma4serve")
 
@@ -95,12 +95,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
+def init_group(
+    rank: int, size: int, init_method: str, device: torch.device, custom_all_reduce: bool
+) -> TensorParallel:
+    """Join the group; on CUDA also the one-shot all-reduce's buffers unless switched off (every
+    rank gets the same `custom_all_reduce`, so all or none make the collective buffer)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
-    return TensorParallel(rank, size, dist.group.WORLD)
+    group = dist.group.WORLD
+    one_shot = None
+    if device.type == "cuda" and custom_all_reduce:
+        one_shot = OneShotAllReduce.create(group, device)
+    return TensorParallel(rank, size, group, one_shot)
 
 
 def _rank_device(args: EngineArgs, rank: int) -> torch.device:
@@ -141,7 +149,7 @@ class TensorParallelWorkers:
         self.plans = PlanSender(connections, StepLog(folder, 0) if folder else None)
         self._stopping = False
         threading.Thread(target=self._watch, name="gemma4serve-tp-watch", daemon=True).start()
-        self.tp = init_group(0, size, init_method, device)
+        self.tp = init_group(0, size, init_method, device, not args.disable_custom_all_reduce)
 
     def _watch(self) -> None:
         """A worker that exits before `stop` leaves rank 0 nothing to wait for: end this process
@@ -214,7 +222,9 @@ def run_worker(
     from gemma4serve.engine.spec import ForcedAcceptance
 
     device = _rank_device(args, rank)
-    tp = init_group(rank, args.tensor_parallel_size, init_method, device)
+    tp = init_group(
+        rank, args.tensor_parallel_size, init_method, device, not args.disable_custom_all_reduce
+    )
     state = load_models(args, tp)
     k = args.num_draft_tokens if state.draft is not None else 0
     forced = ForcedAcceptance.from_args(args, k, state.device)
