@@ -46,19 +46,16 @@ class OneShotAllReduce:
             return None
 
     def fits(self, x: torch.Tensor) -> bool:
-        """bf16, contiguous, 16-byte aligned in address and size, and within the buffer."""
+        """bf16 within the buffer, in 16-byte units: decided by shape alone, so every rank takes
+        the same path for the same all-reduce."""
         nbytes = x.numel() * x.element_size()
-        return (
-            x.dtype == torch.bfloat16
-            and x.is_contiguous()
-            and nbytes <= self.MAX_BYTES
-            and nbytes % 16 == 0
-            and x.data_ptr() % 16 == 0
-        )
+        return x.dtype == torch.bfloat16 and nbytes <= self.MAX_BYTES and nbytes % 16 == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks, in place (every rank adds the buffers in rank order: the ranks get
-        identical sums)."""
+        """The sum over ranks (every rank adds the buffers in rank order: the ranks get identical
+        sums); in place where x is contiguous and 16-byte aligned, as fresh tensors are."""
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            x = x.contiguous().clone()
         flat = x.view(-1)
         staging = self.buffer[: flat.numel()]
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, flat, "sum", self.group_name, flat)
