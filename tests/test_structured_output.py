@@ -171,3 +171,78 @@ def test_mtp_gives_the_same_constrained_tokens(tiny_checkpoints, variant):
     assert finished >= 6
     assert spec.engine.snapshot().spec_drafted_tokens > 0
     assert spec.engine.kv_pool_free() == free0
+
+
+# A second schema, so that one batch holds several grammars.
+TAGS = {
+    "type": "array",
+    "items": {"enum": ["alpha", "beta", "gamma"]},
+    "minItems": 1,
+    "maxItems": 4,
+}
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 5}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def mixed_batch() -> tuple[list[str], list[SamplingParams]]:
+    """Requests with different grammars (two schemas, json_object, a forced tool call) and none,
+    greedy and seeded, of different lengths: sequences end at different steps of one batch."""
+
+    def params(structured=None, **kw):
+        kw = {"max_tokens": 120, "temperature": 0.0, **kw}
+        return SamplingParams(structured_outputs=structured, **kw)
+
+    batch = [
+        ("a", params(StructuredOutputsParams(json=json.dumps(SCHEMA)))),
+        ("b c d e", params(StructuredOutputsParams(json_object=True), max_tokens=50)),
+        ("JSON please", params(StructuredOutputsParams(json=json.dumps(TAGS)))),
+        ("weather?", params(StructuredOutputsParams(tool_calls=json.dumps([WEATHER_TOOL])))),
+        ("free text", params(max_tokens=40, ignore_eos=True)),
+        ("f g", params(temperature=1.0, seed=4, max_tokens=70, ignore_eos=True)),
+        ("h", params(StructuredOutputsParams(json=json.dumps(SCHEMA)), temperature=1.0, seed=3)),
+    ]
+    return [prompt for prompt, _ in batch], [p for _, p in batch]
+
+
+@pytest.mark.parametrize("drafter", [True, False])
+def test_async_scheduling_changes_no_constrained_output(tiny_checkpoints, drafter):
+    """Constrained steps continued on the device (their masks filled after the step before them
+    is committed) give the synchronous engine's tokens, and every finished output validates."""
+    target = tiny_checkpoints.get("dense")
+    draft = str(tiny_checkpoints.get_assistant("dense")) if drafter else None
+    kw = dict(draft=draft, device="cpu", dtype="float32", num_draft_tokens=3)
+    on = LLM(str(target), **kw)
+    off = LLM(str(target), async_scheduling=False, **kw)
+    prompts, params = mixed_batch()
+    got, want = on.generate(prompts, params), off.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert on.engine.num_continued_steps > 0 and off.engine.num_continued_steps == 0
+    texts = [o.outputs[0].text for o in got]
+    reasons = [o.outputs[0].finish_reason for o in got]
+    jsonschema.validate(check_strict_json(texts[0]), SCHEMA)
+    assert reasons[1] == "length" or isinstance(check_strict_json(texts[1]), dict)
+    jsonschema.validate(check_strict_json(texts[2]), TAGS)
+    assert reasons[3] == "stop" and texts[3].startswith("call:get_weather{")
+    jsonschema.validate(check_strict_json(texts[6]), SCHEMA)
+    assert reasons[4:6] == ["length", "length"]
+    assert on.engine.kv_pool_free() == on.engine.kv.pool.capacity
+
+
+def test_a_constrained_decode_batch_is_continued(tiny_checkpoints):
+    """A json_object request alone: its decode steps are queued before the step before is read."""
+    llm = LLM(str(tiny_checkpoints.get("dense")), device="cpu", dtype="float32")
+    params = SamplingParams(
+        max_tokens=48,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json_object=True),
+    )
+    (out,) = llm.generate(["JSON please"], params)
+    assert len(out.outputs[0].token_ids) > 30
+    assert llm.engine.num_continued_steps >= len(out.outputs[0].token_ids) - 3

@@ -42,6 +42,14 @@ CONSTRAINED = SamplingParams(
     prompt_logprobs=1,
     structured_outputs=StructuredOutputsParams(json_object=True),
 )
+# A grammar alone: its decode steps are continued, rank 0 sending each one's bitmask after the
+# step before is committed.
+CONTINUED_GRAMMAR = SamplingParams(
+    max_tokens=24,
+    temperature=0.8,
+    seed=5,
+    structured_outputs=StructuredOutputsParams(json_object=True),
+)
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -68,13 +76,13 @@ def test_two_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, varian
     lossless), and both ranks compute the same tokens and drafts at every step."""
     target = tiny_checkpoints.get(variant)
     assistant = tiny_checkpoints.get_assistant(variant)
-    expected, pages = generate(target, None, [GREEDY, SAMPLED, CONSTRAINED])
+    expected, pages = generate(target, None, [GREEDY, SAMPLED, CONSTRAINED, CONTINUED_GRAMMAR])
     assert not torch.distributed.is_initialized()  # one device never starts a group
     log = tmp_path / "steps"
     got, rank_pages = generate(
         target,
         assistant,
-        [GREEDY, SAMPLED, CONSTRAINED],
+        [GREEDY, SAMPLED, CONSTRAINED, CONTINUED_GRAMMAR],
         tensor_parallel_size=2,
         num_draft_tokens=3,
         tensor_parallel_step_log=str(log),

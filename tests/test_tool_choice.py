@@ -312,3 +312,34 @@ def test_notation_grammar_follows_the_schema(tiny_checkpoints):
 
     assert [arguments for arguments in ACCEPTED if not accepts(arguments)] == []
     assert [arguments for arguments in REJECTED if accepts(arguments)] == []
+
+
+def test_async_scheduling_with_accepted_drafts_changes_no_forced_call(trained_chat_checkpoint):
+    """A model taught its calls, and a drafter whose drafts it accepts: forced calls (a grammar
+    mask along every verified draft) are the same tokens with steps continued on the device as
+    without."""
+    from trained_chat import EXAMPLES, WEATHER_TOOLS
+
+    from gemma4serve.engine.llm import LLM
+
+    target, assistant = trained_chat_checkpoint
+    kw = dict(draft=str(assistant), device="cpu", num_draft_tokens=3, max_model_len=1024)
+    on, off = LLM(str(target), **kw), LLM(str(target), async_scheduling=False, **kw)
+    conversations = [EXAMPLES[name].messages for name in ("single call", "parallel calls")]
+    greedy = SamplingParams(max_tokens=80, temperature=0)
+    got, want = (
+        llm.chat(conversations, greedy, tools=WEATHER_TOOLS, tool_choice="required")
+        for llm in (on, off)
+    )
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    calls = [[(c.name, json.loads(c.arguments)) for c in o.outputs[0].tool_calls] for o in got]
+    assert calls == [
+        [("get_weather", {"city": "Rome", "days": 3})],
+        [
+            ("get_weather", {"city": "Oslo", "days": 2}),
+            ("get_weather", {"city": "Lima", "days": 10}),
+        ],
+    ]
+    stats = on.engine.snapshot()
+    assert stats.spec_accepted_tokens > stats.spec_num_steps  # most drafts are accepted
+    assert on.engine.num_continued_steps > 0 and off.engine.num_continued_steps == 0

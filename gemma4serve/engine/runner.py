@@ -30,7 +30,7 @@ from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import ModelState
 from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.engine.sampler import AcceptResult, SamplingBatch, accept
-from gemma4serve.engine.sequence import ScheduledChunk, Sequence, StepResult
+from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
 from gemma4serve.engine.step_plan import ContinuedPlan, SamplingPlan, ScheduledPlan
 from gemma4serve.kv.manager import SeqPages
@@ -179,6 +179,14 @@ class _PinnedPromptLogprobs:
 
 
 @dataclass
+class PendingSampling:
+    """A continued constrained step queued up to its target forward: its accept, draft loop and
+    copy wait for the grammar bitmask, which needs the step before it committed on the host."""
+
+    target: TargetOutputs
+
+
+@dataclass
 class StepHandle:
     """A launched step: its device outputs and their copy to the host (read by `results()`)."""
 
@@ -186,6 +194,7 @@ class StepHandle:
     outputs: StepOutputs | None = None
     draft_len: int = 0  # drafts this step proposes for the next one
     continuable: bool = False  # a decode step that `launch_continued` can follow
+    pending: PendingSampling | None = None  # set: `ModelRunner.sample_continued` must finish it
     _ints: _PinnedColumns | None = None
     _logprobs: _PinnedLogprobs | None = None
     _done: torch.cuda.Event | None = None
@@ -356,8 +365,6 @@ class ModelRunner:
             batch.decode_query_len is not None
             and inputs is not None
             and not inputs.sampling.reads_history
-            # A grammar's next mask needs this step's tokens on the host: run such batches sync.
-            and not inputs.sampling.constrained
         )
         return self._run(
             batch,
@@ -374,14 +381,37 @@ class ModelRunner:
         tables = page_tables(pages)
         if self.followers is not None:
             self.followers.send(ContinuedPlan(tables))
-        handle = self.run_continued(previous, tables)
-        if self.followers is not None:
+        # A grammar's mask needs `previous` committed on the host: its sampling is queued later.
+        sample = not previous.inputs.sampling.constrained
+        handle = self.run_continued(previous, tables, sample=sample)
+        if self.followers is not None and sample:
             self.followers.launched(handle)
         return handle
 
-    def run_continued(self, previous: StepHandle, tables: dict[str, torch.Tensor]) -> StepHandle:
+    def run_continued(
+        self, previous: StepHandle, tables: dict[str, torch.Tensor], *, sample: bool = True
+    ) -> StepHandle:
+        """`sample` False: stop after the forward (`sample_continued` queues the rest). A
+        tensor-parallel worker samples at once: it waits on its pipe for rank 0's bitmask."""
         batch, inputs = self._continued_inputs(previous, tables)
-        return self._run(batch, inputs, draft_len=previous.draft_len, continuable=True)
+        return self._run(
+            batch, inputs, draft_len=previous.draft_len, continuable=True, sample=sample
+        )
+
+    @torch.inference_mode()
+    def sample_continued(self, handle: StepHandle) -> StepHandle:
+        """Queue the rest of a continued step launched without sampling, once the step before it
+        is committed: the grammars' masks along the drafts it verifies (the step before's
+        `next_drafts`, now each running sequence's `drafts`), accept, draft loop, copy."""
+        inputs = handle.inputs
+        for seq, drafted in zip(inputs.sequences, inputs.drafted):
+            assert seq.status is Status.FINISHED or len(seq.drafts) == drafted, (
+                "a continued step verifies exactly the drafts its sequences hold"
+            )
+        sampled = self._sample(inputs, handle.pending.target, handle.draft_len, handle.continuable)
+        if self.followers is not None:
+            self.followers.launched(sampled)
+        return sampled
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -393,6 +423,7 @@ class ModelRunner:
         draft_len: int,
         continuable: bool,
         prompt_rows: PromptRows | None = None,
+        sample: bool = True,
     ) -> StepHandle:
         greedy = inputs is not None and inputs.sampling.argmax_only
         target = self.forward(batch, greedy=greedy)
@@ -401,14 +432,22 @@ class ModelRunner:
             handle = StepHandle(None, _prompt_logprobs=prompt_logprobs)
             handle._done = self._record_done() if prompt_logprobs else None
             return handle
-        # Filled on the host while the device runs the forward just queued.
+        if not sample:
+            return StepHandle(inputs, None, draft_len, continuable, pending=PendingSampling(target))
+        handle = self._sample(inputs, target, draft_len, continuable)
+        handle._prompt_logprobs = prompt_logprobs
+        return handle
+
+    def _sample(
+        self, inputs: SamplingInputs, target: TargetOutputs, draft_len: int, continuable: bool
+    ) -> StepHandle:
+        """Accept, draft loop and the copy to the host, after the target forward."""
+        # Filled on the host while the device runs the forward queued before.
         bitmask = self._grammar_bitmask(inputs) if inputs.sampling.constrained else None
         outputs, logprobs = self._accept(inputs, target, bitmask)
         if draft_len:
             outputs.next_drafts = self._draft(inputs, target, outputs, draft_len)
-        handle = self._copy_to_host(inputs, outputs, logprobs, draft_len, continuable)
-        handle._prompt_logprobs = prompt_logprobs
-        return handle
+        return self._copy_to_host(inputs, outputs, logprobs, draft_len, continuable)
 
     def _prompt_rows(self, chunks: list[ScheduledChunk], batch: TargetBatch) -> PromptRows | None:
         """The rows that score a prompt token not scored yet (host side, from the chunks)."""
@@ -526,13 +565,14 @@ class ModelRunner:
 
     def _grammar_bitmask(self, inputs: SamplingInputs) -> torch.Tensor:
         """[B * (K+1), ceil(V / 32)] on the device: each grammar row's allowed tokens along its
-        draft path, every token for the other sequences' rows."""
+        draft path, every token for the other sequences' rows (and for sequences that ended in
+        the step before a continued one: their rows are dropped)."""
         if self.leader is not None:  # rank 0 fills it (it holds the grammars)
             return to_device(self.leader.recv(), self.state.device)
         B, K1 = inputs.rows.shape
         bitmask = new_bitmask(B * K1, self.state.target.cfg.vocab_size)
         for i, seq in enumerate(inputs.sequences):
-            if seq.grammar is not None:
+            if seq.grammar is not None and seq.status is not Status.FINISHED:
                 seq.grammar.fill_rows(bitmask, i * K1, seq.drafts[: inputs.drafted[i]])
         if self.followers is not None:
             self.followers.send(bitmask)
@@ -620,7 +660,9 @@ class ModelRunner:
         if self.state.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return StepHandle(inputs, outputs, draft_len, continuable, ints, logprobs, done)
+        return StepHandle(
+            inputs, outputs, draft_len, continuable, _ints=ints, _logprobs=logprobs, _done=done
+        )
 
     # ---- input builders -------------------------------------------------------------------------
 
@@ -657,6 +699,7 @@ class ModelRunner:
         self, previous: StepHandle, tables: dict[str, torch.Tensor]
     ) -> tuple[TargetBatch, SamplingInputs]:
         """Each sequence's newest token and next drafts, at the positions after its outputs."""
+        assert previous.pending is None, "a step is continued after its sampling is queued"
         outputs = previous.outputs
         B, Q = outputs.tokens.shape[0], previous.draft_len + 1
         index = self._continuation(B, Q)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gemma4serve import LLM, SamplingParams
+from gemma4serve.structured.spec import StructuredOutputsParams
 from tests.hf_oracle import hf_logits, load_hf_target
 from tests.test_model_parity import engine_logits, prompt_of, rel_err
 
@@ -187,6 +188,25 @@ def test_async_scheduling_equals_sync(ckpt):
         assert a == b, f"draft={draft is not None} forced={forced}"
         assert on.engine.num_continued_steps >= 5 and off.engine.num_continued_steps == 0
         assert on.engine.kv_pool_free() == free0
+
+
+def test_async_scheduling_equals_sync_under_a_grammar(ckpt):
+    """Constrained decode steps continued on the device (a graph replay of the forward, the
+    sampling queued once the step before is committed) emit what the sync engine emits."""
+    variant, target, assistant = ckpt
+    prompts = [prompt_of(n, seed=n) for n in (3, 17, 29)]
+    json_object = StructuredOutputsParams(json_object=True)
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, structured_outputs=json_object)
+        for m in (12, 30, 41)
+    ]
+    for draft in (None, assistant):
+        kw = dict(num_draft_tokens=3, adaptive_draft_length=False)
+        on, off = gpu_llm(target, draft, **kw), gpu_llm(target, draft, async_scheduling=False, **kw)
+        a = [o.outputs[0].token_ids for o in on.generate(prompts, params)]
+        b = [o.outputs[0].token_ids for o in off.generate(prompts, params)]
+        assert a == b, f"draft={draft is not None}"
+        assert on.engine.num_continued_steps >= 5 and off.engine.num_continued_steps == 0
 
 
 def test_adaptive_draft_length_switches_graphs(ckpt):
