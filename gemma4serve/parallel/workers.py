@@ -186,7 +186,16 @@ class TensorParallelWorkers:
         for connection in self.plans.connections:
             connection.close()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            leave_group()
+
+
+def leave_group() -> None:
+    """Rank 0 leaves the group without waiting for the others (they exit, or are killed): NCCL's
+    destroy would wait for every rank's, so NCCL groups are aborted; gloo's destroy is local."""
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 def _exit_with_leader(leader_pid: int) -> None:
@@ -249,4 +258,6 @@ def run_worker(
                 handle = runner.run_continued(handle, plan.page_tables)
             if step_log is not None:
                 step_log.write(handle)
-    dist.destroy_process_group()
+    # Exit without a destroy: NCCL's waits for every rank, and rank 0 aborts its side instead.
+    logging.shutdown()
+    os._exit(0)

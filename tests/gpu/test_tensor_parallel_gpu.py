@@ -8,6 +8,8 @@ must agree exactly, step for step (NCCL gives every rank the same sum).
 from __future__ import annotations
 
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -34,6 +36,25 @@ def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[l
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
+def run_two_gpus(target: str, draft: str, prompts: list[list[int]], log: str) -> dict:
+    """TP=2 with MTP in this process: each params' tokens, and whether graphs and continued steps
+    ran. Called in a fresh process per engine (one tensor-parallel group per process, as a
+    server has)."""
+    two = gpu_llm(
+        target, draft, tensor_parallel_size=2, num_draft_tokens=3, tensor_parallel_step_log=log
+    )
+    try:
+        return {
+            "graphs": two.engine.runner.graphs is not None,
+            "greedy": tokens(two, prompts, GREEDY),
+            "sampled": [tokens(two, prompts, SAMPLED) for _ in range(2)],
+            "constrained": tokens(two, prompts, CONSTRAINED),
+            "continued": two.engine.num_continued_steps,
+        }
+    finally:
+        two.engine.shutdown()
+
+
 @pytest.mark.parametrize("variant", ["dense", "moe", "ple"])
 def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
     """Greedy TP=2 with MTP equals TP=1 without it up to near-ties; the ranks agree exactly on
@@ -41,27 +62,18 @@ def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
     target = tiny_checkpoints.get(variant)
     draft = tiny_checkpoints.get_assistant(variant)
     prompts = [prompt_of(n, seed=n) for n in (5, 17, 40, 3)]
-    one = gpu_llm(target)
-    want = tokens(one, prompts, GREEDY)
-    del one
-    torch.cuda.empty_cache()
+    want = tokens(gpu_llm(target), prompts, GREEDY)
     log = tmp_path / "steps"
-    two = gpu_llm(
-        target, draft, tensor_parallel_size=2, num_draft_tokens=3, tensor_parallel_step_log=str(log)
-    )
-    try:
-        assert two.engine.runner.graphs is not None  # rank 0 replays graphs under TP
-        got = tokens(two, prompts, GREEDY)
-        sampled = tokens(two, prompts, SAMPLED)
-        assert tokens(two, prompts, SAMPLED) == sampled  # seeded: the same tokens again
-        tokens(two, prompts, CONSTRAINED)
-        assert two.engine.num_continued_steps > 0  # async scheduling ran under TP
-    finally:
-        two.engine.shutdown()
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        two = pool.submit(run_two_gpus, str(target), str(draft), prompts, str(log)).result(300)
+    assert two["graphs"]  # rank 0 replays graphs under TP
+    assert two["sampled"][0] == two["sampled"][1]  # seeded: the same tokens again
+    assert two["continued"] > 0  # async scheduling ran under TP
     judge = load_hf_target(target, dtype=torch.float32, device="cuda")
     noisy = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
-    for g, w, p in zip(got, want, prompts):
-        assert_same_or_near_tie(g, w, p, judge, noisy)
+    for got, expected, prompt in zip(two["greedy"], want, prompts):
+        assert_same_or_near_tie(got, expected, prompt, judge, noisy)
     rank0 = [json.loads(line) for line in (log / "rank0.jsonl").read_text().splitlines()]
     rank1 = [json.loads(line) for line in (log / "rank1.jsonl").read_text().splitlines()]
     assert len(rank0) > 20
