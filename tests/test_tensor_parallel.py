@@ -18,11 +18,14 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 import torch.distributed
 from fake_engine import ServerProcess
 
 from gemma4serve import LLM, SamplingParams
+from gemma4serve.cli import engine_args, parse_args
 from gemma4serve.config import ConfigError, load_config
+from gemma4serve.parallel.group import OneShotAllReduce
 from gemma4serve.parallel.shards import shard_text_config
 from gemma4serve.structured.spec import StructuredOutputsParams
 
@@ -199,3 +202,21 @@ def test_a_killed_rank_0_takes_the_server_and_its_worker_down(tiny_checkpoints):
         while alive(worker):  # the worker, inside a collective or waiting for a plan, exits too
             assert time.monotonic() < deadline, "the worker outlived its rank 0"
             time.sleep(0.1)
+
+
+def test_the_one_shot_path_is_chosen_by_shape_alone():
+    """Every rank must take the same path for the same all-reduce: an unaligned view of a shape
+    the one-shot kernel takes is still taken (copied first), whatever its address."""
+    one_shot = OneShotAllReduce.__new__(OneShotAllReduce)  # the rule only, no buffers
+    hidden = torch.zeros(2 * 5376 + 1, dtype=torch.bfloat16)
+    assert one_shot.fits(hidden[:5376]) and one_shot.fits(hidden[1:5377])
+    assert not one_shot.fits(torch.zeros(5376, dtype=torch.float32))  # bf16 only
+    assert not one_shot.fits(torch.zeros(7, dtype=torch.bfloat16))  # not in 16-byte units
+    too_big = OneShotAllReduce.MAX_BYTES // 2 + 8
+    assert not one_shot.fits(torch.empty(too_big, dtype=torch.bfloat16))
+
+
+def test_custom_all_reduce_flag():
+    argv = ["--model", "m", "-tp", "2"]
+    assert not engine_args(parse_args(argv)).disable_custom_all_reduce
+    assert engine_args(parse_args([*argv, "--disable-custom-all-reduce"])).disable_custom_all_reduce
