@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+import queue
+import time
 
 import pytest
 import torch
@@ -55,6 +56,40 @@ def run_two_gpus(target: str, draft: str, prompts: list[list[int]], log: str) ->
         two.engine.shutdown()
 
 
+def _call(results, fn, args) -> None:
+    try:
+        results.put(("ok", fn(*args)))
+    except BaseException as e:
+        results.put(("error", repr(e)))
+        raise
+
+
+def in_fresh_process(fn, *args, timeout: float = 300):
+    """fn(*args) in a spawned process, killed (with its tensor-parallel worker, which follows its
+    parent) if it does not answer within `timeout` seconds."""
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    process = spawn.Process(target=_call, args=(results, fn, args))
+    process.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                status, value = results.get(timeout=1)
+                break
+            except queue.Empty:
+                alive = process.is_alive()
+                assert alive and time.monotonic() < deadline, (
+                    f"no answer (exit code {process.exitcode}, timeout {timeout} s)"
+                )
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+    assert status == "ok", value
+    return value
+
+
 @pytest.mark.parametrize("variant", ["dense", "moe", "ple"])
 def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
     """Greedy TP=2 with MTP equals TP=1 without it up to near-ties; the ranks agree exactly on
@@ -64,9 +99,7 @@ def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
     prompts = [prompt_of(n, seed=n) for n in (5, 17, 40, 3)]
     want = tokens(gpu_llm(target), prompts, GREEDY)
     log = tmp_path / "steps"
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        two = pool.submit(run_two_gpus, str(target), str(draft), prompts, str(log)).result(300)
+    two = in_fresh_process(run_two_gpus, str(target), str(draft), prompts, str(log))
     assert two["graphs"]  # rank 0 replays graphs under TP
     assert two["sampled"][0] == two["sampled"][1]  # seeded: the same tokens again
     assert two["continued"] > 0  # async scheduling ran under TP
