@@ -56,7 +56,21 @@ SEARCH = {
     "required": ["query", "mode"],
     "additionalProperties": False,
 }
-SCHEMAS = {"get_weather": WEATHER, "search": SEARCH, "ping": {"type": "object", "maxProperties": 0}}
+# Every bound the grammar enforces; the pattern is bounded so that a random model ends it.
+BOOK = {
+    "type": "object",
+    "properties": {
+        "guests": {"type": "integer", "minimum": 7, "maximum": 1234},
+        "floor": {"type": "integer", "exclusiveMinimum": -15, "exclusiveMaximum": -3},
+        "budget": {"type": "number", "minimum": -1.5, "exclusiveMaximum": 2.25},
+        "share": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "code": {"type": "string", "pattern": "^[a-z]{2}-[0-9]{1,3}$"},
+        "name": {"type": "string", "minLength": 3, "maxLength": 5},
+    },
+    "required": ["guests", "floor", "budget", "share", "code", "name"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"book": BOOK, "get_weather": WEATHER, "search": SEARCH, "ping": {"type": "object", "maxProperties": 0}}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "search", "parameters": SEARCH}},
@@ -107,6 +121,26 @@ def test_required_outputs_are_valid_calls(client):
         assert calls
         names.update(name for name, _ in calls)
     assert len(names) >= 2  # the grammar lets the model pick among the tools
+
+
+def test_bounded_arguments_over_seeds(client):
+    """Integer and number bounds, string lengths and a pattern hold in every sample."""
+    tools = [{"type": "function", "function": {"name": "book", "parameters": BOOK}}]
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=HI,
+            tools=tools,
+            tool_choice="required",
+            max_tokens=400,
+            seed=seed,
+            temperature=1.0,
+            n=N,
+        )
+        for choice in r.choices:
+            assert choice.finish_reason == "tool_calls", choice.message
+            names = [name for name, _ in valid_calls(choice.message)]
+            assert names and set(names) == {"book"}
 
 
 def test_named_function_is_called_once(client):
