@@ -70,7 +70,12 @@ BOOK = {
     "required": ["guests", "floor", "budget", "share", "code", "name"],
     "additionalProperties": False,
 }
-SCHEMAS = {"book": BOOK, "get_weather": WEATHER, "search": SEARCH, "ping": {"type": "object", "maxProperties": 0}}
+SCHEMAS = {
+    "book": BOOK,
+    "get_weather": WEATHER,
+    "search": SEARCH,
+    "ping": {"type": "object", "maxProperties": 0},
+}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "search", "parameters": SEARCH}},
