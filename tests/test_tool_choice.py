@@ -240,6 +240,17 @@ def test_bad_tool_choice_is_a_400(server, body, words):
     assert error["param"] == "tool_choice" and words in error["message"], error
 
 
+def test_unsatisfiable_tool_schema_is_a_400(server):
+    empty = {"type": "integer", "minimum": 5, "maximum": 2}
+    schema = {"type": "object", "properties": {"n": empty}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    body = {"model": MODEL, "messages": HI, "tools": tools, "tool_choice": "required"}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "minimum 5, maximum 2" in error["message"], error
+
+
 def test_every_kv_page_comes_back(server):
     wait_for_free_pages(server, server.free_pages_at_start)
 
