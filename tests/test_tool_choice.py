@@ -471,6 +471,47 @@ def test_unsatisfiable_tool_schema_is_a_request_error(tiny_checkpoints, schema, 
     assert error.value.param == "tools" and words in str(error.value), error.value
 
 
+def test_number_ranges_are_exact():
+    """Every integer near the bounds, and random decimals, are accepted exactly when inside; a
+    float bound's decimal reads as a float inside it."""
+    import random
+    from decimal import Decimal
+
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from gemma4serve.structured import ranges
+
+    for least, most in [(7, 1234), (-15, -3), (-5, 12), (0, 0), (-1, -1), (123, 129), (-1000, 99)]:
+        grammar = xgrammar.Grammar.from_ebnf("root ::= " + ranges.integers(least, most))
+        wrong = [
+            v
+            for v in range(least - 30, most + 30)
+            if accepts(grammar, str(v)) != (least <= v <= most)
+        ]
+        assert wrong == [] and not any(accepts(grammar, s) for s in ("-0", "07", "+7", "7.0"))
+    rng = random.Random(0)
+    for low, high in [("-1.5", "2.25"), ("0.1", "0.3"), ("-0.05", "-0.01"), ("99.9", "100.01")]:
+        least, most = Decimal(low), Decimal(high)
+        grammar = xgrammar.Grammar.from_ebnf("root ::= " + ranges.decimals(least, most))
+        texts = {
+            f"{rng.uniform(float(least) - 1, float(most) + 1):.{rng.randint(0, 6)}f}"
+            for _ in range(300)
+        }
+        texts |= {
+            str(b + d) for b in (least, most) for d in (Decimal("-0.001"), 0, Decimal("0.001"))
+        }
+        wrong = [t for t in texts if accepts(grammar, t) != (least <= Decimal(t) <= most)]
+        assert wrong == [] and not any(accepts(grammar, s) for s in ("1.", ".5", "1e0", "01"))
+    for _ in range(2000):
+        bound, exclusive = rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-9, 9), rng.random() < 0.5
+        at_least = float(ranges.decimal_at_least(bound, exclusive))
+        at_most = float(ranges.decimal_at_most(bound, exclusive))
+        assert (
+            (at_least > bound and at_most < bound) if exclusive else (at_least >= bound >= at_most)
+        )
+
+
 def test_async_scheduling_with_accepted_drafts_changes_no_forced_call(trained_chat_checkpoint):
     """A model taught its calls, and a drafter whose drafts it accepts: forced calls (a grammar
     mask along every verified draft) are the same tokens with steps continued on the device as
