@@ -209,8 +209,8 @@ class _Builder:
             rules, root = pattern_rules(pattern, f"re{len(self.rules)}")
             self.rules.append(rules)
             return f"(quote {root} quote)"
-        if least is None and most is None:
-            return "str"
+        if not least and most is None:
+            return "str"  # minLength 0 bounds nothing
         # Counted in characters (xgrammar's max_chars counts bytes of a broken UTF-8 sequence
         # loosely); no `<`, so no special token's text.
         return f"(quote [^<]{{{least or 0},{'' if most is None else most}}} quote)"

@@ -3,7 +3,8 @@
 
 xgrammar converts the regex (the whole string matches it, as xgrammar reads `pattern`: a
 stricter reading than JSON Schema's search, so every string written also satisfies it); each
-character class of the result then loses `<`, and a pattern that must write `<` is refused.
+character class of the result then loses `<`, and a pattern with a literal `<` (or a class of
+`<` alone) is refused.
 """
 
 from __future__ import annotations
