@@ -30,6 +30,19 @@ SCHEMA = {
     "required": ["name", "age", "color"],
     "additionalProperties": False,
 }
+# The bounds xgrammar's converter enforces; the pattern is bounded so that a random model ends it.
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[a-z]{2}-[0-9]{1,3}$"},
+        "nick": {"type": "string", "minLength": 2, "maxLength": 4},
+        "level": {"type": "integer", "exclusiveMinimum": -15, "exclusiveMaximum": -3},
+        "ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.5},
+        "count": {"type": "integer", "minimum": 7, "maximum": 1234},
+    },
+    "required": ["code", "nick", "level", "ratio", "count"],
+    "additionalProperties": False,
+}
 HI = [{"role": "user", "content": "Describe a person as JSON."}]
 MAX_TOKENS = 400
 
@@ -75,6 +88,23 @@ def test_json_schema_outputs_validate_over_seeds(server, client):
     wait_for_free_pages(server, free0)
 
 
+def test_bounds_hold_over_seeds(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "b", "schema": BOUNDED}}
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=HI,
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+            temperature=1.5,
+            n=4,
+            response_format=response_format,
+        )
+        for choice in r.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(check_strict_json(choice.message.content), BOUNDED)
+
+
 def test_json_object_on_completions_and_chat(client):
     # Strings are unbounded in json_object, so a random model may run one to max_tokens.
     finished = 0
@@ -115,6 +145,17 @@ def test_vllm_spellings(server):
         (
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}},
             "schema",
+        ),
+        *(
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, words)
+            for schema, words in [
+                ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum greater than maximum"),
+                ({"type": "string", "minLength": 5, "maxLength": 2}, "greater than maxLength"),
+                # xgrammar drops the lengths beside a pattern, and writes nothing for a range
+                # without a decimal of 6 fraction digits: both refused
+                ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "pattern with"),
+                ({"type": "number", "minimum": 1e-9, "maximum": 1e-8}, "no number"),
+            ]
         ),
     ],
 )

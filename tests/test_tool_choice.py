@@ -6,6 +6,7 @@ a 400."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -55,7 +56,26 @@ SEARCH = {
     "required": ["query", "mode"],
     "additionalProperties": False,
 }
-SCHEMAS = {"get_weather": WEATHER, "search": SEARCH, "ping": {"type": "object", "maxProperties": 0}}
+# Every bound the grammar enforces; the pattern is bounded so that a random model ends it.
+BOOK = {
+    "type": "object",
+    "properties": {
+        "guests": {"type": "integer", "minimum": 7, "maximum": 1234},
+        "floor": {"type": "integer", "exclusiveMinimum": -15, "exclusiveMaximum": -3},
+        "budget": {"type": "number", "minimum": -1.5, "exclusiveMaximum": 2.25},
+        "share": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "code": {"type": "string", "pattern": "^[a-z]{2}-[0-9]{1,3}$"},
+        "name": {"type": "string", "minLength": 3, "maxLength": 5},
+    },
+    "required": ["guests", "floor", "budget", "share", "code", "name"],
+    "additionalProperties": False,
+}
+SCHEMAS = {
+    "book": BOOK,
+    "get_weather": WEATHER,
+    "search": SEARCH,
+    "ping": {"type": "object", "maxProperties": 0},
+}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "search", "parameters": SEARCH}},
@@ -106,6 +126,26 @@ def test_required_outputs_are_valid_calls(client):
         assert calls
         names.update(name for name, _ in calls)
     assert len(names) >= 2  # the grammar lets the model pick among the tools
+
+
+def test_bounded_arguments_over_seeds(client):
+    """Integer and number bounds, string lengths and a pattern hold in every sample."""
+    tools = [{"type": "function", "function": {"name": "book", "parameters": BOOK}}]
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=HI,
+            tools=tools,
+            tool_choice="required",
+            max_tokens=400,
+            seed=seed,
+            temperature=1.0,
+            n=N,
+        )
+        for choice in r.choices:
+            assert choice.finish_reason == "tool_calls", choice.message
+            names = [name for name, _ in valid_calls(choice.message)]
+            assert names and set(names) == {"book"}
 
 
 def test_named_function_is_called_once(client):
@@ -200,6 +240,17 @@ def test_bad_tool_choice_is_a_400(server, body, words):
     assert error["param"] == "tool_choice" and words in error["message"], error
 
 
+def test_unsatisfiable_tool_schema_is_a_400(server):
+    empty = {"type": "integer", "minimum": 5, "maximum": 2}
+    schema = {"type": "object", "properties": {"n": empty}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    body = {"model": MODEL, "messages": HI, "tools": tools, "tool_choice": "required"}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "minimum 5, maximum 2" in error["message"], error
+
+
 def test_every_kv_page_comes_back(server):
     wait_for_free_pages(server, server.free_pages_at_start)
 
@@ -289,7 +340,72 @@ REJECTED = [
 ]
 
 
-def test_notation_grammar_follows_the_schema(tiny_checkpoints):
+BOUNDS_TOOL = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 7, "maximum": 1234},
+        "b": {"type": "integer", "exclusiveMinimum": -15, "exclusiveMaximum": -3},
+        "c": {"type": "number", "minimum": -1.5, "exclusiveMaximum": 2.25},
+        "d": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "e": {"type": "string", "minLength": 0},
+        "f": {"type": "string", "minLength": 1, "maxLength": 2},
+        "g": {"type": "string", "minLength": 3},
+        "h": {"type": "string", "pattern": "^[a-z]{2}-[0-9]+$"},
+        "i": {"type": "integer", "minimum": -2.5},
+        "j": {"type": ["integer", "null"], "maximum": -100.5},
+    },
+}
+
+
+def members(key: str, *values) -> list[str]:
+    """`{key:value}` arguments, one per value."""
+    return [f"{{{key}:{value}}}" for value in values]
+
+
+BOUNDS_ACCEPTED = [
+    *members("a", 7, 8, 99, 100, 999, 1000, 1199, 1229, 1234),
+    "{b:-14}",
+    "{b:-4}",
+    *members("c", "-1.5", "-1.50", "-1.4999", "-1", "-0.75", "0", "2", "2.2499999999"),
+    *members("d", "0.5", "1", "1.0", "0.000000000001", "0.999"),
+    '{e:""}',
+    '{e:"x"}',
+    '{f:"a"}',
+    '{f:"ab"}',
+    '{g:"abc"}',
+    '{g:"a b c d"}',
+    '{h:"ab-1"}',
+    '{h:"zz-1234"}',
+    "{i:-2}",
+    "{i:12345}",
+    "{j:-101}",
+    "{j:-5000}",
+    "{j:null}",
+]
+BOUNDS_REJECTED = [
+    *members("a", 6, 0, -7, 1235, 1240, 2000, 9999, 12340, "07", "7.0"),
+    *members("b", -15, -3, -16, -2, 0, 3, 14),
+    *members("c", "-1.51", "-1.5000001", "-2", "2.25", "2.250", "2.3", "3", "1e0"),
+    *members("d", "0", "0.0", "-0", "-0.5", "1.0000001", "2", "0.0000000000001"),
+    '{f:""}',
+    '{f:"abc"}',
+    '{g:""}',
+    '{g:"ab"}',
+    '{g:"ab<eos>"}',
+    '{h:"a-1"}',
+    '{h:"ab-"}',
+    '{h:"AB-1"}',
+    '{h:"ab-1x"}',
+    '{h:"ab-1 "}',
+    "{i:-3}",
+    "{j:-100}",
+    "{j:0}",
+]
+
+
+def notation_matcher(tiny_checkpoints):
+    """accepts(schema, arguments): whether a call of a tool `f` of that schema may be written
+    with those arguments (`"` stands for the `<|"|>` token)."""
     from gemma4serve.structured.grammar import GrammarCompiler
     from gemma4serve.tokenizer import Tokenizer
 
@@ -298,9 +414,9 @@ def test_notation_grammar_follows_the_schema(tiny_checkpoints):
         tokenizer.token_to_id(text) for text in ('<|"|>', "<|tool_call>", "<tool_call|>")
     )
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, list(tokenizer.eos_token_ids))
-    tools = json.dumps([{"name": "f", "parameters": NOTATION_TOOL}])
 
-    def accepts(arguments: str) -> bool:
+    def accepts(schema: dict, arguments: str) -> bool:
+        tools = json.dumps([{"name": "f", "parameters": schema}])
         matcher = compiler.matcher(StructuredOutputsParams(tool_calls=tools)).matcher
         assert matcher.accept_token(call_open) and matcher.accept_string("call:f")
         for i, text in enumerate(arguments.split('"')):
@@ -310,8 +426,90 @@ def test_notation_grammar_follows_the_schema(tiny_checkpoints):
                 return False
         return matcher.accept_token(call_close) and matcher.accept_token(1)  # then <eos>
 
-    assert [arguments for arguments in ACCEPTED if not accepts(arguments)] == []
-    assert [arguments for arguments in REJECTED if accepts(arguments)] == []
+    return accepts, compiler
+
+
+def test_notation_grammar_follows_the_schema(tiny_checkpoints):
+    accepts, _ = notation_matcher(tiny_checkpoints)
+    assert [arguments for arguments in ACCEPTED if not accepts(NOTATION_TOOL, arguments)] == []
+    assert [arguments for arguments in REJECTED if accepts(NOTATION_TOOL, arguments)] == []
+
+
+def test_notation_grammar_enforces_bounds(tiny_checkpoints):
+    """minimum/maximum (inclusive and exclusive), minLength/maxLength and pattern; every
+    accepted case also validates against the schema."""
+    accepts, _ = notation_matcher(tiny_checkpoints)
+    for arguments in BOUNDS_ACCEPTED:
+        value = json.loads(re.sub(r"([a-z]):", r'"\1":', arguments))
+        jsonschema.validate(value, BOUNDS_TOOL)  # the case itself is right
+    assert [a for a in BOUNDS_ACCEPTED if not accepts(BOUNDS_TOOL, a)] == []
+    assert [a for a in BOUNDS_REJECTED if accepts(BOUNDS_TOOL, a)] == []
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ({"type": "integer", "minimum": 5, "maximum": 2}, "no integer"),
+        ({"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4}, "no integer"),
+        ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, "no integer"),
+        ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number"),
+        ({"type": "number", "minimum": 1e300}, "no number"),
+        ({"type": "number", "minimum": "3"}, "not a number"),
+        ({"type": "string", "minLength": 4, "maxLength": 3}, "minLength 4 > maxLength 3"),
+        ({"type": "string", "minLength": -1}, "not a non-negative integer"),
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "cannot be enforced"),
+        ({"type": "string", "pattern": "a(?=b)"}, "Lookahead"),
+        ({"type": "string", "pattern": "<[a-z]+>"}, "writes `<`"),
+    ],
+)
+def test_unsatisfiable_tool_schema_is_a_request_error(tiny_checkpoints, schema, words):
+    from gemma4serve.validation import RequestError
+
+    accepts, _ = notation_matcher(tiny_checkpoints)
+    with pytest.raises(RequestError) as error:
+        accepts({"type": "object", "properties": {"x": schema}}, "{}")
+    assert error.value.param == "tools" and words in str(error.value), error.value
+
+
+def test_number_ranges_are_exact():
+    """Every integer near the bounds, and random decimals, are accepted exactly when inside; a
+    float bound's decimal reads as a float inside it."""
+    import random
+    from decimal import Decimal
+
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from gemma4serve.structured import ranges
+
+    for least, most in [(7, 1234), (-15, -3), (-5, 12), (0, 0), (-1, -1), (123, 129), (-1000, 99)]:
+        grammar = xgrammar.Grammar.from_ebnf("root ::= " + ranges.integers(least, most))
+        wrong = [
+            v
+            for v in range(least - 30, most + 30)
+            if accepts(grammar, str(v)) != (least <= v <= most)
+        ]
+        assert wrong == [] and not any(accepts(grammar, s) for s in ("-0", "07", "+7", "7.0"))
+    rng = random.Random(0)
+    for low, high in [("-1.5", "2.25"), ("0.1", "0.3"), ("-0.05", "-0.01"), ("99.9", "100.01")]:
+        least, most = Decimal(low), Decimal(high)
+        grammar = xgrammar.Grammar.from_ebnf("root ::= " + ranges.decimals(least, most))
+        texts = {
+            f"{rng.uniform(float(least) - 1, float(most) + 1):.{rng.randint(0, 6)}f}"
+            for _ in range(300)
+        }
+        texts |= {
+            str(b + d) for b in (least, most) for d in (Decimal("-0.001"), 0, Decimal("0.001"))
+        }
+        wrong = [t for t in texts if accepts(grammar, t) != (least <= Decimal(t) <= most)]
+        assert wrong == [] and not any(accepts(grammar, s) for s in ("1.", ".5", "1e0", "01"))
+    for _ in range(2000):
+        bound, exclusive = rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-9, 9), rng.random() < 0.5
+        at_least = float(ranges.decimal_at_least(bound, exclusive))
+        at_most = float(ranges.decimal_at_most(bound, exclusive))
+        assert (
+            (at_least > bound and at_most < bound) if exclusive else (at_least >= bound >= at_most)
+        )
 
 
 def test_async_scheduling_with_accepted_drafts_changes_no_forced_call(trained_chat_checkpoint):

@@ -15,6 +15,7 @@ import xgrammar
 
 from gemma4serve.structured.notation import MarkerTokens, thinking_rules, tool_calls_ebnf
 from gemma4serve.structured.spec import NO_THINKING, StructuredOutputsParams
+from gemma4serve.structured.unenforced import refuse_unenforced
 from gemma4serve.tokenizer import Tokenizer
 from gemma4serve.validation import RequestError
 
@@ -106,11 +107,12 @@ class GrammarCompiler:
         """A fresh matcher for one sequence; RequestError names a schema it cannot compile."""
         if spec.json is not None:
             try:
-                json.loads(spec.json)
+                schema = json.loads(spec.json)
             except ValueError as error:
                 raise RequestError(
                     f"the JSON schema is not valid JSON: {error}", param="response_format"
                 ) from error
+            refuse_unenforced(schema)
         try:
             compiled = self._compile(spec)
         except RequestError:

@@ -9,17 +9,27 @@ text, finds no marker inside it.
 
 Supported schema keywords: type (object, array, string, number, integer, boolean, null, or a
 list of them), properties, required, additionalProperties (an object with properties takes only
-those; one without takes any keys), items, minItems, maxItems, enum, const, anyOf/oneOf,
-maxLength (such a string holds no `<`). Others (minimum, pattern, $ref, ...) are not enforced:
-a node whose type the grammar cannot tell takes any value.
+those; one without takes any keys), items, minItems, maxItems, enum, const, anyOf/oneOf, and:
+- minimum, maximum, exclusiveMinimum, exclusiveMaximum (numbers): exact for integers; a bounded
+  number is a decimal without an exponent, exact over decimals of at most 12 fraction digits,
+  every one inside the bounds when read as a float (ranges.py);
+- minLength, maxLength (characters): such a string holds no `<`;
+- pattern: the whole string matches it, holding no `<` (pattern.py); not with minLength or
+  maxLength, which cannot both be enforced (a 400).
+Bounds that no value meets (minimum > maximum, minLength > maxLength) are a 400. Others ($ref,
+multipleOf, ...) are not enforced: a node whose type the grammar cannot tell takes any value, and
+so does an enum's or a const's value.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
+from gemma4serve.structured import ranges
+from gemma4serve.structured.pattern import pattern_rules
 from gemma4serve.structured.spec import IN_THOUGHT, NO_THINKING
 from gemma4serve.validation import RequestError
 
@@ -129,11 +139,11 @@ class _Builder:
         if isinstance(kind, list) and kind:
             return "(" + " | ".join(self.value({**schema, "type": one}) for one in kind) + ")"
         if kind == "string":
-            return self._string(schema.get("maxLength"))
+            return self._string(schema)
         if kind == "integer":
-            return "int"
+            return self._integer(schema)
         if kind == "number":
-            return "num"
+            return self._number(schema)
         if kind == "boolean":
             return "bool"
         if kind == "null":
@@ -182,12 +192,69 @@ class _Builder:
             return _literal(key)
         return f"quote {_literal(key)} quote"
 
-    def _string(self, max_length) -> str:
-        if not isinstance(max_length, int) or max_length < 0:
-            return "str"
+    def _string(self, schema: dict) -> str:
+        least, most = _count(schema, "minLength"), _count(schema, "maxLength")
+        if least is not None and most is not None and least > most:
+            raise RequestError(
+                f"minLength {least} > maxLength {most}: no string fits", param="tools"
+            )
+        pattern = schema.get("pattern")
+        if pattern is not None:
+            if not isinstance(pattern, str):
+                raise RequestError(f"pattern {pattern!r} is not a string", param="tools")
+            if least is not None or most is not None:
+                raise RequestError(
+                    "pattern with minLength or maxLength cannot be enforced together", param="tools"
+                )
+            rules, root = pattern_rules(pattern, f"re{len(self.rules)}")
+            self.rules.append(rules)
+            return f"(quote {root} quote)"
+        if not least and most is None:
+            return "str"  # minLength 0 bounds nothing
         # Counted in characters (xgrammar's max_chars counts bytes of a broken UTF-8 sequence
         # loosely); no `<`, so no special token's text.
-        return f"(quote [^<]{{0,{max_length}}} quote)"
+        return f"(quote [^<]{{{least or 0},{'' if most is None else most}}} quote)"
+
+    def _integer(self, schema: dict) -> str:
+        lower, upper = _bounds(schema)
+        if not lower and not upper:
+            return "int"
+        least = max(
+            [ranges.integer_at_least(v, exclusive) for v, exclusive in lower],
+            default=-ranges.LARGEST_INTEGER,
+        )
+        most = min(
+            [ranges.integer_at_most(v, exclusive) for v, exclusive in upper],
+            default=ranges.LARGEST_INTEGER,
+        )
+        least, most = max(least, -ranges.LARGEST_INTEGER), min(most, ranges.LARGEST_INTEGER)
+        if least > most:
+            raise RequestError(
+                f"no integer of at most {ranges.DIGITS} digits meets {_bounds_text(schema)}",
+                param="tools",
+            )
+        return ranges.integers(least, most)
+
+    def _number(self, schema: dict) -> str:
+        lower, upper = _bounds(schema)
+        if not lower and not upper:
+            return "num"
+        least = max(
+            [ranges.decimal_at_least(v, exclusive) for v, exclusive in lower],
+            default=-ranges.LARGEST_DECIMAL,
+        )
+        most = min(
+            [ranges.decimal_at_most(v, exclusive) for v, exclusive in upper],
+            default=ranges.LARGEST_DECIMAL,
+        )
+        if least > most:
+            raise RequestError(
+                f"no number of at most {ranges.DIGITS} integer and {ranges.FRACTION_DIGITS} "
+                f"fraction digits meets "
+                f"{_bounds_text(schema)}",
+                param="tools",
+            )
+        return ranges.decimals(least, most)
 
     def _constant(self, value) -> str:
         """A JSON value as the model writes it in the notation."""
@@ -212,6 +279,45 @@ class _Builder:
             raise RequestError(
                 f"{text!r} holds a special token's text: no call can write it", param="tools"
             )
+
+
+_LOWER = {"minimum": False, "exclusiveMinimum": True}  # keyword: whether it is exclusive
+_UPPER = {"maximum": False, "exclusiveMaximum": True}
+
+
+def _bounds(schema: dict) -> tuple[list[tuple[float, bool]], list[tuple[float, bool]]]:
+    """(lower, upper) bounds, each (value, exclusive), of a number schema."""
+    found = []
+    for keywords in (_LOWER, _UPPER):
+        bounds = []
+        for keyword, exclusive in keywords.items():
+            value = schema.get(keyword)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RequestError(f"{keyword} {value!r} is not a number", param="tools")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise RequestError(f"{keyword} {value!r} is not a finite number", param="tools")
+            bounds.append((value, exclusive))
+        found.append(bounds)
+    return found[0], found[1]
+
+
+def _bounds_text(schema: dict) -> str:
+    keys = [*_LOWER, *_UPPER]
+    return ", ".join(f"{key} {schema[key]}" for key in keys if schema.get(key) is not None)
+
+
+def _count(schema: dict, keyword: str) -> int | None:
+    """A non-negative integer keyword (minLength, maxLength), or None when absent."""
+    value = schema.get(keyword)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(f"{keyword} {value!r} is not a non-negative integer", param="tools")
+    return value
 
 
 def _without(schema: dict, key: str) -> dict:
