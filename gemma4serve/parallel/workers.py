@@ -105,9 +105,13 @@ def init_group(
         backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
     group = dist.group.WORLD
-    one_shot = None
-    if device.type == "cuda" and custom_all_reduce:
-        one_shot = OneShotAllReduce.create(group, device)
+    tp = TensorParallel(rank, size, group)
+    if device.type != "cuda" or not custom_all_reduce:
+        return tp
+    one_shot = OneShotAllReduce.create(group, device)
+    # All ranks or none: a rank whose buffers failed makes every rank keep NCCL.
+    if tp.min_int(int(one_shot is not None), device) == 0:
+        return tp
     return TensorParallel(rank, size, group, one_shot)
 
 
