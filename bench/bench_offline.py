@@ -117,6 +117,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="tokenizer folder (configs/ hold none; --json-object needs one: "
         "bench/synthetic_tokenizer.py writes one of the full vocab size)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split over this many GPUs; parameters and the roofline are then one rank's share",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if bool(args.model) == bool(args.tiny) or (args.tiny and args.draft):
@@ -638,7 +645,7 @@ def main(argv=None) -> None:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         adaptive_draft_length=args.adaptive_draft_length, forced_acceptance=forced, seed=args.seed,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
         **({"max_num_batched_tokens": batched} if batched else {}),
     ))  # fmt: skip
     state = engine.state
@@ -729,6 +736,7 @@ def main(argv=None) -> None:
             tpot = mean([r.tpot for r in ours.reqs if r.tpot is not None])
             label = "gemma4serve (this run, conc 1)"
             print(f"  {label:42} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f} {1 / tpot:8.1f}")
+    engine.shutdown()  # tensor-parallel workers leave (nothing to do on one device)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
       --draft configs/gemma-4-31B-it-assistant
   python bench/profile_step.py --engine-loop --draft ''   # the served decode loop, graphs and all
   python bench/profile_step.py --mixed 2048 --batch 32   # a prefill chunk beside 32 decodes
+  python bench/profile_step.py --engine-loop --draft '' -tp 2   # rank 0 of tensor parallelism
 
 --engine-loop profiles the engine's own step loop (one greedy request, async scheduling) instead of
 bare graph replays: it prints the wall time per step next to the graph replay alone, and the kernels
@@ -91,6 +92,7 @@ def engine_loop(args) -> None:
             max_num_seqs=args.batch,
             num_draft_tokens=args.k if args.draft else 0,
             max_model_len=args.context + 512,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -103,16 +105,19 @@ def engine_loop(args) -> None:
     for _ in range(steps):
         engine.step()
     wall = (time.perf_counter() - t0) / steps
-    graphs = engine.runner.graphs
-    # The served loop is greedy: its graph ends in the greedy head.
-    key = (graphs.bucket(args.batch), 1, True)
-    graph = graphs.target_graphs[key if key in graphs.target_graphs else key[:2] + (False,)][0]
-    replay = CudaGraphs._time(graph, reps=20)
-    print(
-        f"\n## engine loop, batch {args.batch}: {wall * 1e3:.3f} ms per step; "
-        f"decode graph replay alone {replay * 1e3:.3f} ms; "
-        f"difference {1e3 * (wall - replay):.3f} ms"
-    )
+    print(f"\n## engine loop, batch {args.batch}: {wall * 1e3:.3f} ms per step", end="")
+    if args.tensor_parallel_size == 1:  # a lone replay on rank 0 would wait on the other ranks
+        graphs = engine.runner.graphs
+        # The served loop is greedy: its graph ends in the greedy head.
+        key = (graphs.bucket(args.batch), 1, True)
+        graph = graphs.target_graphs[key if key in graphs.target_graphs else key[:2] + (False,)][0]
+        replay = CudaGraphs._time(graph, reps=20)
+        print(
+            f"; decode graph replay alone {replay * 1e3:.3f} ms; "
+            f"difference {1e3 * (wall - replay):.3f} ms",
+            end="",
+        )
+    print()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             engine.step()
@@ -128,6 +133,7 @@ def engine_loop(args) -> None:
     )
     for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
         print(f"{t:9.1f} us x{c:<4.1f} {name[:110]}")
+    engine.shutdown()  # tensor-parallel workers leave (nothing to do on one device)
 
 
 def mixed_step(args) -> None:
@@ -185,6 +191,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1128)
     parser.add_argument(
         "--engine-loop", action="store_true", help="profile the served step loop (see above)"
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="with --engine-loop: rank 0's kernels of a tensor-parallel engine",
     )
     parser.add_argument(
         "--mixed", type=int, default=0, help="time steps carrying a prompt this long (see above)"
