@@ -194,7 +194,7 @@ class TensorParallelWorkers:
 
 
 def leave_group() -> None:
-    """Rank 0 leaves the group without waiting for the others (they exit, or are killed): NCCL's
+    """Leave the group without waiting for the other ranks (they leave too, or are gone): NCCL's
     destroy would wait for every rank's, so NCCL groups are aborted; gloo's destroy is local."""
     if dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
@@ -262,6 +262,4 @@ def run_worker(
                 handle = runner.run_continued(handle, plan.page_tables)
             if step_log is not None:
                 step_log.write(handle)
-    # Exit without a destroy: NCCL's waits for every rank, and rank 0 aborts its side instead.
-    logging.shutdown()
-    os._exit(0)
+    leave_group()
