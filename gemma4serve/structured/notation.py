@@ -216,17 +216,12 @@ class _Builder:
         return f"(quote [^<]{{{least or 0},{'' if most is None else most}}} quote)"
 
     def _integer(self, schema: dict) -> str:
-        lower, upper = _bounds(schema)
-        if not lower and not upper:
+        bounds = _tightest(
+            schema, ranges.integer_at_least, ranges.integer_at_most, ranges.LARGEST_INTEGER
+        )
+        if bounds is None:
             return "int"
-        least = max(
-            [ranges.integer_at_least(v, exclusive) for v, exclusive in lower],
-            default=-ranges.LARGEST_INTEGER,
-        )
-        most = min(
-            [ranges.integer_at_most(v, exclusive) for v, exclusive in upper],
-            default=ranges.LARGEST_INTEGER,
-        )
+        least, most = bounds
         least, most = max(least, -ranges.LARGEST_INTEGER), min(most, ranges.LARGEST_INTEGER)
         if least > most:
             raise RequestError(
@@ -236,17 +231,12 @@ class _Builder:
         return ranges.integers(least, most)
 
     def _number(self, schema: dict) -> str:
-        lower, upper = _bounds(schema)
-        if not lower and not upper:
+        bounds = _tightest(
+            schema, ranges.decimal_at_least, ranges.decimal_at_most, ranges.LARGEST_DECIMAL
+        )
+        if bounds is None:
             return "num"
-        least = max(
-            [ranges.decimal_at_least(v, exclusive) for v, exclusive in lower],
-            default=-ranges.LARGEST_DECIMAL,
-        )
-        most = min(
-            [ranges.decimal_at_most(v, exclusive) for v, exclusive in upper],
-            default=ranges.LARGEST_DECIMAL,
-        )
+        least, most = bounds
         if least > most:
             raise RequestError(
                 f"no number of at most {ranges.DIGITS} integer and {ranges.FRACTION_DIGITS} "
@@ -283,6 +273,17 @@ class _Builder:
 
 _LOWER = {"minimum": False, "exclusiveMinimum": True}  # keyword: whether it is exclusive
 _UPPER = {"maximum": False, "exclusiveMaximum": True}
+
+
+def _tightest(schema: dict, at_least, at_most, largest):
+    """(least, most) a number schema's bounds allow, each side the tightest of its keywords and
+    +-`largest` where it has none; None for a schema with no bound."""
+    lower, upper = _bounds(schema)
+    if not lower and not upper:
+        return None
+    least = max([at_least(v, exclusive) for v, exclusive in lower], default=-largest)
+    most = min([at_most(v, exclusive) for v, exclusive in upper], default=largest)
+    return least, most
 
 
 def _bounds(schema: dict) -> tuple[list[tuple[float, bool]], list[tuple[float, bool]]]:
