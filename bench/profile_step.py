@@ -122,10 +122,17 @@ def engine_loop(args) -> None:
         for _ in range(20):
             engine.step()
         torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(
+        f"all kernels and copies (the graph's too): "
+        f"{sum(e.device_time_total for e in kernels) / 20e3:.3f} ms per step"
+    )
+    for event in sorted(kernels, key=lambda e: -e.device_time_total)[:16]:
+        print(f"{event.device_time_total / 20:9.1f} us x{event.count / 20:<5.1f} {event.key[:110]}")
     rows = {}
-    for event in prof.key_averages():
+    for event in kernels:
         # Keep what runs outside the layers: the graph's kernels run once per layer (x60 a step).
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.count < 20 * 8:
+        if event.count < 20 * 8:
             rows[event.key] = (event.device_time_total / 20, event.count / 20)
     print(
         f"kernels and copies run fewer than 8 times per step (outside the layers): "

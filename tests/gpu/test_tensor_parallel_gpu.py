@@ -7,6 +7,7 @@ must agree exactly, step for step (NCCL gives every rank the same sum).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing
 import queue
@@ -56,7 +57,11 @@ def run_two_gpus(target: str, draft: str, prompts: list[list[int]], log: str) ->
         two.engine.shutdown()
 
 
-def _call(results, fn, args) -> None:
+def _call(results, fn, args, timeout: float) -> None:
+    from gemma4serve.cli import setup_logging
+
+    setup_logging("info")  # the engine's progress shows in the test's output
+    faulthandler.dump_traceback_later(timeout - 20)  # a hang shows where, before the kill
     try:
         results.put(("ok", fn(*args)))
     except BaseException as e:
@@ -69,7 +74,7 @@ def in_fresh_process(fn, *args, timeout: float = 300):
     parent) if it does not answer within `timeout` seconds."""
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
-    process = spawn.Process(target=_call, args=(results, fn, args))
+    process = spawn.Process(target=_call, args=(results, fn, args, timeout))
     process.start()
     deadline = time.monotonic() + timeout
     try:
@@ -99,7 +104,7 @@ def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
     prompts = [prompt_of(n, seed=n) for n in (5, 17, 40, 3)]
     want = tokens(gpu_llm(target), prompts, GREEDY)
     log = tmp_path / "steps"
-    two = in_fresh_process(run_two_gpus, str(target), str(draft), prompts, str(log))
+    two = in_fresh_process(run_two_gpus, str(target), str(draft), prompts, str(log), timeout=180)
     assert two["graphs"]  # rank 0 replays graphs under TP
     assert two["sampled"][0] == two["sampled"][1]  # seeded: the same tokens again
     assert two["continued"] > 0  # async scheduling ran under TP
