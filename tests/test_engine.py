@@ -10,6 +10,7 @@ and text (nothing emitted twice or lost).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.llm import LLM
+from gemma4serve.engine.output_processor import OutputProcessor
 from gemma4serve.engine.outputs import RequestOutput
 from gemma4serve.engine.spec import DraftLength, StepCost
 from gemma4serve.engine_process.client import EngineProcessClient
@@ -707,6 +709,61 @@ def test_async_scheduling_changes_no_output(tiny_checkpoints, which):
     assert on.kv_pool_free() == all_free(on) and not on.scheduler.has_work()
     if which != "plain":
         assert on.snapshot().spec_num_steps > 0
+
+
+def test_text_made_one_step_late_outside_the_engine_changes_no_output(tiny_checkpoints):
+    """The engine process's split: an engine that makes no text, and an `OutputProcessor` whose
+    stop-string finishes reach the engine one step late (as over the sockets), give the in-process
+    engine's tokens, text, finishes, deltas and logprobs; the engine drops the steps it ran past a
+    stop string, and every page comes back."""
+    args = engine_args(
+        tiny_checkpoints,
+        forced_acceptance=float(K + 1),  # 4 tokens a step: stop strings land mid-step
+        kv_cache_tokens=4096,
+        page_size=4,
+        max_num_batched_tokens=96,
+        max_num_seqs=8,
+        max_model_len=256,
+    )
+    reqs = async_requests()
+    reqs["stops-n2"] = (prompt_of(9, 31), SamplingParams(
+        temperature=1.0, seed=3, n=2, max_tokens=40, ignore_eos=True, stop=["e", "a"], logprobs=1
+    ))  # fmt: skip
+    reqs["stops-include"] = (
+        prompt_of(12, 32),
+        greedy(40, stop=["o"], include_stop_str_in_output=True),
+    )
+    want = run_requests(LLMEngine(args), reqs)
+    engine = LLMEngine(dataclasses.replace(args, detokenize=False))
+    processor = OutputProcessor(engine.tokenizer)
+    for rid, (prompt, params) in reqs.items():
+        engine.add_request(rid, prompt, params)
+        processor.add_request(rid, prompt, params)
+    got, late = Run(), []
+    while engine.has_unfinished():
+        outputs = step(engine, Run())
+        assert not any(c.text or c.new_text or c.token_ids for o in outputs for c in o.outputs)
+        for stop in late:
+            engine.stop_choice(stop)
+        late = []
+        for output in outputs:
+            output, stops = processor.process(output)
+            late += stops
+            if output is not None:
+                got.record(output)
+    got.check_streams()
+    stopped_by_string = 0
+    for rid in reqs:
+        assert choices(got.final[rid]) == choices(want.final[rid]), rid
+        for c in got.final[rid].outputs:
+            key = (rid, c.index)
+            assert got.deltas[key] == want.deltas[key], rid
+            assert [lp.token_id for lp in got.logprobs.get(key, [])] == [
+                lp.token_id for lp in want.logprobs.get(key, [])
+            ]
+            stopped_by_string += isinstance(c.stop_reason, str)
+    assert stopped_by_string >= 4
+    assert engine.kv_pool_free() == all_free(engine) and not engine.scheduler.has_work()
 
 
 def test_abort_while_a_step_is_in_flight(engine):

@@ -134,17 +134,37 @@ def test_engine_runs_in_a_child_process(server):
 
 
 def test_64_concurrent_greedy_streams_equal_the_in_process_engine(server, demo_model):
-    """64 streams at once through the engine process: each one's tokens and text equal the offline
-    engine's (in-process, the same drafter) and the engine's without the drafter; no page leaks."""
+    """64 streams at once through the engine process: each one's tokens, text and finish equal the
+    offline engine's (in-process, the same drafter) and the engine's without the drafter; no page
+    leaks. Two thirds carry stop strings taken from their own text, which the server finds (the
+    engine process never detokenizes) and sends back to the engine to end the choice."""
     from gemma4serve.engine.llm import LLM
 
+    target, assistant = demo_model
+
+    def offline_llm(draft, k: int) -> LLM:
+        return LLM(str(target), str(draft) if draft else None, device="cpu",
+                   num_draft_tokens=k, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+
     prompts = [[2, *(10 + (i * 7 + j * 13) % 480 for j in range(3 + i % 9))] for i in range(64)]
+    plain = offline_llm(assistant, NUM_DRAFT_TOKENS).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0)
+    )
+    stops = []
+    for i, out in enumerate(plain):
+        middle = out.text[len(out.text) // 2 :]
+        if i % 3 == 0 or len(middle) < 2:
+            stops.append({})
+        elif i % 3 == 1:
+            stops.append({"stop": ["never written", middle[:2]]})
+        else:
+            stops.append({"stop": [middle[0]], "include_stop_str_in_output": True})
     baseline = free_pages(server)
 
-    async def one(http: httpx.AsyncClient, prompt: list[int]) -> tuple[list[int], str, str]:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0.0}
-        body |= {"stream": True, "return_token_ids": True}
-        ids, text, finish = [], "", None
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[list[int], str, str, object]:
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 12, "temperature": 0.0}
+        body |= {"stream": True, "return_token_ids": True, **stops[i]}
+        ids, text, finish, stop_reason = [], "", None, None
         async with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             lines = [line async for line in response.aiter_lines()]
@@ -153,23 +173,25 @@ def test_64_concurrent_greedy_streams_equal_the_in_process_engine(server, demo_m
             ids += choice.get("token_ids", [])
             text += choice["text"]
             finish = choice["finish_reason"] or finish
-        return ids, text, finish
+            stop_reason = choice.get("stop_reason", stop_reason)
+        return ids, text, finish, stop_reason
 
     async def run():
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
-            return await asyncio.gather(*(one(http, prompt) for prompt in prompts))
+            return await asyncio.gather(*(one(http, i) for i in range(len(prompts))))
 
     served = asyncio.run(run())
-    target, assistant = demo_model
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+    assert sum(isinstance(stop_reason, str) for *_, stop_reason in served) >= 30
+    params = [SamplingParams(max_tokens=12, temperature=0.0, **stop) for stop in stops]
     for draft, k in ((assistant, NUM_DRAFT_TOKENS), (None, 0)):
-        llm = LLM(str(target), str(draft) if draft else None, device="cpu",
-                  num_draft_tokens=k, max_model_len=MAX_MODEL_LEN)  # fmt: skip
-        offline = llm.generate(prompts, params)
-        for (ids, text, finish), want in zip(served, offline):
+        offline = offline_llm(draft, k).generate(prompts, params)
+        for (ids, text, finish, stop_reason), want in zip(served, offline):
             assert ids == want.token_ids and text == want.text
-            assert finish == want.outputs[0].finish_reason
+            assert (finish, stop_reason) == (
+                want.outputs[0].finish_reason,
+                want.outputs[0].stop_reason,
+            )
     wait_for_free_pages(server, baseline)
 
 

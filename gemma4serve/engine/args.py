@@ -54,3 +54,6 @@ class EngineArgs:
     # speed, not quality.
     forced_acceptance: list[float] | float | None = None
     served_model_name: str | None = None
+    # False: outputs carry new token ids only, and stop strings are not looked for; the server
+    # process detokenizes (engine/output_processor.py) when the engine runs in a process of its own.
+    detokenize: bool = True

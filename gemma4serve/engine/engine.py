@@ -1,8 +1,9 @@
 """The synchronous engine: requests in, one step at a time, outputs (with deltas) out.
 
 It owns the request state machine (waiting -> prefill chunks -> decode/verify -> finished or
-aborted), the stop conditions and detokenization; the scheduler decides what runs, the runner runs
-it.
+aborted) and the stop conditions seen in tokens; the scheduler decides what runs, the runner runs
+it. Text and stop strings are the `OutputProcessor`'s: this engine's own (`detokenize`), or the
+server's when the engine runs in a process of its own.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemma4serve.config import FULL, SLIDING
-from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.cuda_graphs import capture_graphs
 from gemma4serve.engine.models import check_tensor_parallel, load_models
+from gemma4serve.engine.output_processor import OutputProcessor, StopChoice
 from gemma4serve.engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -70,35 +71,29 @@ def generation_defaults(checkpoint_dir: Path) -> dict:
 
 @dataclass(eq=False)
 class Choice:
-    """One of a request's n choices: its sequence, its text, and what its next output adds."""
+    """One of a request's n choices: its sequence and what its next output adds."""
 
     sequence: Sequence
-    detokenizer: IncrementalDetokenizer | None
     new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def take_output(self, with_logprobs: bool) -> CompletionOutput:
-        """The choice as an output, with everything new since the last one (then cleared)."""
+        """The choice as an output, with the tokens new since the last one (then cleared)."""
         seq = self.sequence
         output = CompletionOutput(
             index=seq.index,
-            text=self.detokenizer.text if self.detokenizer is not None else "",
-            token_ids=list(seq.output_ids),
-            new_text=self.new_text,
             new_token_ids=self.new_token_ids,
             new_logprobs=self.new_logprobs if with_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
-        self.new_token_ids, self.new_text, self.new_logprobs = [], "", []
+        self.new_token_ids, self.new_logprobs = [], []
         return output
 
 
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_ids: list[int]
     params: SamplingParams
     choices: list[Choice]
     metrics: RequestMetrics
@@ -195,6 +190,7 @@ class LLMEngine:
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
         self._inflight: StepHandle | None = None  # a launched decode step not read yet
         self.num_continued_steps = 0  # steps queued before the step before them was read
+        self.output_processor = OutputProcessor(self.tokenizer) if args.detokenize else None
 
     def _warm_up(self) -> None:
         """One eager step per chunk-length bucket, so Triton compiles the shape-selected kernel
@@ -279,12 +275,14 @@ class LLMEngine:
                 prompt_logprobs=[] if params.prompt_logprobs is not None and i == 0 else None,
                 grammar=grammars[i],
             )
-            choices.append(Choice(seq, self._detokenizer(params)))
+            choices.append(Choice(seq))
         metrics = RequestMetrics(arrival_time=time.monotonic())
-        self.requests[request_id] = Request(request_id, prompt, params, choices, metrics)
+        self.requests[request_id] = Request(request_id, params, choices, metrics)
         self.stats.prompt_tokens += len(prompt)
         for choice in choices:
             self.scheduler.add(choice.sequence)
+        if self.output_processor is not None:
+            self.output_processor.add_request(request_id, prompt, params)
 
     def _token_rules(self, params: SamplingParams, prompt_len: int) -> TokenRules | None:
         """The request's logit_bias, allowed_token_ids, bad_words and min_tokens as token ids;
@@ -336,16 +334,6 @@ class LLMEngine:
             )
         return self._grammars.matcher(params.structured_outputs)
 
-    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop_strings,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
-
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -355,7 +343,35 @@ class LLMEngine:
                 choice.sequence.finish_reason = "abort"
                 self.scheduler.finish(choice.sequence)
         self._count_finished(req)
-        return self._output(req)
+        outputs = self._processed([self._output(req)])
+        return outputs[0] if outputs else None
+
+    def stop_choice(self, stop: StopChoice) -> None:
+        """Finish a choice that a stop string ended (the output processor found it)."""
+        req = self.requests.get(stop.request_id)
+        if req is None:
+            return
+        seq = req.choices[stop.index].sequence
+        if seq.status is Status.FINISHED:
+            return
+        seq.finish_reason, seq.stop_reason = "stop", stop.stop
+        self.scheduler.finish(seq)
+        if req.finished:
+            self._count_finished(req)
+            del self.requests[stop.request_id]
+
+    def _processed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs with their text (`detokenize`), the choices stop strings ended finished."""
+        if self.output_processor is None:
+            return outputs
+        processed = []
+        for output in outputs:
+            output, stops = self.output_processor.process(output)
+            for stop in stops:
+                self.stop_choice(stop)
+            if output is not None:
+                processed.append(output)
+        return processed
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -381,7 +397,7 @@ class LLMEngine:
         self._inflight = None
         if handle.continuable and self.args.async_scheduling:
             self._inflight = self._launch_continued(handle)
-        outputs = self._commit_step(handle)
+        outputs = self._processed(self._commit_step(handle))
         if self._inflight is not None and self._inflight.pending is not None:
             self._inflight = self.runner.sample_continued(self._inflight)
         if self._inflight is not None and all(
@@ -479,33 +495,21 @@ class LLMEngine:
             self.stats.generation_tokens += 1
             if result.logprobs is not None:
                 choice.new_logprobs.append(result.logprobs[j])
-            reason, stop = self._push_token(choice, token)
+            reason, stop = self._stop_condition(seq, token)
             if reason is not None:
                 seq.finish_reason, seq.stop_reason = reason, stop
                 seq.num_computed = seq.num_tokens - 1  # rows with final KV, for the prefix cache
-                if choice.detokenizer is not None:
-                    choice.new_text += choice.detokenizer.flush()
                 self.scheduler.finish(seq)
                 return
         seq.num_computed = seq.num_tokens - 1
         seq.drafts = result.next_drafts
 
-    def _push_token(self, choice: Choice, token: int) -> tuple[str | None, int | str | None]:
-        """Detokenize one appended token; (finish reason, stop token or string) if it ends the
-        choice, else (None, None)."""
-        seq, params, detokenizer = choice.sequence, choice.sequence.params, choice.detokenizer
-        if not params.ignore_eos and token in self.eos_ids:
+    def _stop_condition(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """(finish reason, stop token) if the appended token ends the sequence, else (None, None).
+        Stop strings are the output processor's."""
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids:
             return "stop", token
-        if token in params.stop_token_ids:
-            if detokenizer is not None and params.include_stop_str_in_output:
-                choice.new_text += detokenizer.push([token])[0]  # vLLM shows the stop token then
-            return "stop", token
-        if detokenizer is not None:
-            # vLLM: stop strings count once the output is longer than min_tokens
-            text, stop = detokenizer.push([token], len(seq.output_ids) > params.min_tokens)
-            choice.new_text += text
-            if stop is not None:
-                return "stop", stop
         if seq.num_tokens >= seq.max_len:
             return "length", None
         return None, None
@@ -530,7 +534,7 @@ class LLMEngine:
             prompt_logprobs = [None, *first.prompt_logprobs]
         return RequestOutput(
             req.request_id,
-            req.prompt_ids,
+            [],  # the output processor knows the prompt: no copy crosses the process boundary
             outputs,
             req.finished,
             req.metrics,

@@ -1,11 +1,13 @@
 """The server's side of the engine process: an `EngineClient` over two zmq sockets.
 
 The engine runs in a process of its own (spawned: CUDA must not be forked), so that its stepping
-never shares the GIL with HTTP, JSON and SSE. Requests go out on one socket; every engine step comes
-back as one message, which a task on the event loop splits into the requests' asyncio queues (a
-slow client's queue grows, nobody waits on it). A watchdog notices a dead engine within
-`WATCH_INTERVAL_S`: every running request fails, `ready` turns False (/health 503) and `on_dead`
-is called (the CLI then stops the server with a non-zero exit).
+never shares the GIL with HTTP, JSON, SSE and detokenization. Requests go out on one socket; every
+engine step comes back as one message of new token ids, which a task on the event loop turns into
+text (`OutputProcessor`: the choices stop strings end go back as one `StopChoices` message) and
+splits into the requests' asyncio queues (a slow client's queue grows, nobody waits on it). A
+watchdog notices a dead engine within `WATCH_INTERVAL_S`: every running request fails, `ready`
+turns False (/health 503) and `on_dead` is called (the CLI then stops the server with a non-zero
+exit).
 
 `in_process=True` (--no-engine-process) runs the same loop in a thread of this process, over the
 same sockets: one code path either way.
@@ -21,12 +23,12 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.output_processor import OutputProcessor
 from gemma4serve.engine.outputs import EngineStats, RequestOutput
 from gemma4serve.engine_process.core import run_engine_core
 from gemma4serve.engine_process.messages import (
@@ -37,6 +39,7 @@ from gemma4serve.engine_process.messages import (
     Ready,
     Shutdown,
     StartupFailed,
+    StopChoices,
 )
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.tokenizer import Tokenizer
@@ -59,29 +62,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineShuttingDown(RuntimeError):
     pass
-
-
-@dataclass
-class RequestStream:
-    """A running request on the server side: its queue and the cumulative text and ids per
-    choice."""
-
-    prompt_token_ids: list[int]
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    texts: dict[int, str] = field(default_factory=dict)
-    token_ids: dict[int, list[int]] = field(default_factory=dict)
-
-    def complete(self, output: RequestOutput) -> RequestOutput:
-        """Fill in the cumulative fields the engine left out (messages.EngineOutputs)."""
-        output.prompt_token_ids = self.prompt_token_ids
-        for choice in output.outputs:
-            choice.text = self.texts[choice.index] = (
-                self.texts.get(choice.index, "") + choice.new_text
-            )
-            ids = self.token_ids.setdefault(choice.index, [])
-            ids += choice.new_token_ids
-            choice.token_ids = list(ids)
-        return output
 
 
 class _EngineThread:
@@ -121,7 +101,7 @@ class EngineProcessClient:
         self.on_dead: Callable[[], None] | None = None  # called on the event loop
         self.dead = False
         self._codec = Codec()
-        self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
+        self._queues: dict[str, asyncio.Queue] = {}  # by request; touched on the event loop only
         self._stats = EngineStats()
         self._accepting = True
         self._stopping = False
@@ -162,6 +142,7 @@ class EngineProcessClient:
         self.default_sampling_params = ready.default_sampling_params
         self._stats = ready.stats
         self.tokenizer = Tokenizer.from_dir(ready.tokenizer_dir) if ready.tokenizer_dir else None
+        self._outputs = OutputProcessor(self.tokenizer)  # touched on the event loop only
         if not in_process:
             log.info("engine process started (pid %d)", ready.pid)
 
@@ -201,13 +182,14 @@ class EngineProcessClient:
             raise EngineDeadError("the engine process is not running")
         if not self._accepting:
             raise EngineShuttingDown("the server is shutting down")
-        stream = RequestStream(list(prompt_token_ids))
-        self._streams[request_id] = stream
-        self._send(AddRequest(request_id, stream.prompt_token_ids, params))
+        prompt_token_ids = list(prompt_token_ids)
+        queue = self._queues[request_id] = asyncio.Queue()
+        self._outputs.add_request(request_id, prompt_token_ids, params)
+        self._send(AddRequest(request_id, prompt_token_ids, params))
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -215,7 +197,8 @@ class EngineProcessClient:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._queues.pop(request_id, None)
+            self._outputs.remove(request_id)
             if not finished:  # the consumer went away (client disconnect) or an error
                 self.abort(request_id)
 
@@ -230,10 +213,10 @@ class EngineProcessClient:
         stop the engine process. Blocks: call it off the event loop."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout
-        while self._streams and not self.dead and time.monotonic() < deadline:
+        while self._queues and not self.dead and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self._streams and not self.dead:
-            self._send(AbortRequests(list(self._streams)))
+        if self._queues and not self.dead:
+            self._send(AbortRequests(list(self._queues)))
         self._stop_engine(send_shutdown=not self.dead)
 
     # ---- internals ----------------------------------------------------------------------------
@@ -276,19 +259,24 @@ class EngineProcessClient:
 
     def _dispatch(self, message: EngineOutputs) -> None:
         self._stats = message.stats
+        stops = []
         for output in message.outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                stream.queue.put_nowait(stream.complete(output))
+            queue = self._queues.get(output.request_id)
+            output, stopped = self._outputs.process(output)
+            if queue is not None and output is not None:
+                queue.put_nowait(output)
+                stops += stopped
+        if stops:
+            self._send(StopChoices(stops))
         for failure in message.failures:
-            stream = self._streams.get(failure.request_id)
-            if stream is None:
+            queue = self._queues.get(failure.request_id)
+            if queue is None:
                 continue
             if failure.invalid:
                 error = RequestError(failure.message, param=failure.param, code=failure.code)
             else:
                 error = RuntimeError(failure.message)
-            stream.queue.put_nowait(error)
+            queue.put_nowait(error)
 
     async def _watch(self) -> None:
         while self._engine.is_alive():
@@ -299,9 +287,9 @@ class EngineProcessClient:
         log.error(
             "the engine process died (exit code %s): failing %d running request(s)",
             self._engine.exitcode,
-            len(self._streams),
+            len(self._queues),
         )
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError("the engine process died"))
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError("the engine process died"))
         if self.on_dead is not None:
             self.on_dead()

@@ -3,10 +3,12 @@
 `run_engine_core` is the engine process's entry point (or, with --no-engine-process, a thread's):
 it loads the engine, says `Ready` (or `StartupFailed`), then alternates between the requests that
 arrived and one engine step, and sends each step's new tokens of every request in one message.
+The engine never detokenizes here: the server does, and sends back the choices stop strings end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -26,6 +28,7 @@ from gemma4serve.engine_process.messages import (
     RequestFailure,
     Shutdown,
     StartupFailed,
+    StopChoices,
 )
 from gemma4serve.validation import RequestError
 
@@ -54,7 +57,8 @@ def run_engine_core(
     codec = Codec()
     try:
         try:
-            engine = LLMEngine(args, log_level)
+            # The server's OutputProcessor makes the text: steps here never wait on it.
+            engine = LLMEngine(dataclasses.replace(args, detokenize=False), log_level)
         except Exception as e:  # bad path, no GPU, out of memory...: the server reports it
             log.debug("engine start-up failed", exc_info=True)
             outbox.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
@@ -102,7 +106,7 @@ class EngineCore:
                     for request_id in list(engine.requests):
                         engine.abort(request_id)
                         failures.append(RequestFailure(request_id, f"engine error: {e}", False))
-            message = EngineOutputs([_strip(out) for out in outputs], failures, engine.snapshot())
+            message = EngineOutputs(outputs, failures, engine.snapshot())
             self.outbox.send(self.codec.encode(message), copy=False)
             if failed is not None and engine.workers is not None:
                 # The tensor-parallel ranks may have stopped at different collectives of that
@@ -129,6 +133,9 @@ class EngineCore:
                     failures.append(failure)
                 except ValueError as e:  # sampling settings the engine refused
                     failures.append(RequestFailure(message.request_id, str(e), True))
+            elif isinstance(message, StopChoices):
+                for stop in message.stops:
+                    self.engine.stop_choice(stop)
             elif isinstance(message, AbortRequests):
                 for request_id in message.request_ids:
                     output = self.engine.abort(request_id)
@@ -139,14 +146,3 @@ class EngineCore:
                     self.engine.abort(request_id) for request_id in list(self.engine.requests)
                 ]
                 return False
-
-
-def _strip(output: RequestOutput) -> RequestOutput:
-    """The output without what the server already has: the prompt, the cumulative text and ids,
-    the timings before the request finished."""
-    output.prompt_token_ids = []
-    for choice in output.outputs:
-        choice.text, choice.token_ids = "", []
-    if not output.finished:
-        output.metrics = None
-    return output

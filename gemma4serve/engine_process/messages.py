@@ -3,14 +3,15 @@
 Requests carry `SamplingParams` whole and outputs are the engine's own `RequestOutput`s, so a
 field added to either crosses without changes here (the codec encodes dataclasses field by field;
 a field must stay msgpack-encodable). One `EngineOutputs` per engine step holds every request's
-output; their cumulative fields (`text`, `token_ids`, the prompt) are left empty, and the server
-rebuilds them from the new tokens and text.
+output: its new token ids only (the engine does not detokenize); the server's `OutputProcessor`
+makes the text, finds stop strings (sending back `StopChoices`) and rebuilds the cumulative fields.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from gemma4serve.engine.output_processor import StopChoice
 from gemma4serve.engine.outputs import EngineStats, RequestOutput
 from gemma4serve.sampling_params import SamplingParams
 
@@ -27,11 +28,17 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class StopChoices(msgspec.Struct, tag=True, array_like=True):
+    """Choices that stop strings ended in the server's text: the engine finishes them."""
+
+    stops: list[StopChoice]
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort what runs and end the engine loop."""
 
 
-EngineRequest = AddRequest | AbortRequests | Shutdown
+EngineRequest = AddRequest | AbortRequests | StopChoices | Shutdown
 
 
 # ---- engine -> server ---------------------------------------------------------------------------
