@@ -128,6 +128,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one device)."""
         if self.workers is not None:
+            if hasattr(self, "runner"):  # the graphs go before the group (workers.leave_group)
+                self.runner.graphs, self._inflight = None, None
             self.workers.stop()
 
     def _start(self, args: EngineArgs) -> None:

@@ -9,6 +9,7 @@ exits instead of waiting on a collective that will never complete.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import multiprocessing
@@ -195,8 +196,12 @@ class TensorParallelWorkers:
 
 def leave_group() -> None:
     """Leave the group without waiting for the other ranks (they leave too, or are gone): NCCL's
-    destroy would wait for every rank's, so NCCL groups are aborted; gloo's destroy is local."""
+    destroy would wait for every rank's, so NCCL groups are aborted; gloo's destroy is local.
+    Callers drop their CUDA graphs first: NCCL's abort waits for every graph that captured one of
+    its kernels to be freed."""
     if dist.get_backend() == "nccl":
+        gc.collect()  # graphs in reference cycles
+        torch.cuda.synchronize()
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()
@@ -262,4 +267,6 @@ def run_worker(
                 handle = runner.run_continued(handle, plan.page_tables)
             if step_log is not None:
                 step_log.write(handle)
+    runner.graphs = None  # see leave_group
+    del graphs, handle
     leave_group()
