@@ -1,4 +1,4 @@
-"""Tensor parallelism over gloo on CPU: two ranks give the tokens one device gives.
+"""Tensor parallelism over gloo on CPU: two (and four) ranks give the tokens one device gives.
 
 The offline engine with `tensor_parallel_size=2` (rank 0 in the test process, a spawned worker)
 against the one-device engine on tiny checkpoints of every variant (k_eq_v full layers with one KV
@@ -98,6 +98,27 @@ def test_two_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, varian
     assert len(rank0) > 10
     assert rank0 == rank1
     assert any(step and step["next_drafts"] for step in rank0)  # the drafter ran on both ranks
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_four_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, variant):
+    """TP=4, past the KV heads: each rank holds one query head, and the sliding layers' two KV
+    heads and the full layers' one are replicated (as the 31B's four global KV heads are at
+    TP=8). Greedy with MTP equals one device without it; all four ranks agree at every step."""
+    target = tiny_checkpoints.get(variant)
+    (expected,), _ = generate(target, None, [GREEDY])
+    log = tmp_path / "steps"
+    (got,), _ = generate(
+        target,
+        tiny_checkpoints.get_assistant(variant),
+        [GREEDY],
+        tensor_parallel_size=4,
+        num_draft_tokens=3,
+        tensor_parallel_step_log=str(log),
+    )
+    assert got == expected
+    ranks = [read_steps(log / f"rank{rank}.jsonl") for rank in range(4)]
+    assert len(ranks[0]) > 5 and all(steps == ranks[0] for steps in ranks[1:])
 
 
 def test_kv_heads_and_widths_split_per_rank(tiny_checkpoints):
