@@ -89,7 +89,7 @@ class OutputProcessor:
                 choice.new_token_ids, choice.new_text = [], ""
                 choice.new_logprobs = [] if choice.new_logprobs is not None else None
                 choice.finish_reason, choice.stop_reason = state.finish_reason, state.stop_reason
-            choice.token_ids = list(state.token_ids)
+            choice.token_ids = state.token_ids  # not copied: it grows until the choice ends
             choice.text = state.detokenizer.text if state.detokenizer is not None else ""
         output.prompt_token_ids = request.prompt_token_ids
         output.finished = request.finished
