@@ -110,7 +110,7 @@ class SamplingParams:
     @functools.cached_property
     def stop_strings(self) -> StopStrings:
         """The automaton over `stop`, built on first use and shared by the request's choices (the
-        server builds it in its thread pool, so the engine's loop only steps it)."""
+        server builds it in its thread pool, so its event loop's output processor only steps it)."""
         return StopStrings(self.stop)
 
     @property

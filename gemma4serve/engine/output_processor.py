@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput
 from gemma4serve.sampling_params import SamplingParams
-from gemma4serve.stop_strings import StopStrings
 
 
 @dataclass
@@ -53,20 +52,19 @@ class OutputProcessor:
         self._requests: dict[str, _RequestState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
-        stops = params.stop_strings  # one automaton, shared by the choices
         self._requests[request_id] = _RequestState(
             prompt_token_ids,
             params,
-            [_ChoiceState(self._detokenizer(params, stops)) for _ in range(params.n)],
+            [_ChoiceState(self._detokenizer(params)) for _ in range(params.n)],
         )
 
-    def _detokenizer(self, params: SamplingParams, stops: StopStrings):
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(
             self.tokenizer,
             skip_special_tokens=params.skip_special_tokens,
-            stop=stops,
+            stop=params.stop_strings,  # one automaton (cached), shared by the choices
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
 

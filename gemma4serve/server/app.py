@@ -628,7 +628,7 @@ async def _generation(
     if fmt.parses_output:  # the parser reads the special tokens the model writes
         for one in params:
             one.skip_special_tokens = False
-    if req.stop_strings:  # one stop-string automaton for all prompts, not on the engine's thread
+    if req.stop_strings:  # one stop-string automaton for all prompts, not on the event loop
         automaton = await run_in_threadpool(StopStrings, req.stop_strings)
         for one in params:
             one.stop_strings = automaton
