@@ -559,10 +559,10 @@ def greedy_tokens(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
     engine.add_request(
         "reference", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     )
-    tokens = None
+    tokens = []
     while engine.has_unfinished():
         for out in engine.step():
-            tokens = out.token_ids
+            tokens += out.outputs[0].new_token_ids
     return tokens
 
 
@@ -646,6 +646,7 @@ def main(argv=None) -> None:
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         adaptive_draft_length=args.adaptive_draft_length, forced_acceptance=forced, seed=args.seed,
         tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
+        detokenize=False,  # the engine as its process runs it: the server makes the text
         **({"max_num_batched_tokens": batched} if batched else {}),
     ))  # fmt: skip
     state = engine.state
