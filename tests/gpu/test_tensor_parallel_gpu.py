@@ -67,6 +67,8 @@ def _call(results, fn, args, timeout: float) -> None:
     except BaseException as e:
         results.put(("error", repr(e)))
         raise
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def in_fresh_process(fn, *args, timeout: float = 300):
