@@ -714,8 +714,8 @@ def test_async_scheduling_changes_no_output(tiny_checkpoints, which):
 def test_text_made_one_step_late_outside_the_engine_changes_no_output(tiny_checkpoints):
     """The engine process's split: an engine that makes no text, and an `OutputProcessor` whose
     stop-string finishes reach the engine one step late (as over the sockets), give the in-process
-    engine's tokens, text, finishes, deltas and logprobs; the engine drops the steps it ran past a
-    stop string, and every page comes back."""
+    engine's tokens, text, finishes, deltas, logprobs and prompt logprobs (which the engine sends
+    once); the engine drops the steps it ran past a stop string, and every page comes back."""
     args = engine_args(
         tiny_checkpoints,
         forced_acceptance=float(K + 1),  # 4 tokens a step: stop strings land mid-step
@@ -733,16 +733,18 @@ def test_text_made_one_step_late_outside_the_engine_changes_no_output(tiny_check
         prompt_of(12, 32),
         greedy(40, stop=["o"], include_stop_str_in_output=True),
     )
+    reqs["prompt-logprobs"] = (prompt_of(30, 33), greedy(20, prompt_logprobs=2))
     want = run_requests(LLMEngine(args), reqs)
     engine = LLMEngine(dataclasses.replace(args, detokenize=False))
     processor = OutputProcessor(engine.tokenizer)
     for rid, (prompt, params) in reqs.items():
         engine.add_request(rid, prompt, params)
         processor.add_request(rid, prompt, params)
-    got, late = Run(), []
+    got, late, prompt_logprobs_sent = Run(), [], 0
     while engine.has_unfinished():
         outputs = step(engine, Run())
         assert not any(c.text or c.new_text or c.token_ids for o in outputs for c in o.outputs)
+        prompt_logprobs_sent += sum(o.prompt_logprobs is not None for o in outputs)
         for stop in late:
             engine.stop_choice(stop)
         late = []
@@ -752,6 +754,9 @@ def test_text_made_one_step_late_outside_the_engine_changes_no_output(tiny_check
             if output is not None:
                 got.record(output)
     got.check_streams()
+    assert prompt_logprobs_sent == 1
+    scored = got.final["prompt-logprobs"].prompt_logprobs
+    assert len(scored) == 30 and scored == want.final["prompt-logprobs"].prompt_logprobs
     stopped_by_string = 0
     for rid in reqs:
         assert choices(got.final[rid]) == choices(want.final[rid]), rid

@@ -97,6 +97,7 @@ class Request:
     params: SamplingParams
     choices: list[Choice]
     metrics: RequestMetrics
+    prompt_logprobs_sent: bool = False
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -532,8 +533,11 @@ class LLMEngine:
         first = req.choices[0].sequence
         cached = first.num_cached_tokens or 0
         prompt_logprobs = None
-        if first.prompt_logprobs is not None:  # the prompt is scored once a token was produced
+        # The prompt is scored once a token was produced. Sent once: the output processor keeps
+        # them (a long prompt's are ~100 kB, too much to copy and encode every step).
+        if first.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             prompt_logprobs = [None, *first.prompt_logprobs]
+            req.prompt_logprobs_sent = True
         return RequestOutput(
             req.request_id,
             [],  # the output processor knows the prompt: no copy crosses the process boundary

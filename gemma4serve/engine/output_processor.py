@@ -1,8 +1,9 @@
 """The engine's token outputs made whole: text, stop strings and the cumulative fields.
 
 The engine finds the stops it can see in tokens (EOS, stop_token_ids, max_tokens) and reports only
-each step's new tokens. The `OutputProcessor` decodes them, finds stop strings in the text, and
-gives each output its prompt, cumulative token ids and text. A choice a stop string ended is
+each step's new tokens (and the prompt's logprobs once). The `OutputProcessor` decodes them, finds
+stop strings in the text, and gives each output its prompt, prompt logprobs, cumulative token ids
+and text. A choice a stop string ended is
 handed back to the engine as a `StopChoice`, to be finished there; tokens the engine produced for
 it meanwhile are dropped. The server runs one in its own process (the engine process then never
 detokenizes); the in-process `LLMEngine` runs one on its own outputs.
@@ -40,6 +41,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     choices: list[_ChoiceState]
+    prompt_logprobs: list | None = None  # the engine sends them once
 
     @property
     def finished(self) -> bool:
@@ -90,6 +92,9 @@ class OutputProcessor:
             choice.token_ids = state.token_ids  # not copied: it grows until the choice ends
             choice.text = state.detokenizer.text if state.detokenizer is not None else ""
         output.prompt_token_ids = request.prompt_token_ids
+        if output.prompt_logprobs is not None:
+            request.prompt_logprobs = output.prompt_logprobs
+        output.prompt_logprobs = request.prompt_logprobs
         output.finished = request.finished
         if output.finished:
             del self._requests[output.request_id]
