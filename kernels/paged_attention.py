@@ -360,9 +360,11 @@ def split_limits(window: int, max_q_len: int) -> tuple[int, int]:
     return (32, 32) if max_q_len == 1 else (16, 64)
 
 
-def choose_splits(programs: int, device: torch.device, max_splits: int = 64) -> int:
-    """Enough KV splits for about two waves of programs; 1 when the batch already fills the GPU."""
-    target = 2 * sm_count(device)
+def choose_splits(
+    programs: int, device: torch.device, max_splits: int = 64, waves: int = 2
+) -> int:
+    """Enough KV splits for about `waves` waves of programs; 1 when the batch already fills them."""
+    target = waves * sm_count(device)
     if programs >= target:
         return 1
     return min(max_splits, next_pow2(triton.cdiv(target, programs)))
@@ -411,7 +413,10 @@ def paged_attention(
     max_splits, default_min_keys = split_limits(window, max_q_len)
     min_split_keys = min_split_keys or default_min_keys
     if num_splits is None:
-        num_splits = choose_splits(G * q_blocks * nkv, q.device, max_splits)
+        # Full-layer verification tiles (up to 32 rows of 512 dims, 4-8 warps) fill an SM alone:
+        # a second wave of splits only adds partials to merge (docs/performance.md).
+        waves = 1 if window == 0 and 1 < max_q_len <= 8 else 2
+        num_splits = choose_splits(G * q_blocks * nkv, q.device, max_splits, waves)
     if not config:
         # Short decode splits want their few tiles in flight at once: a sliding split of at most 64
         # keys as 32-key tiles, all in flight; a full layer's 32-key split as two 16-key tiles,

@@ -7,20 +7,15 @@ kernels'), so the result equals norm_rope, rms_norm and kv_write run one after a
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import pdl_args, round_to, wait_for_producer
 
-
-@triton.jit
-def _normed(row_ptr, w, d, eps, HEAD_DIM: tl.constexpr):
-    """RMSNorm of one head's row at dims d (fp32, before rounding), times w (w[d], or 1.0 for no
-    scale)."""
-    x = tl.load(row_ptr + tl.arange(0, HEAD_DIM)).to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-    return tl.load(row_ptr + d).to(tl.float32) * inv * w
+PREFILL_TOKENS = 256  # steps with at least this many tokens take several query heads per program
 
 
 @triton.jit
@@ -30,11 +25,19 @@ def _norm_rope_row(
     """RoPE(RMSNorm(row) * w): dim d pairs with d_rot = d + hd/2 (mod hd) in the half-split
     rotation."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    y = round_to(_normed(row_ptr, w, d, eps, HEAD_DIM), DT)
-    y_rot = round_to(
-        tl.where(d < HALF, -1.0, 1.0) * _normed(row_ptr, w_rot, d_rot, eps, HEAD_DIM), DT
-    )
+    x = tl.load(row_ptr + d).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+    x_rot = tl.load(row_ptr + d_rot).to(tl.float32)  # the same row, rotated (an L1 hit)
+    y = round_to(x * inv * w, DT)
+    y_rot = round_to(tl.where(d < HALF, -1.0, 1.0) * (x_rot * inv * w_rot), DT)
     return round_to(round_to(y * c, DT) + round_to(y_rot * s, DT), DT)
+
+
+@triton.jit
+def _norm_row(row_ptr, d, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr):
+    """RMSNorm of one head's row without a scale, rounded to DT."""
+    x = tl.load(row_ptr + d).to(tl.float32)
+    return round_to(x * tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps), DT)
 
 
 @triton.jit
@@ -59,17 +62,20 @@ def _qkv_epilogue_kernel(
     NH: tl.constexpr,
     NKV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr,
     K_EQ_V: tl.constexpr,
     PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    # Programs [0, NH / HEADS) own HEADS query heads each; the next NKV one KV head each.
+    block = tl.program_id(1)
+    is_query = block < NH // HEADS
     d = tl.arange(0, HEAD_DIM)
     d_rot = (d + HEAD_DIM // 2) % HEAD_DIM
     DT: tl.constexpr = q_ptr.dtype.element_ty
     # Before waiting on the qkv projection: what was written before the step (norm weights, the
     # step's cos/sin and cache slots).
-    w_ptr = tl.where(h < NH, qw_ptr, kw_ptr)
+    w_ptr = tl.where(is_query, qw_ptr, kw_ptr)
     w = tl.load(w_ptr + d).to(tl.float32)
     w_rot = tl.load(w_ptr + d_rot).to(tl.float32)
     c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
@@ -77,15 +83,17 @@ def _qkv_epilogue_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     wait_for_producer(PDL)
     row = x_ptr + t * stride_xt
-    if h < NH:  # a query head
-        q = _norm_rope_row(row + h * HEAD_DIM, w, w_rot, d, d_rot, c, s, eps, HEAD_DIM, DT)
-        tl.store(q_ptr + t * stride_qt + h * HEAD_DIM + d, q.to(DT))
+    if is_query:
+        for i in tl.static_range(HEADS):
+            h = block * HEADS + i
+            q = _norm_rope_row(row + h * HEAD_DIM, w, w_rot, d, d_rot, c, s, eps, HEAD_DIM, DT)
+            tl.store(q_ptr + t * stride_qt + h * HEAD_DIM + d, q.to(DT))
     else:  # a KV head: K and V, written straight into the cache
-        kh = h - NH
+        kh = block - NH // HEADS
         k_row = row + (NH + kh) * HEAD_DIM
         k = _norm_rope_row(k_row, w, w_rot, d, d_rot, c, s, eps, HEAD_DIM, DT)
         v_row = k_row if K_EQ_V else row + (NH + NKV + kh) * HEAD_DIM
-        v = round_to(_normed(v_row, 1.0, d, eps, HEAD_DIM), DT)
+        v = _norm_row(v_row, d, eps, HEAD_DIM, DT)
         if slot >= 0:
             dst = (slot // PAGE) * stride_cpage + (slot % PAGE) * stride_cslot + kh * HEAD_DIM + d
             tl.store(kc_ptr + dst, k.to(DT))
@@ -105,11 +113,12 @@ def qkv_epilogue(
     num_heads: int,
     num_kv_heads: int,
     k_eq_v: bool,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """qkv [T, (nh + nkv (+ nkv)) * hd] (q, k, then v unless k_eq_v) -> q [T, nh, hd].
 
     K/V go to the caches [num_pages, page_tokens, nkv, hd] (pages at any stride) at `slots` [T]
-    (-1 = no write).
+    (-1 = no write). `heads_per_program` (query heads, a divisor of nh) overrides the choice below.
     """
     T = qkv.shape[0]
     hd = k_cache.shape[-1]
@@ -123,8 +132,12 @@ def qkv_epilogue(
         and k_cache.stride(1) == num_kv_heads * hd
     )
     q = torch.empty(T, num_heads, hd, dtype=qkv.dtype, device=qkv.device)
+    # Prefill chunks: several query heads per program, so the per-program setup (weights, cos/sin,
+    # the wait) is paid once per token rather than per head; decode grids stay one head wide.
+    heads = heads_per_program or (math.gcd(num_heads, 8) if T >= PREFILL_TOKENS else 1)
+    assert num_heads % heads == 0
     if T:
-        _qkv_epilogue_kernel[(T, num_heads + num_kv_heads)](
+        _qkv_epilogue_kernel[(T, num_heads // heads + num_kv_heads)](
             qkv,
             q_weight,
             k_weight,
@@ -145,8 +158,11 @@ def qkv_epilogue(
             NH=num_heads,
             NKV=num_kv_heads,
             HEAD_DIM=hd,
+            HEADS=heads,
             K_EQ_V=k_eq_v,
-            num_warps=4 if hd <= 256 else 8,
+            # one warp keeps each head's sum of squares in warp shuffles (no barrier); with one head
+            # per program (decode) more warps finish the lone head sooner
+            num_warps=1 if heads > 1 else (4 if hd <= 256 else 8),
             **pdl_args(qkv.device),
         )
     return q

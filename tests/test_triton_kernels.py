@@ -442,8 +442,10 @@ def _qkv_epilogue_ref(qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k_eq_v", [False, True])
-def test_qkv_epilogue(dtype, k_eq_v):
-    """q/k norms + RoPE, v_norm and the K/V write in one launch equal the separate reference ops."""
+@pytest.mark.parametrize("heads_per_program", [None, 2, 4])
+def test_qkv_epilogue(dtype, k_eq_v, heads_per_program):
+    """q/k norms + RoPE, v_norm and the K/V write in one launch equal the separate reference ops,
+    with one query head per program (decode) or several (prefill chunks)."""
     generator = torch.Generator().manual_seed(5)
     T, nh, nkv, hd, pages, page_size = 5, 4, 2, 32, 4, 4
     width = (nh + nkv * (1 if k_eq_v else 2)) * hd
@@ -461,7 +463,9 @@ def test_qkv_epilogue(dtype, k_eq_v):
     ref_q, ref_k, ref_v = on_cpu(
         _qkv_epilogue_ref, qkv, qw, kw, cos, sin, k_cache, v_cache, slots, nh, nkv, k_eq_v
     )
-    q = qkv_epilogue(qkv, qw, kw, cos, sin, 1e-6, k_cache, v_cache, slots, nh, nkv, k_eq_v)
+    q = qkv_epilogue(
+        qkv, qw, kw, cos, sin, 1e-6, k_cache, v_cache, slots, nh, nkv, k_eq_v, heads_per_program
+    )
     _assert_rounding_close(q, ref_q)
     _assert_rounding_close(k_cache, ref_k)
     _assert_rounding_close(v_cache, ref_v)
