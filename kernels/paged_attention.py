@@ -360,9 +360,7 @@ def split_limits(window: int, max_q_len: int) -> tuple[int, int]:
     return (32, 32) if max_q_len == 1 else (16, 64)
 
 
-def choose_splits(
-    programs: int, device: torch.device, max_splits: int = 64, waves: int = 2
-) -> int:
+def choose_splits(programs: int, device: torch.device, max_splits: int = 64, waves: int = 2) -> int:
     """Enough KV splits for about `waves` waves of programs; 1 when the batch already fills them."""
     target = waves * sm_count(device)
     if programs >= target:
