@@ -18,6 +18,8 @@ the metadata tensors, so there is no host synchronisation and CUDA graphs can ca
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,8 @@ from ._common import (
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
 # page-table entries a program holds in registers (more where one key tile needs more)
 TABLE_CHUNK = 32
+# Launches with query blocks of more than 8 rows (prefill chunks) run the prefill key loop.
+PREFILL_LOOP = os.environ.get("GEMMA4SERVE_ATTENTION_PREFILL_LOOP", "1") == "1"
 
 
 def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
@@ -79,9 +83,63 @@ def _attend_tile(
     """
     kv_ok = (pos >= lo) & (pos < hi)
     rel = pos // PAGE - p0
-    page = tl.sum(tl.where(rel[:, None] == entries[None, :], pages[None, :], 0), axis=1).to(
-        tl.int64
+    page = tl.sum(tl.where(rel[:, None] == entries[None, :], pages[None, :], 0), axis=1)
+    return _attend_keys(
+        q,
+        k_ptr,
+        v_ptr,
+        m_i,
+        l_i,
+        acc,
+        pos,
+        kv_ok,
+        page.to(tl.int64),
+        True,
+        start,
+        end,
+        kvh,
+        d,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        stride_vp,
+        stride_vs,
+        stride_vh,
+        PAGE,
+        DOT_FP32,
     )
+
+
+@triton.jit
+def _attend_keys(
+    q,
+    k_ptr,
+    v_ptr,
+    m_i,
+    l_i,
+    acc,
+    pos,
+    kv_ok,
+    page,
+    masked,
+    start,
+    end,
+    kvh,
+    d,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    PAGE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Keys at positions `pos` (loaded where kv_ok, from pages `page`) into the online softmax.
+
+    Unless `masked` is false (every row sees every key of the tile), each row keeps only the keys
+    in its [start, end).
+    """
     in_page = pos % PAGE
     k = tl.load(
         k_ptr + (page * stride_kp + in_page * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
@@ -97,8 +155,10 @@ def _attend_tile(
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    visible = (pos[None, :] < end[:, None]) & (pos[None, :] >= start[:, None])
-    s = tl.where(visible, s * LOG2E, float("-inf"))  # scaling 1.0 (q_norm/k_norm replace 1/sqrt(d))
+    s = s * LOG2E  # scaling 1.0 (q_norm/k_norm replace 1/sqrt(d))
+    if masked:
+        visible = (pos[None, :] < end[:, None]) & (pos[None, :] >= start[:, None])
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
     p = tl.exp2(s - m_use[:, None])
@@ -155,6 +215,7 @@ def _attn_kernel(
     TABLE_CHUNK: tl.constexpr,
     CHUNK_TILES: tl.constexpr,
     LAUNCH_NEXT_LATE: tl.constexpr,
+    PREFILL: tl.constexpr,
 ):
     g = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
@@ -191,10 +252,11 @@ def _attn_kernel(
     entries = tl.arange(0, TABLE_CHUNK)
     p_lo = lo // PAGE
     p_hi = tl.cdiv(hi, PAGE)
-    p0 = b_lo * BLOCK_N // PAGE
-    pages = tl.load(
-        table_row + p0 + entries, mask=(p0 + entries >= p_lo) & (p0 + entries < p_hi), other=0
-    )
+    if not PREFILL:
+        p0 = b_lo * BLOCK_N // PAGE
+        pages = tl.load(
+            table_row + p0 + entries, mask=(p0 + entries >= p_lo) & (p0 + entries < p_hi), other=0
+        )
 
     # All of the above reads metadata written before the step; q and the step's new keys come from
     # the kernel just before (the qkv epilogue), so wait for it only now.
@@ -215,34 +277,29 @@ def _attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for c_lo in range(b_lo, b_hi, CHUNK_TILES):
-        # Decode and verification splits fit in one chunk; longer ranges (prefill) read the next
-        # chunk's pages while this one's tiles run.
-        c_hi = tl.minimum(c_lo + CHUNK_TILES, b_hi)
-        p0 = c_lo * BLOCK_N // PAGE
-        p_next = c_hi * BLOCK_N // PAGE
-        p_stop = tl.where(c_hi < b_hi, p_hi, 0)  # (nothing after the last chunk)
-        next_pages = tl.load(
-            table_row + p_next + entries,
-            mask=(p_next + entries >= p_lo) & (p_next + entries < p_stop),
-            other=0,
-        )
-        for b in range(c_lo, c_hi):
-            m_i, l_i, acc = _attend_tile(
+    if PREFILL:
+        # Long query blocks are bound by the tiles' math, not by latency: each tile reads its pages
+        # from the table (two cached entries), and tiles every row sees whole skip the score mask.
+        whole_lo = tl.max(tl.where(row_ok, start, 0), axis=0)
+        whole_hi = tl.min(tl.where(row_ok, end, hi), axis=0)
+        for b in range(b_lo, b_hi):
+            pos = b * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_ok = (pos >= lo) & (pos < hi)
+            page = tl.load(table_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+            masked = (b * BLOCK_N < whole_lo) | ((b + 1) * BLOCK_N > whole_hi)
+            m_i, l_i, acc = _attend_keys(
                 q,
                 k_ptr,
                 v_ptr,
                 m_i,
                 l_i,
                 acc,
-                b * BLOCK_N + tl.arange(0, BLOCK_N),
-                lo,
-                hi,
+                pos,
+                kv_ok,
+                page,
+                masked,
                 start,
                 end,
-                pages,
-                p0,
-                entries,
                 kvh,
                 d,
                 stride_kp,
@@ -254,7 +311,47 @@ def _attn_kernel(
                 PAGE,
                 DOT_FP32,
             )
-        pages = next_pages
+    else:
+        for c_lo in range(b_lo, b_hi, CHUNK_TILES):
+            # Decode and verification splits fit in one chunk; longer ranges (prefill) read the next
+            # chunk's pages while this one's tiles run.
+            c_hi = tl.minimum(c_lo + CHUNK_TILES, b_hi)
+            p0 = c_lo * BLOCK_N // PAGE
+            p_next = c_hi * BLOCK_N // PAGE
+            p_stop = tl.where(c_hi < b_hi, p_hi, 0)  # (nothing after the last chunk)
+            next_pages = tl.load(
+                table_row + p_next + entries,
+                mask=(p_next + entries >= p_lo) & (p_next + entries < p_stop),
+                other=0,
+            )
+            for b in range(c_lo, c_hi):
+                m_i, l_i, acc = _attend_tile(
+                    q,
+                    k_ptr,
+                    v_ptr,
+                    m_i,
+                    l_i,
+                    acc,
+                    b * BLOCK_N + tl.arange(0, BLOCK_N),
+                    lo,
+                    hi,
+                    start,
+                    end,
+                    pages,
+                    p0,
+                    entries,
+                    kvh,
+                    d,
+                    stride_kp,
+                    stride_ks,
+                    stride_kh,
+                    stride_vp,
+                    stride_vs,
+                    stride_vh,
+                    PAGE,
+                    DOT_FP32,
+                )
+            pages = next_pages
     if LAUNCH_NEXT_LATE:
         if PDL:
             gdc_launch_dependents()
@@ -474,6 +571,7 @@ def paged_attention(
         TABLE_CHUNK=entries,
         CHUNK_TILES=chunk,
         LAUNCH_NEXT_LATE=late,
+        PREFILL=max_q_len > 8 and PREFILL_LOOP,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),

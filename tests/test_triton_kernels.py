@@ -197,6 +197,37 @@ def test_attention_splits_and_query_blocks(num_splits, block_t, table_entries, m
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("block_t", [4, 16])
+def test_attention_prefill_tiles_seen_whole(window, block_t):
+    """Long chunks run the prefill key loop: key tiles that every row of a query block sees whole
+    skip the score mask, the tiles on the causal diagonal and the window's edge keep it."""
+    q, kc, vc, meta = build_paged_batch(
+        [(130, list(range(61, 131))), (23, [23]), (50, list(range(1, 41)))],
+        nh=4,
+        nkv=2,
+        hd=16,
+        page_size=4,
+        window=window,
+        dtype=torch.float32,
+        seed=11 + window,
+    )
+    ref = reference_attention(q, kc, vc, meta)
+    out = paged_attention(
+        q,
+        kc,
+        vc,
+        meta.token_seq,
+        meta.kv_end,
+        meta.page_table[KIND],
+        meta.cu_seqlens_q,
+        meta.max_q_len,
+        window,
+        config=dict(block_t=block_t, block_n=16),
+    )
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_attention_drafter_batch():
     """The drafter's reads: one row per sequence at kv_end = P, window W_a + 1.
 
