@@ -18,8 +18,6 @@ the metadata tensors, so there is no host synchronisation and CUDA graphs can ca
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -38,8 +36,6 @@ from ._common import (
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
 # page-table entries a program holds in registers (more where one key tile needs more)
 TABLE_CHUNK = 32
-# Launches with query blocks of more than 8 rows (prefill chunks) run the prefill key loop.
-PREFILL_LOOP = os.environ.get("GEMMA4SERVE_ATTENTION_PREFILL_LOOP", "1") == "1"
 
 
 def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
@@ -245,10 +241,10 @@ def _attn_kernel(
     b_lo = first + split * per_split
     b_hi = tl.minimum(b_lo + per_split, first + n_blocks)
     table_row = table_ptr + tl.load(token_seq_ptr + row0).to(tl.int64) * stride_table
-    # The page numbers of the first CHUNK_TILES key tiles, in registers: a K/V address then needs no
-    # table read in the loop, so the pipelined loads of the next tiles issue at once instead of one
-    # table read (an L2 round trip) after another. Entries outside the pages of [lo, hi) are not
-    # read (null or past the row).
+    # Decode and verification (latency-bound): the page numbers of the first CHUNK_TILES key tiles,
+    # in registers: a K/V address then needs no table read in the loop, so the pipelined loads of
+    # the next tiles issue at once instead of one table read (an L2 round trip) after another.
+    # Entries outside the pages of [lo, hi) are not read (null or past the row).
     entries = tl.arange(0, TABLE_CHUNK)
     p_lo = lo // PAGE
     p_hi = tl.cdiv(hi, PAGE)
@@ -313,8 +309,8 @@ def _attn_kernel(
             )
     else:
         for c_lo in range(b_lo, b_hi, CHUNK_TILES):
-            # Decode and verification splits fit in one chunk; longer ranges (prefill) read the next
-            # chunk's pages while this one's tiles run.
+            # Most splits fit in one chunk; longer ones read the next chunk's pages while this one's
+            # tiles run.
             c_hi = tl.minimum(c_lo + CHUNK_TILES, b_hi)
             p0 = c_lo * BLOCK_N // PAGE
             p_next = c_hi * BLOCK_N // PAGE
@@ -571,7 +567,7 @@ def paged_attention(
         TABLE_CHUNK=entries,
         CHUNK_TILES=chunk,
         LAUNCH_NEXT_LATE=late,
-        PREFILL=max_q_len > 8 and PREFILL_LOOP,
+        PREFILL=max_q_len > 8,  # prefill chunks: the key loop without register-held pages
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),
