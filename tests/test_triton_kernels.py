@@ -127,6 +127,22 @@ def mixed_phases(window):
     ]
 
 
+def kernel_attention(q, k_cache, v_cache, meta, window, max_q_len=None, **overrides):
+    """paged_attention over build_paged_batch's batch; `overrides`: its tuning keywords."""
+    return paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.token_seq,
+        meta.kv_end,
+        meta.page_table[KIND],
+        meta.cu_seqlens_q,
+        max_q_len or meta.max_q_len,
+        window,
+        **overrides,
+    )
+
+
 def reference_attention(q, k_cache, v_cache, meta, dtype=None):
     if dtype is not None:
         q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
@@ -180,15 +196,11 @@ def test_attention_splits_and_query_blocks(num_splits, block_t, table_entries, m
     ref = reference_attention(q, kc, vc, meta)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    out = paged_attention(
+    out = kernel_attention(
         q,
         kc,
         vc,
-        meta.token_seq,
-        meta.kv_end,
-        meta.page_table[KIND],
-        meta.cu_seqlens_q,
-        meta.max_q_len,
+        meta,
         window,
         num_splits=num_splits,
         min_split_keys=1,
@@ -213,15 +225,11 @@ def test_attention_prefill_tiles_seen_whole(window, block_t):
         seed=11 + window,
     )
     ref = reference_attention(q, kc, vc, meta)
-    out = paged_attention(
+    out = kernel_attention(
         q,
         kc,
         vc,
-        meta.token_seq,
-        meta.kv_end,
-        meta.page_table[KIND],
-        meta.cu_seqlens_q,
-        meta.max_q_len,
+        meta,
         window,
         config=dict(block_t=block_t, block_n=16),
     )
@@ -239,16 +247,13 @@ def test_attention_drafter_batch():
         seqs, nh=8, nkv=2, hd=32, page_size=4, window=W_a + 1, dtype=torch.float32, seed=3
     )
     ref = reference_attention(q, kc, vc, meta)
-    out = paged_attention(
+    out = kernel_attention(
         q,
         kc,
         vc,
-        meta.token_seq,
-        meta.kv_end,
-        meta.page_table[KIND],
-        meta.cu_seqlens_q,
-        1,
+        meta,
         W_a + 1,
+        max_q_len=1,
         num_splits=2,
         min_split_keys=1,
         config=dict(block_n=16),
@@ -263,15 +268,11 @@ def test_attention_half_precision(dtype):
         mixed_phases(window), nh=4, nkv=2, hd=32, page_size=16, window=window, dtype=dtype, seed=11
     )
     ref32 = reference_attention(q, kc, vc, meta, torch.float32)
-    out = paged_attention(
+    out = kernel_attention(
         q,
         kc,
         vc,
-        meta.token_seq,
-        meta.kv_end,
-        meta.page_table[KIND],
-        meta.cu_seqlens_q,
-        meta.max_q_len,
+        meta,
         window,
         num_splits=2,
         min_split_keys=1,
