@@ -7,8 +7,9 @@
   python bench/profile_step.py --engine-loop --draft '' -tp 2   # rank 0 of tensor parallelism
 
 --engine-loop profiles the engine's own step loop (one greedy request, async scheduling) instead of
-bare graph replays: it prints the wall time per step next to the graph replay alone, and the kernels
-launched outside the graph (continuation inputs, acceptance, the copy to the host), which is what
+bare graph replays: it prints the wall time per step next to the graph replay alone, every kernel's
+charged time (the graph's too; the only per-kernel view under TP), and the kernels launched outside
+the graph (continuation inputs, acceptance, the copy to the host), which is what
 TPOT pays on top of a step.
 
 --mixed N times the steps that carry an N-token prompt beside `--batch` decoding sequences (what
@@ -125,17 +126,10 @@ def engine_loop(args) -> None:
     # Under PDL kernel times overlap (a kernel waits while resident): the charged column counts
     # each microsecond of the step once.
     report(prof, "the engine loop's kernels, the graph's too", 20)
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    print(
-        f"all kernels and copies (the graph's too): "
-        f"{sum(e.device_time_total for e in kernels) / 20e3:.3f} ms per step"
-    )
-    for event in sorted(kernels, key=lambda e: -e.device_time_total)[:16]:
-        print(f"{event.device_time_total / 20:9.1f} us x{event.count / 20:<5.1f} {event.key[:110]}")
     rows = {}
-    for event in kernels:
+    for event in prof.key_averages():
         # Keep what runs outside the layers: the graph's kernels run once per layer (x60 a step).
-        if event.count < 20 * 8:
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.count < 20 * 8:
             rows[event.key] = (event.device_time_total / 20, event.count / 20)
     print(
         f"kernels and copies run fewer than 8 times per step (outside the layers): "
