@@ -1,6 +1,8 @@
 """Paged-attention bandwidth on the GPU at the 31B shapes.
 
-Decode, 5-row verify and 1024-token prefill chunks.
+Decode, 5-row verify and 1024-token prefill chunks; "mixed" is a served step's layout: `batch`
+5-row verifications and a prompt chunk filling the 2048-token budget, padded as the mixed CUDA
+graphs pad it (to the token bucket, and with empty groups to the server's sequence bucket).
 
     python bench/bench_kernels.py            # the table
     # Also search configs (slow: limit it).
@@ -41,7 +43,9 @@ PHASE_ROWS = {
     "decode": 1,
     "verify": 5,
     "prefill": 1024,
-}  # query rows per sequence (prefill: one chunk)
+    "mixed": 5,
+}  # query rows per sequence (prefill: one chunk; mixed: per verifying sequence)
+MIXED_TOKENS = 2048  # the server's default token budget
 
 
 def build(shape: dict, batch: int, ctx: int, rows: int):
@@ -64,6 +68,49 @@ def build(shape: dict, batch: int, ctx: int, rows: int):
     nbytes = batch * visible * nkv * hd * 2 * 2 + 2 * q.numel() * 2
     args = (q, k_cache, v_cache, token_seq, ends, table, cu, rows, window)
     return args, nbytes
+
+
+def build_mixed(shape: dict, batch: int, ctx: int):
+    """`batch` verifying sequences at `ctx` and a prompt's first chunk filling the budget, with
+    empty groups up to the sequence bucket (of the server's default 256 sequences) as
+    gemma4serve/engine/cuda_graphs.py's mixed graphs pad them."""
+    from gemma4serve.engine.cuda_graphs import mixed_group_buckets
+
+    rows = PHASE_ROWS["verify"]
+    chunk = MIXED_TOKENS - batch * rows
+    args, nbytes = build(shape, batch, ctx, rows)
+    chunk_args, chunk_bytes = build(shape, 1, chunk, chunk)  # a prompt's first chunk
+    q, k_cache, v_cache, token_seq, ends, table, cu = args[:7]
+    cq, ck, cv, _, c_ends, c_table, _ = chunk_args[:7]
+    offset = k_cache.shape[0] - 1  # the chunk's pages after the verifications' (page 0 shared)
+    k_cache, v_cache = torch.cat([k_cache, ck[1:]]), torch.cat([v_cache, cv[1:]])
+    width = max(table.shape[1], c_table.shape[1])
+    null_row = torch.zeros(1, width, dtype=torch.int32, device="cuda")
+    table = torch.cat(
+        [
+            torch.nn.functional.pad(table, (0, width - table.shape[1])),
+            torch.nn.functional.pad(c_table + offset, (0, width - c_table.shape[1])),
+            null_row,
+        ]
+    )
+    groups = batch + 1
+    group_bucket = next(g for g in mixed_group_buckets(256) if g >= groups)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    cu = torch.cat([cu, torch.tensor([MIXED_TOKENS], **i32)])
+    cu = torch.cat([cu, cu.new_full((group_bucket + 1 - groups,), MIXED_TOKENS)])
+    token_seq = torch.cat([token_seq, torch.full((chunk,), batch, **i32)])
+    mixed = (
+        torch.cat([q, cq]),
+        k_cache,
+        v_cache,
+        token_seq,
+        torch.cat([ends, c_ends]),
+        table,
+        cu,
+        MIXED_TOKENS,
+        shape["window"],
+    )
+    return mixed, nbytes + chunk_bytes
 
 
 def time_case(args, **kw):
@@ -210,7 +257,10 @@ def main():
             rows = PHASE_ROWS[phase]
             for batch in map(int, cli.batches.split(",")):
                 for ctx in map(int, cli.contexts.split(",")):
-                    args, nbytes = build(shape, batch, ctx, rows)
+                    if phase == "mixed":
+                        args, nbytes = build_mixed(shape, batch, ctx)
+                    else:
+                        args, nbytes = build(shape, batch, ctx, rows)
                     ms, graph_ms = time_case(args)
                     gbs = nbytes / (ms * 1e-3) / 1e9
                     line = (

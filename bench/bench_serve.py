@@ -160,19 +160,23 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def spec_counters(url: str) -> tuple[float, float]:
-    """(verify steps that carried drafts, drafts accepted) from /metrics."""
+COUNTERS = (  # read from /metrics before and after each level
+    "spec_decode_num_drafts",  # verify steps that carried drafts
+    "spec_decode_num_accepted_tokens",
+    "num_preemptions",
+)
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The COUNTERS' values from /metrics (0 where the server has none)."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    values = {}
+    values = dict.fromkeys(COUNTERS, 0.0)
     for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ("gemma4serve:spec_decode_num_drafts_total",
-                    "gemma4serve:spec_decode_num_accepted_tokens_total"):  # fmt: skip
+        name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("gemma4serve:")
+        name = name.removesuffix("_total")
+        if name in values and not line.startswith("#"):
             values[name] = float(line.rsplit(" ", 1)[1])
-    return (
-        values.get("gemma4serve:spec_decode_num_drafts_total", 0.0),
-        values.get("gemma4serve:spec_decode_num_accepted_tokens_total", 0.0),
-    )
+    return values
 
 
 async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int, args):
@@ -196,12 +200,15 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
         return results, time.perf_counter() - start
 
 
-def summarize(results: list[RequestResult], elapsed: float, concurrency: int, spec) -> dict:
+def summarize(
+    results: list[RequestResult], elapsed: float, concurrency: int, counters: dict[str, float]
+) -> dict:
     done = [r for r in results if r.error is None]
     ttft = [r.ttft for r in done]
     tpot = [r.tpot for r in done if r.tpot is not None]
     itl = [x for r in done for x in r.itls()]
-    steps, accepted = spec
+    steps = counters["spec_decode_num_drafts"]
+    accepted = counters["spec_decode_num_accepted_tokens"]
     summary = {
         "concurrency": concurrency,
         "completed": len(done),
@@ -211,6 +218,7 @@ def summarize(results: list[RequestResult], elapsed: float, concurrency: int, sp
         "output_tokens": sum(r.output_tokens for r in done),
         "output_throughput": sum(r.output_tokens for r in done) / elapsed,
         "mean_accepted_length": 1 + accepted / steps if steps else None,
+        "preemptions": int(counters["num_preemptions"]),
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         summary[f"mean_{name}_ms"] = mean(values) * 1e3
@@ -268,8 +276,8 @@ def num_draft_tokens(args) -> int:
 
 
 COLUMNS = ("conc", "reqs", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean",
-           "TPOT p50", "TPOT p99", "ITL mean", "ITL p50", "ITL p99", "acc len", "roof TPOT",
-           "% roof")  # fmt: skip
+           "TPOT p50", "TPOT p99", "ITL mean", "ITL p50", "ITL p99", "acc len", "preempt",
+           "roof TPOT", "% roof")  # fmt: skip
 WIDTHS = [max(len(c), 7) for c in COLUMNS]
 
 
@@ -279,7 +287,7 @@ def table_row(summary: dict, roof_tpot_ms: float | None) -> str:
     row = [summary["concurrency"], summary["completed"], summary["output_throughput"]]
     row += [summary[f"{stat}_{name}_ms"] for name in ("ttft", "tpot", "itl")
             for stat in ("mean", "p50", "p99")]  # fmt: skip
-    row += [acc, roof_tpot_ms, percent]
+    row += [acc, summary["preemptions"], roof_tpot_ms, percent]
     cells = ["-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v) for v in row]
     return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS))
 
@@ -304,7 +312,7 @@ def bench(url: str, model: str, args) -> list[dict]:
     print(
         f"\ninput {args.input_len} tokens, output {args.output_len} tokens (ignore_eos, "
         f"temperature {args.temperature}), request rate {args.request_rate}; times in ms; "
-        "acc len = tokens per verify step incl. bonus (server metrics); "
+        "acc len = tokens per verify step incl. bonus, preempt = preemptions (server metrics); "
         "roof TPOT = roofline step time / acc len"
     )
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
@@ -317,11 +325,11 @@ def bench(url: str, model: str, args) -> list[dict]:
         ]
         if not args.no_warmup:
             asyncio.run(run_level(url, model, prompts[:concurrency], concurrency, args))
-        before = spec_counters(url)
+        before = server_counters(url)
         results, elapsed = asyncio.run(run_level(url, model, prompts, concurrency, args))
-        after = spec_counters(url)
-        spec = (after[0] - before[0], after[1] - before[1])
-        summary = summarize(results, elapsed, concurrency, spec)
+        after = server_counters(url)
+        counters = {name: after[name] - before[name] for name in COUNTERS}
+        summary = summarize(results, elapsed, concurrency, counters)
         roof_tpot_ms = None
         if roof is not None:
             step = roof[0](concurrency, args.input_len + args.output_len // 2)

@@ -12,8 +12,13 @@ heads that share the KV head, so every K/V tile is read once for BLOCK_T * GROUP
 rows of the tl.dot). The KV range of the block [min start, max end) is split across num_splits
 programs (flash-decoding) when the grid would otherwise be too small to fill the GPU (batch-1
 decode of a long context); a second kernel merges the partial results through their log-sum-exp.
-The grid depends only on host ints (groups, max_q_len, heads, splits) and the loop bounds come from
-the metadata tensors, so there is no host synchronisation and CUDA graphs can capture the launch.
+Decode and verification give each group max_q_len rows of programs (one block). Prefill chunks
+number the query blocks of all groups in one flat axis instead: a grid of groups x the longest
+chunk's blocks would be mostly programs with no rows when a long chunk shares the step with many
+short groups.
+The grid depends only on host ints (tokens, groups, max_q_len, heads, splits) and the loop bounds
+come from the metadata tensors, so there is no host synchronisation and CUDA graphs can capture the
+launch.
 """
 
 from __future__ import annotations
@@ -168,10 +173,25 @@ def _attend_keys(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _group_of_block(cu_ptr, num_groups, block, BLOCK_T: tl.constexpr):
+    """The group owning flat query block `block`: group g's blocks are numbered from
+    cu[g] // BLOCK_T + g on (at least ceil(rows / BLOCK_T) numbers per group, so the numbering needs
+    no per-group sizes; a number past a group's last block is a program with no rows)."""
+    count = 0
+    for base in range(0, num_groups, 128):
+        i = base + tl.arange(0, 128)
+        ok = i < num_groups
+        first = tl.load(cu_ptr + i, mask=ok, other=0) // BLOCK_T + i
+        count += tl.sum((ok & (first <= block)).to(tl.int32))
+    return count - 1
+
+
 # Arguments that change from step to step are not specialised (Triton would compile a variant per
 # value ==1 / divisible by 16, each a multi-second stall while serving): the window (the target's W,
-# the drafter's W_a + 1), the split count, and the page-table width of an eager step.
-@triton.jit(do_not_specialize=["window", "num_splits", "stride_table"])
+# the drafter's W_a + 1), the split count, the group count, and the page-table width of an eager
+# step.
+@triton.jit(do_not_specialize=["window", "num_splits", "num_groups", "stride_table"])
 def _attn_kernel(
     q_ptr,
     k_ptr,
@@ -183,6 +203,7 @@ def _attn_kernel(
     kv_end_ptr,
     table_ptr,
     cu_ptr,
+    num_groups,
     window,
     num_q_heads,
     num_splits,
@@ -213,10 +234,16 @@ def _attn_kernel(
     LAUNCH_NEXT_LATE: tl.constexpr,
     PREFILL: tl.constexpr,
 ):
-    g = tl.program_id(0)
     kvh = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
-    row0 = tl.load(cu_ptr + g) + tl.program_id(1) * BLOCK_T
+    if PREFILL:
+        block = tl.program_id(0)
+        g = _group_of_block(cu_ptr, num_groups, block, BLOCK_T)
+        first_row = tl.load(cu_ptr + g)
+        row0 = first_row + (block - first_row // BLOCK_T - g) * BLOCK_T
+    else:
+        g = tl.program_id(0)
+        row0 = tl.load(cu_ptr + g) + tl.program_id(1) * BLOCK_T
     row_end = tl.load(cu_ptr + g + 1)
     if row0 >= row_end:
         return
@@ -500,14 +527,20 @@ def paged_attention(
         if "block_m" not in config:
             cfg["block_m"] = max(16, cfg["block_t"] * next_pow2(group))
     assert cfg["block_m"] >= cfg["block_t"] * next_pow2(group)
-    q_blocks = triton.cdiv(max(1, max_q_len), cfg["block_t"])
+    prefill = max_q_len > 8
+    # Prefill: one flat axis of query blocks, T // block_t + G numbers (see _group_of_block).
+    grid_blocks = (
+        (T // cfg["block_t"] + G, 1) if prefill else (G, triton.cdiv(max_q_len, cfg["block_t"]))
+    )
     max_splits, default_min_keys = split_limits(window, max_q_len)
     min_split_keys = min_split_keys or default_min_keys
     if num_splits is None:
         # Full-layer verification tiles (up to 32 rows of 512 dims, 4-8 warps) fill an SM alone:
         # a second wave of splits only adds partials to merge (docs/performance.md).
         waves = 1 if window == 0 and 1 < max_q_len <= 8 else 2
-        num_splits = choose_splits(G * q_blocks * nkv, q.device, max_splits, waves)
+        num_splits = choose_splits(
+            grid_blocks[0] * grid_blocks[1] * nkv, q.device, max_splits, waves
+        )
     if not config:
         # Short decode splits want their few tiles in flight at once: a sliding split of at most 64
         # keys as 32-key tiles, all in flight; a full layer's 32-key split as two 16-key tiles,
@@ -528,8 +561,8 @@ def paged_attention(
     # The next kernel (the merge, or o_proj) may launch once every program has passed its wait.
     # Single-query grids of at most two programs per SM let it launch only after their key loops,
     # which pays there and costs verification and larger decode grids (docs/performance.md).
-    late = max_q_len == 1 and G * q_blocks * nkv * num_splits <= 2 * sm_count(q.device)
-    _attn_kernel[(G, q_blocks, nkv * num_splits)](
+    late = max_q_len == 1 and G * nkv * num_splits <= 2 * sm_count(q.device)
+    _attn_kernel[(*grid_blocks, nkv * num_splits)](
         q,
         k_cache,
         v_cache,
@@ -540,6 +573,7 @@ def paged_attention(
         kv_end,
         page_table,
         cu_seqlens_q,
+        G,
         int(window),
         nh,
         num_splits,
@@ -567,7 +601,7 @@ def paged_attention(
         TABLE_CHUNK=entries,
         CHUNK_TILES=chunk,
         LAUNCH_NEXT_LATE=late,
-        PREFILL=max_q_len > 8,  # prefill chunks: the key loop without register-held pages
+        PREFILL=prefill,  # prefill chunks: the flat grid, the key loop without register-held pages
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),

@@ -112,6 +112,7 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         assert 0 < level["p50_tpot_ms"] <= level["p99_tpot_ms"]
         # Forced acceptance of 3.1 tokens per verify step, read from the server's counters.
         assert 2.0 < level["mean_accepted_length"] <= 4.0
+        assert level["preemptions"] == 0
         assert level["roofline_tpot_ms"] > 0
 
 

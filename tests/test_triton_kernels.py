@@ -236,6 +236,24 @@ def test_attention_prefill_tiles_seen_whole(window, block_t):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+def test_attention_prefill_flat_grid_many_groups():
+    """Prefill chunks number their query blocks in one flat axis: a long chunk beside 150 short
+    groups (more than one 128-group pass of the block-to-group search), groups whose rows do not
+    start at a block boundary, and empty groups after the last (as a mixed graph's padding leaves
+    them). Every row must come from its own group's program: the output starts as NaN."""
+    seqs = [(90, list(range(31, 91)))] + [(9 + i % 7, [9 + i % 7]) for i in range(150)]
+    seqs += [(40, list(range(28, 41)))]
+    q, kc, vc, meta = build_paged_batch(
+        seqs, nh=2, nkv=1, hd=16, page_size=4, window=0, dtype=torch.float32, seed=5
+    )
+    ref = reference_attention(q, kc, vc, meta)
+    T = q.shape[0]
+    meta.cu_seqlens_q = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q.new_full((3,), T)])
+    out = torch.full_like(q, float("nan"))
+    kernel_attention(q, kc, vc, meta, 0, out=out, config=dict(block_t=16, block_n=16))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_attention_drafter_batch():
     """The drafter's reads: one row per sequence at kv_end = P, window W_a + 1.
 
