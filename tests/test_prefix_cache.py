@@ -163,6 +163,8 @@ def test_eviction_under_pressure(tiny_checkpoints, plain):
 def test_preemption_with_cache(tiny_checkpoints, plain):
     """Many growing requests in a small arena: preempted sequences resume from the cache."""
     small = make_engine(tiny_checkpoints, kv_cache_tokens=300, max_model_len=300)
+    # Admissions reserve nothing for the outputs (as if every request stopped at once).
+    small.scheduler.expected_end = lambda seq: seq.num_tokens
     prompts = [prompt_of(40 + 13 * i, 50 + i) for i in range(8)]
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     reference = [t for t, _ in run(plain, prompts, params)]

@@ -165,7 +165,9 @@ class LLMEngine:
                 salt=f"{self.state.target_dir.resolve()}|{self.state.dtype}|{args.load_format}",
                 window_interval=PREFIX_WINDOW_INTERVAL,
             )
-        self.kv = KVManager(pool, plan.page_tokens, plan.sliding_keep, cache)
+        self.kv = KVManager(
+            pool, plan.page_tokens, plan.sliding_keep, cache, plan.peak_sliding_rows
+        )
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         k = args.num_draft_tokens if self.state.draft is not None else 0
         self.num_draft_tokens = k

@@ -4,15 +4,26 @@ Each step fills a token budget: running sequences first (a decode is its last to
 drafts: a verify), continuing prefills next, then newly admitted requests, all in one packed
 forward. When the full pool runs out, the most recently admitted running sequence gives its pages
 back and is re-queued to be recomputed later (preemption by recompute).
+
+A request is admitted only if the pages it and the running sequences are expected to draw until
+they finish still fit: a preempted sequence's work is lost, and near a full arena the pages it
+frees are drawn by the others before it can return (it would be preempted again and again). The
+expected length is what recent requests used of their max_tokens.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status
 from gemma4serve.kv.manager import KVManager, SeqPages
 from gemma4serve.kv.prefix_cache import CacheHit
+
+# Output beyond this many tokens is not reserved for: without max_tokens a request may ask for the
+# whole context, which would keep any other request out.
+OUTPUT_HORIZON = 4096
+RECENT_REQUESTS = 64  # finished requests the expected output length is taken from
 
 
 class Scheduler:
@@ -23,6 +34,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        # The share of their (horizon-capped) max_tokens that recent requests generated; until
+        # one finishes, all of it.
+        self.output_shares: deque[float] = deque(maxlen=RECENT_REQUESTS)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -39,6 +53,20 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq, committed=seq.num_computed)
         seq.status = Status.FINISHED
+        wanted = min(seq.max_len - seq.num_prompt, OUTPUT_HORIZON)
+        if seq.finish_reason != "abort" and wanted > 0:
+            generated = seq.num_tokens - seq.num_prompt
+            self.output_shares.append(min(generated, wanted) / wanted)
+
+    def expected_end(self, seq: Sequence) -> int:
+        """The length `seq` is expected to reach, by what recent requests generated."""
+        share = sum(self.output_shares) / len(self.output_shares) if self.output_shares else 1.0
+        wanted = min(seq.max_len - seq.num_prompt, OUTPUT_HORIZON)
+        return max(seq.num_tokens, seq.num_prompt + math.ceil(share * wanted))
+
+    def reserved_pages(self) -> int:
+        """Pages the running sequences are expected to draw before they finish."""
+        return sum(self.kv.growth(seq.pages, self.expected_end(seq)) for seq in self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -69,10 +97,12 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_query
 
+        reserved = self.reserved_pages() if self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self._lookup(seq)
-            chunk = self._admissible_chunk(seq, budget, hit, alone=not self.running and not chunks)
+            alone = not self.running and not chunks
+            chunk = self._admissible_chunk(seq, budget, hit, alone, reserved)
             if chunk is None:
                 break
             self.waiting.popleft()
@@ -85,6 +115,7 @@ class Scheduler:
                 self.kv.adopt(seq, hit)
                 seq.num_computed = hit.tokens
             self.kv.grow(seq, chunk.start, chunk.start + chunk.num_query)
+            reserved += self.kv.growth(seq.pages, self.expected_end(seq))
             chunks.append(chunk)
             budget -= chunk.num_query
         return chunks
@@ -96,21 +127,28 @@ class Scheduler:
             return False
         seq = self.waiting[0]
         hit = self._lookup(seq)
-        return self._admissible_chunk(seq, budget, hit, alone=not self.running) is not None
+        alone = not self.running
+        return self._admissible_chunk(seq, budget, hit, alone, self.reserved_pages()) is not None
 
     def _lookup(self, seq: Sequence):
         # A request that wants prompt logprobs computes its whole prompt (vLLM does the same).
         return None if seq.params.prompt_logprobs is not None else self.kv.lookup(seq)
 
-    def _admissible_chunk(self, seq: Sequence, budget: int, hit: CacheHit | None, alone: bool):
-        """The chunk a waiting sequence would start with (from its cache hit), or None when no
-        chunk of it fits. Keeps a page of headroom per running sequence so admissions do not force
-        immediate preemptions; with nothing else running, nothing could ever free pages."""
+    def _admissible_chunk(
+        self, seq: Sequence, budget: int, hit: CacheHit | None, alone: bool, reserved: int
+    ):
+        """The chunk a waiting sequence would start with (from its cache hit), or None when it
+        does not fit: its chunk now, and (beside others) its expected pages with the `reserved`
+        ones of the running sequences. Keeps a page of headroom per running sequence so
+        admissions do not force immediate preemptions; with nothing else running, nothing could
+        ever free pages."""
         headroom = 0 if alone else len(self.running)
         pages = self.kv.hit_pages(hit) if hit is not None else seq.pages
         start = hit.tokens if hit is not None else seq.num_computed
         # The hit's idle pages stop counting as free once the sequence holds them.
         available = self.kv.pool.num_free - self.kv.idle_pages(hit) - headroom
+        if not alone and self.kv.growth(pages, self.expected_end(seq)) + reserved > available:
+            return None
         chunk = self._chunk(seq, budget, pages, start, available)
         fits = self.kv.pages_needed(pages, chunk.start, chunk.start + chunk.num_query) <= available
         return chunk if fits else None

@@ -48,11 +48,14 @@ class KVManager:
         page_tokens: dict[str, int],
         sliding_keep: int,
         cache: PrefixCache | None = None,
+        peak_sliding_rows: int | None = None,
     ):
         self.pool = pool
         self.page_tokens = page_tokens
         self.sliding_keep = sliding_keep  # rows before the next query that a reader may read
         self.cache = cache
+        # The most sliding rows a sequence maps at once (KVPlan.peak_sliding_rows).
+        self.peak_sliding_rows = peak_sliding_rows or sliding_keep
 
     def pages_for(self, end: int, kind: str) -> int:
         return -(-end // self.page_tokens[kind])
@@ -78,6 +81,16 @@ class KVManager:
         """New arena pages to map positions < end (full) and [start - keep, end) (sliding)."""
         full = max(0, self.pages_for(end, FULL) - len(pages.full))
         return full + len(self._missing_sliding(pages, start, end))
+
+    def growth(self, pages: SeqPages, end: int) -> int:
+        """The most pages a sequence holding `pages` may still draw on its way to `end` positions:
+        its full pages below `end` and its widest sliding span, less what it holds now."""
+        widest = self.pages_for(self.peak_sliding_rows, SLIDING) + 1
+        full = self.pages_for(end, FULL)
+        sliding = min(self.pages_for(end, SLIDING), widest)
+        # Pages further back than the widest span are released: only the tail can be held.
+        held = len(pages.full) + sum(1 for page in pages.sliding[-widest:] if page)
+        return max(0, full + sliding - held)
 
     def can_grow(self, seq: PagedSequence, start: int, end: int) -> bool:
         return self.pages_needed(seq.pages, start, end) <= self.pool.num_free

@@ -23,6 +23,9 @@ class KVPlan:
     sliding_keep: int  # rows before the next query that a reader may still read
     max_model_len: int
     sequence_capacity: int = 0  # the longest sequence the arena holds alone
+    # The most sliding rows a sequence maps at once: the window, the boundary rows kept for the
+    # prefix cache, and two steps of queries (a step is queued before the one before it is read).
+    peak_sliding_rows: int = 0
 
     @property
     def bytes(self) -> int:
@@ -56,19 +59,18 @@ def plan_kv(
     tokens = page_tokens(cfg, page_size)
     page_bytes = KVCache.bytes_per_page(cfg, tokens, dtype)
     plan = KVPlan(0, tokens, page_bytes, keep, 0)
-    # The sliding rows of a sequence at its smallest step: the window, the boundary rows kept for
-    # the cache, and two steps of queries (a step is queued before the one before it is read).
-    least_rows = keep + cache_boundary_rows + 2 * (num_draft_tokens + 1)
+    peak_rows = keep + cache_boundary_rows + 2 * (num_draft_tokens + 1)
+    plan.peak_sliding_rows = peak_rows
     if kv_tokens is not None:  # test knob: room for one sequence of that many positions
-        plan.num_pages = plan.request_pages(kv_tokens, least_rows) + 1
+        plan.num_pages = plan.request_pages(kv_tokens, peak_rows) + 1
     else:
         if kv_bytes is None:
             raise ConfigError("no KV cache memory budget given")
         plan.num_pages = kv_bytes // page_bytes
     limit = cfg.max_position_embeddings
-    if plan.request_pages(limit, least_rows) > plan.num_pages - 1:
+    if plan.request_pages(limit, peak_rows) > plan.num_pages - 1:
         # The longest request one arena holds: full pages for the rest after one window.
-        spare = plan.num_pages - 1 - plan.request_pages(0, 0) - (-(-least_rows // tokens[SLIDING]))
+        spare = plan.num_pages - 1 - plan.request_pages(0, 0) - (-(-peak_rows // tokens[SLIDING]))
         limit = max(0, spare * tokens[FULL] - num_draft_tokens - 1)
     plan.sequence_capacity = limit
     if max_model_len is None:
