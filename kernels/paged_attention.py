@@ -530,7 +530,9 @@ def paged_attention(
     prefill = max_q_len > 8
     # Prefill: one flat axis of query blocks, T // block_t + G numbers (see _group_of_block).
     grid_blocks = (
-        (T // cfg["block_t"] + G, 1) if prefill else (G, triton.cdiv(max_q_len, cfg["block_t"]))
+        (T // cfg["block_t"] + G, 1)
+        if prefill
+        else (G, triton.cdiv(max(1, max_q_len), cfg["block_t"]))
     )
     max_splits, default_min_keys = split_limits(window, max_q_len)
     min_split_keys = min_split_keys or default_min_keys

@@ -34,7 +34,7 @@ def make_scheduler(num_pages: int) -> Scheduler:
         salt="test",
         window_interval=64,
     )
-    return Scheduler(KVManager(pool, PAGE_TOKENS, KEEP, cache, PEAK_ROWS), 64, 96)
+    return Scheduler(KVManager(pool, PAGE_TOKENS, KEEP, PEAK_ROWS, cache), 64, 96)
 
 
 def run(scheduler: Scheduler, requests: list[tuple[int, int, int]], concurrency: int) -> dict:

@@ -166,7 +166,7 @@ class LLMEngine:
                 window_interval=PREFIX_WINDOW_INTERVAL,
             )
         self.kv = KVManager(
-            pool, plan.page_tokens, plan.sliding_keep, cache, plan.peak_sliding_rows
+            pool, plan.page_tokens, plan.sliding_keep, plan.peak_sliding_rows, cache
         )
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         k = args.num_draft_tokens if self.state.draft is not None else 0

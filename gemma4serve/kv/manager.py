@@ -47,15 +47,14 @@ class KVManager:
         pool: PagePool,
         page_tokens: dict[str, int],
         sliding_keep: int,
+        peak_sliding_rows: int,
         cache: PrefixCache | None = None,
-        peak_sliding_rows: int | None = None,
     ):
         self.pool = pool
         self.page_tokens = page_tokens
         self.sliding_keep = sliding_keep  # rows before the next query that a reader may read
+        self.peak_sliding_rows = peak_sliding_rows  # the most a sequence maps at once (KVPlan)
         self.cache = cache
-        # The most sliding rows a sequence maps at once (KVPlan.peak_sliding_rows).
-        self.peak_sliding_rows = peak_sliding_rows or sliding_keep
 
     def pages_for(self, end: int, kind: str) -> int:
         return -(-end // self.page_tokens[kind])
