@@ -34,9 +34,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
-        # The share of their (horizon-capped) max_tokens that recent requests generated; until
-        # one finishes, all of it.
+        # The share of their (horizon-capped) max_tokens that recent requests generated, and its
+        # mean; until one finishes, all of it.
         self.output_shares: deque[float] = deque(maxlen=RECENT_REQUESTS)
+        self.output_share = 1.0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -57,12 +58,12 @@ class Scheduler:
         if seq.finish_reason != "abort" and wanted > 0:
             generated = seq.num_tokens - seq.num_prompt
             self.output_shares.append(min(generated, wanted) / wanted)
+            self.output_share = sum(self.output_shares) / len(self.output_shares)
 
     def expected_end(self, seq: Sequence) -> int:
         """The length `seq` is expected to reach, by what recent requests generated."""
-        share = sum(self.output_shares) / len(self.output_shares) if self.output_shares else 1.0
         wanted = min(seq.max_len - seq.num_prompt, OUTPUT_HORIZON)
-        return max(seq.num_tokens, seq.num_prompt + math.ceil(share * wanted))
+        return max(seq.num_tokens, seq.num_prompt + math.ceil(self.output_share * wanted))
 
     def reserved_pages(self) -> int:
         """Pages the running sequences are expected to draw before they finish."""
@@ -97,7 +98,8 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_query
 
-        reserved = self.reserved_pages() if self.waiting else 0
+        admitting = self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        reserved = self.reserved_pages() if admitting else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self._lookup(seq)

@@ -88,7 +88,8 @@ class KVManager:
         full = self.pages_for(end, FULL)
         sliding = min(self.pages_for(end, SLIDING), widest)
         # Pages further back than the widest span are released: only the tail can be held.
-        held = len(pages.full) + sum(1 for page in pages.sliding[-widest:] if page)
+        tail = pages.sliding[-widest:]
+        held = len(pages.full) + len(tail) - tail.count(0)
         return max(0, full + sliding - held)
 
     def can_grow(self, seq: PagedSequence, start: int, end: int) -> bool:
