@@ -7,10 +7,10 @@ Random-token prompts of exactly --input-len tokens (drawn from the model's vocab
 --concurrency it keeps that many requests in flight; --request-rate sends them as a Poisson process
 instead (capped by the concurrency). Per level: output tokens/s, TTFT, TPOT (per request, after
 the first token), ITL (the gap between two deliveries of a request, spread over the tokens
-delivered together: with MTP several tokens land at once), the mean accepted length from the
-server's spec-decode counters, and the decode-step bandwidth roofline next to the TPOT (the bytes
-one step must read over the bandwidth, docs/architecture.md; computed from the configs as
-bench/bench_offline.py does, so it needs --model).
+delivered together: with MTP several tokens land at once), the mean accepted length and the
+preemptions from the server's counters, and the decode-step bandwidth roofline next to the TPOT
+(the bytes one step must read over the bandwidth, docs/architecture.md; computed from the configs
+as bench/bench_offline.py does, so it needs --model).
 
     # starts the server (bench/server_process.py), E4B shapes with dummy weights
     python bench/bench_serve.py --model configs/gemma-4-E4B-it \\
