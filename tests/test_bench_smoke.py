@@ -136,3 +136,23 @@ def test_bench_json_object_both_runs_each_level_plain_then_constrained():
     ]
     assert labels == ["plain:", "json_object:"], out
     assert out.count("GB/step") == 2
+
+
+def test_replay_scheduler_reservation_prevents_preemption():
+    """bench/replay_scheduler.py on the 31B's page plan in a tight arena: with the admission
+    reservation no request is preempted and each prompt is computed once; reserving nothing for
+    the outputs preempts and computes prompts again."""
+    rows = {}
+    for flag in ("", "--no-reservation"):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "replay_scheduler.py"),
+             "--model", str(ROOT / "configs" / "gemma-4-31B-it"), "--pages", "700",
+             "--concurrency", "16", "--num-prompts", "24", "--input-len", "300",
+             "--output-len", "600", *filter(None, [flag])],
+            capture_output=True, text=True, timeout=120, cwd=ROOT,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows[flag] = proc.stdout.splitlines()[-1].split()
+    conc, reqs, steps, mixed, prefill, preempt, running = rows[""]
+    assert (int(reqs), int(prefill), int(preempt)) == (24, 24 * 300, 0)
+    assert int(rows["--no-reservation"][5]) > 0 and int(rows["--no-reservation"][4]) > 24 * 300

@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""The scheduler alone on the serving benchmark's workload: no model, no GPU, seconds on a CPU.
+
+The real Scheduler, KVManager and prefix cache with a model's page plan (from its config, an arena
+of --pages pages) serve `bench_serve.py`'s workload: --concurrency clients each sending a new
+request of --input-len prompt tokens and --output-len output tokens (ignore_eos) when the last one
+finishes. A step does to their state what the engine's does: prefill chunks advance, a verify
+commits its accepted drafts (--acceptance tokens per verify step on average, bonus included) and
+one token. Per level: steps, steps that carried prefill tokens, prefill tokens (prompts, and what
+preempted requests computed again), preemptions, and the running batch's mean.
+
+    python bench/replay_scheduler.py --model configs/gemma-4-31B-it --pages 4814 \\
+        --concurrency 32 64 128
+    # the same reserving nothing for the outputs (as if every request stopped at once)
+    python bench/replay_scheduler.py --model configs/gemma-4-31B-it --pages 4814 \\
+        --concurrency 64 --no-reservation
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+from gemma4serve.config import FULL, SLIDING, load_config
+from gemma4serve.engine.engine import PREFIX_WINDOW_INTERVAL
+from gemma4serve.engine.scheduler import Scheduler
+from gemma4serve.engine.sequence import Sequence
+from gemma4serve.kv.cache import page_tokens
+from gemma4serve.kv.manager import KVManager
+from gemma4serve.kv.pool import PagePool
+from gemma4serve.kv.prefix_cache import PrefixCache
+from gemma4serve.sampling_params import SamplingParams
+
+
+def make_scheduler(args) -> Scheduler:
+    cfg = load_config(args.model)
+    tokens = page_tokens(cfg, args.page_size)
+    keep = cfg.sliding_window - 1
+    boundary = math.lcm(*tokens.values())
+    pool = PagePool(args.pages)
+    cache = PrefixCache(
+        pool,
+        full_page_tokens=tokens[FULL],
+        sliding_page_tokens=tokens[SLIDING],
+        sliding_keep=keep,
+        salt="replay",
+        window_interval=PREFIX_WINDOW_INTERVAL,
+    )
+    peak_rows = keep + boundary + 2 * (args.num_draft_tokens + 1)
+    kv = KVManager(pool, tokens, keep, peak_rows, cache)
+    scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens)
+    if args.no_reservation:
+        scheduler.expected_end = lambda seq: seq.num_tokens
+    return scheduler
+
+
+def replay(args, concurrency: int) -> dict:
+    scheduler = make_scheduler(args)
+    k = args.num_draft_tokens
+    # Accepted drafts per verify, cycling through ten steps whose mean is acceptance - 1.
+    low = math.floor(args.acceptance - 1)
+    extra = round(10 * (args.acceptance - 1 - low))
+    accepted = itertools.cycle([low + 1] * extra + [low] * (10 - extra))
+    ids = itertools.count()
+    num_requests = args.num_prompts or 4 * concurrency
+
+    def submit():
+        i = next(ids)
+        prompt = [(i * 7919 + j) % 250_000 + 10 for j in range(args.input_len)]
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        seq = Sequence(str(i), 0, prompt, args.input_len, params, 0, i,
+                       args.input_len + args.output_len)  # fmt: skip
+        scheduler.add(seq)
+
+    for _ in range(min(concurrency, num_requests)):
+        submit()
+    submitted, steps, mixed, prefill_tokens, running = concurrency, 0, 0, 0, 0
+    while scheduler.has_work():
+        chunks = scheduler.schedule()
+        steps += 1
+        running += len(scheduler.running)
+        step_prefill = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            if chunk.length > 1 or not chunk.samples:  # a prompt chunk, or a recomputation
+                step_prefill += chunk.length
+            if not chunk.samples:
+                seq.num_computed += chunk.length
+                continue
+            taken = min(next(accepted), len(chunk.drafts))
+            seq.num_computed = chunk.start + chunk.length + taken
+            seq.token_ids += [5] * (taken + 1)
+            seq.drafts = [6] * k
+            if seq.num_tokens - seq.num_prompt >= args.output_len:
+                del seq.token_ids[seq.num_prompt + args.output_len :]
+                seq.num_computed = seq.num_tokens - 1
+                seq.finish_reason = "length"
+                scheduler.finish(seq)
+                if submitted < num_requests:
+                    submit()
+                    submitted += 1
+        prefill_tokens += step_prefill
+        mixed += step_prefill > 0
+    return dict(
+        concurrency=concurrency,
+        requests=num_requests,
+        steps=steps,
+        mixed=mixed,
+        prefill_tokens=prefill_tokens,
+        preemptions=scheduler.num_preemptions,
+        mean_running=running / steps,
+    )
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", required=True, help="a folder with the target's config.json")
+    p.add_argument("--pages", type=int, required=True, help="arena pages (the server logs them)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[32])
+    p.add_argument("--num-prompts", type=int, default=0, help="per level (default 4 x c)")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--acceptance", type=float, default=3.1, help="tokens per verify step")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-reservation", action="store_true", help="reserve nothing for the outputs")
+    args = p.parse_args(argv)
+    print(f"{'conc':>5} {'reqs':>5} {'steps':>6} {'mixed':>6} {'prefill tokens':>15} "
+          f"{'preempt':>8} {'mean running':>13}")  # fmt: skip
+    for concurrency in args.concurrency:
+        r = replay(args, concurrency)
+        print(f"{r['concurrency']:5d} {r['requests']:5d} {r['steps']:6d} {r['mixed']:6d} "
+              f"{r['prefill_tokens']:15d} {r['preemptions']:8d} {r['mean_running']:13.1f}",
+              flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
