@@ -1,19 +1,19 @@
 #!/usr/bin/env python
 """The scheduler alone on the serving benchmark's workload: no model, no GPU, seconds on a CPU.
 
-The real Scheduler, KVManager and prefix cache with a model's page plan (from its config, an arena
-of --pages pages) serve `bench_serve.py`'s workload: --concurrency clients each sending a new
-request of --input-len prompt tokens and --output-len output tokens (ignore_eos) when the last one
-finishes. A step does to their state what the engine's does: prefill chunks advance, a verify
-commits its accepted drafts (--acceptance tokens per verify step on average, bonus included) and
-one token. Per level: steps, steps that carried prefill tokens, prefill tokens (prompts, and what
-preempted requests computed again), preemptions, and the running batch's mean.
+The real Scheduler, KVManager and prefix cache with the server's page plan (from the configs, an
+arena of --pages pages, bf16) serve `bench_serve.py`'s workload: --concurrency clients each sending
+a new request of --input-len prompt tokens and --output-len output tokens (ignore_eos) when the
+last one finishes. A step does to their state what the engine's does: prefill chunks advance, a
+verify commits its accepted drafts (--acceptance tokens per verify step on average, bonus included)
+and one token. Per level: steps, steps that carried prefill tokens, prefill tokens (prompts, and
+what preempted requests computed again), preemptions, and the running batch's mean.
 
-    python bench/replay_scheduler.py --model configs/gemma-4-31B-it --pages 4814 \\
-        --concurrency 32 64 128
+    python bench/replay_scheduler.py --model configs/gemma-4-31B-it \\
+        --draft configs/gemma-4-31B-it-assistant --pages 4814 --concurrency 32 64 128
     # the same reserving nothing for the outputs (as if every request stopped at once)
-    python bench/replay_scheduler.py --model configs/gemma-4-31B-it --pages 4814 \\
-        --concurrency 64 --no-reservation
+    python bench/replay_scheduler.py --model configs/gemma-4-31B-it \\
+        --draft configs/gemma-4-31B-it-assistant --pages 4814 --concurrency 64 --no-reservation
 """
 
 from __future__ import annotations
@@ -22,34 +22,36 @@ import argparse
 import itertools
 import math
 
-from gemma4serve.config import FULL, SLIDING, load_config
-from gemma4serve.engine.engine import PREFIX_WINDOW_INTERVAL
+import torch
+
+from gemma4serve.config import load_config
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import Sequence
-from gemma4serve.kv.cache import page_tokens
+from gemma4serve.kv.cache import KVCache, page_tokens
 from gemma4serve.kv.manager import KVManager
-from gemma4serve.kv.pool import PagePool
-from gemma4serve.kv.prefix_cache import PrefixCache
+from gemma4serve.kv.sizing import plan_kv
 from gemma4serve.sampling_params import SamplingParams
 
 
 def make_scheduler(args) -> Scheduler:
+    """The server's scheduler over an arena of --pages pages, planned as the server plans it."""
     cfg = load_config(args.model)
     tokens = page_tokens(cfg, args.page_size)
-    keep = cfg.sliding_window - 1
-    boundary = math.lcm(*tokens.values())
-    pool = PagePool(args.pages)
-    cache = PrefixCache(
-        pool,
-        full_page_tokens=tokens[FULL],
-        sliding_page_tokens=tokens[SLIDING],
-        sliding_keep=keep,
-        salt="replay",
-        window_interval=PREFIX_WINDOW_INTERVAL,
+    page_bytes = KVCache.bytes_per_page(cfg, tokens, torch.bfloat16)
+    plan = plan_kv(
+        cfg,
+        page_size=args.page_size,
+        dtype=torch.bfloat16,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_window=load_config(args.draft).text.sliding_window if args.draft else None,
+        cache_boundary_rows=math.lcm(*tokens.values()),
+        kv_bytes=args.pages * page_bytes,
+        kv_tokens=None,
+        max_model_len=None,
     )
-    peak_rows = keep + boundary + 2 * (args.num_draft_tokens + 1)
-    kv = KVManager(pool, tokens, keep, peak_rows, cache)
-    scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens)
+    scheduler = Scheduler(
+        KVManager.for_plan(plan, "replay"), args.max_num_seqs, args.max_num_batched_tokens
+    )
     if args.no_reservation:
         scheduler.expected_end = lambda seq: seq.num_tokens
     return scheduler
@@ -118,6 +120,7 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", required=True, help="a folder with the target's config.json")
+    p.add_argument("--draft", help="the drafter's folder (its window widens what a sequence keeps)")
     p.add_argument("--pages", type=int, required=True, help="arena pages (the server logs them)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[32])
     p.add_argument("--num-prompts", type=int, default=0, help="per level (default 4 x c)")

@@ -14,8 +14,7 @@ from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import Sequence
 from gemma4serve.kv.manager import KVManager
-from gemma4serve.kv.pool import PagePool
-from gemma4serve.kv.prefix_cache import PrefixCache
+from gemma4serve.kv.sizing import KVPlan
 from gemma4serve.sampling_params import SamplingParams
 
 PAGE_TOKENS = {FULL: 8, SLIDING: 4}
@@ -25,16 +24,8 @@ PEAK_ROWS = KEEP + math.lcm(*PAGE_TOKENS.values()) + 2 * (K + 1)
 
 
 def make_scheduler(num_pages: int) -> Scheduler:
-    pool = PagePool(num_pages)
-    cache = PrefixCache(
-        pool,
-        full_page_tokens=PAGE_TOKENS[FULL],
-        sliding_page_tokens=PAGE_TOKENS[SLIDING],
-        sliding_keep=KEEP,
-        salt="test",
-        window_interval=64,
-    )
-    return Scheduler(KVManager(pool, PAGE_TOKENS, KEEP, PEAK_ROWS, cache), 64, 96)
+    plan = KVPlan(num_pages, PAGE_TOKENS, 1, KEEP, 1024, peak_sliding_rows=PEAK_ROWS)
+    return Scheduler(KVManager.for_plan(plan, "test"), 64, 96)
 
 
 def run(scheduler: Scheduler, requests: list[tuple[int, int, int]], concurrency: int) -> dict:

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.cuda_graphs import capture_graphs
 from gemma4serve.engine.models import check_tensor_parallel, load_models
@@ -34,8 +33,6 @@ from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
 from gemma4serve.kv.manager import KVManager
-from gemma4serve.kv.pool import PagePool
-from gemma4serve.kv.prefix_cache import PrefixCache
 from gemma4serve.parallel.workers import TensorParallelWorkers
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.structured.grammar import GrammarCompiler, GrammarState
@@ -51,9 +48,6 @@ from gemma4serve.validation import (
 log = logging.getLogger("gemma4serve")
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # choices of one request get well-separated seeds
-# Prefix-cache windows inside long sequences: one every this many tokens (besides the prompt's
-# and the sequence's last boundary), so a long shared prefix is a hit wherever it ends.
-PREFIX_WINDOW_INTERVAL = 2048
 
 
 # generation_config.json fields that become the server's sampling defaults (vLLM's behaviour): the
@@ -154,20 +148,8 @@ class LLMEngine:
         )
         plan = self.state.kv_plan
         self.max_model_len = plan.max_model_len
-        pool = PagePool(plan.num_pages)
-        cache = None
-        if args.enable_prefix_caching:
-            cache = PrefixCache(
-                pool,
-                full_page_tokens=plan.page_tokens[FULL],
-                sliding_page_tokens=plan.page_tokens[SLIDING],
-                sliding_keep=plan.sliding_keep,
-                salt=f"{self.state.target_dir.resolve()}|{self.state.dtype}|{args.load_format}",
-                window_interval=PREFIX_WINDOW_INTERVAL,
-            )
-        self.kv = KVManager(
-            pool, plan.page_tokens, plan.sliding_keep, plan.peak_sliding_rows, cache
-        )
+        salt = f"{self.state.target_dir.resolve()}|{self.state.dtype}|{args.load_format}"
+        self.kv = KVManager.for_plan(plan, salt if args.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         k = args.num_draft_tokens if self.state.draft is not None else 0
         self.num_draft_tokens = k

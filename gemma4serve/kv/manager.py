@@ -19,6 +19,11 @@ from typing import Protocol
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.kv.pool import PagePool
 from gemma4serve.kv.prefix_cache import CacheHit, PrefixCache
+from gemma4serve.kv.sizing import KVPlan
+
+# Prefix-cache windows inside long sequences: one every this many tokens (besides the prompt's
+# and the sequence's last boundary), so a long shared prefix is a hit wherever it ends.
+PREFIX_WINDOW_INTERVAL = 2048
 
 
 @dataclass
@@ -55,6 +60,22 @@ class KVManager:
         self.sliding_keep = sliding_keep  # rows before the next query that a reader may read
         self.peak_sliding_rows = peak_sliding_rows  # the most a sequence maps at once (KVPlan)
         self.cache = cache
+
+    @classmethod
+    def for_plan(cls, plan: KVPlan, cache_salt: str | None) -> KVManager:
+        """The pages of `plan`'s arena, with a prefix cache keyed by `cache_salt` (None: none)."""
+        pool = PagePool(plan.num_pages)
+        cache = None
+        if cache_salt is not None:
+            cache = PrefixCache(
+                pool,
+                full_page_tokens=plan.page_tokens[FULL],
+                sliding_page_tokens=plan.page_tokens[SLIDING],
+                sliding_keep=plan.sliding_keep,
+                salt=cache_salt,
+                window_interval=PREFIX_WINDOW_INTERVAL,
+            )
+        return cls(pool, plan.page_tokens, plan.sliding_keep, plan.peak_sliding_rows, cache)
 
     def pages_for(self, end: int, kind: str) -> int:
         return -(-end // self.page_tokens[kind])
