@@ -85,20 +85,17 @@ def build_mixed(shape: dict, batch: int, ctx: int):
     offset = k_cache.shape[0] - 1  # the chunk's pages after the verifications' (page 0 shared)
     k_cache, v_cache = torch.cat([k_cache, ck[1:]]), torch.cat([v_cache, cv[1:]])
     width = max(table.shape[1], c_table.shape[1])
-    null_row = torch.zeros(1, width, dtype=torch.int32, device="cuda")
     table = torch.cat(
         [
             torch.nn.functional.pad(table, (0, width - table.shape[1])),
             torch.nn.functional.pad(c_table + offset, (0, width - c_table.shape[1])),
-            null_row,
         ]
     )
     groups = batch + 1
     group_bucket = next(g for g in mixed_group_buckets(256) if g >= groups)
-    i32 = dict(dtype=torch.int32, device="cuda")
-    cu = torch.cat([cu, torch.tensor([MIXED_TOKENS], **i32)])
-    cu = torch.cat([cu, cu.new_full((group_bucket + 1 - groups,), MIXED_TOKENS)])
-    token_seq = torch.cat([token_seq, torch.full((chunk,), batch, **i32)])
+    # The chunk's group ends the rows; the empty ones after it pad to the bucket's G + 1 groups.
+    cu = torch.cat([cu, cu.new_full((group_bucket + 2 - groups,), MIXED_TOKENS)])
+    token_seq = torch.cat([token_seq, token_seq.new_full((chunk,), batch)])
     mixed = (
         torch.cat([q, cq]),
         k_cache,
