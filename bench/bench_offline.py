@@ -179,6 +179,7 @@ class Level:
         default_factory=list
     )  # wall time of every engine step that delivered tokens
     split: StepSplit | None = None
+    timeline: str = ""  # gpu_timeline's line (CUDA only)
 
 
 @dataclass
@@ -230,6 +231,7 @@ def run_level(
     done: list[Req] = []
     start = time.perf_counter()
     step_times = []
+    engine.runner.launch_records = []
     prefill_tokens = []  # prompt tokens of the step each step() call launched (0: decode only)
     while pending or inflight:
         while pending and len(inflight) < concurrency:
@@ -268,6 +270,7 @@ def run_level(
         1.0 + accepted / steps if steps else 1.0, steps / seq_steps if seq_steps else 0.0, slow,
         [t for t, _, delivered in step_times if delivered],
         StepSplit.of([t for t, _, _ in step_times], prefill_tokens),
+        gpu_timeline(engine.runner.launch_records, elapsed),
     )  # fmt: skip
 
 
@@ -576,16 +579,45 @@ def triton_cache_entries() -> set[str]:
     }
 
 
+@dataclass
+class LaunchRecord:
+    """One launch call: what it queued, how long the host took to queue it, and CUDA events
+    around it (on the GPU's timeline: the idle time before it and the span it covered)."""
+
+    kind: str  # "continued", "decode" (scheduled, no prompt tokens) or "prefill"
+    host_s: float
+    start: torch.cuda.Event | None
+    end: torch.cuda.Event | None
+
+
 def trace_launches(runner) -> None:
     """Remember the shape of the last scheduled step (continued steps keep their predecessor's)
-    and the prompt tokens of the last launch (a continued step carries none)."""
+    and the prompt tokens of the last launch (a continued step carries none); on CUDA, record
+    every launch in `runner.launch_records` for `gpu_timeline`."""
     launch, launch_continued = runner.launch, runner.launch_continued
+    sample_continued = runner.sample_continued
     runner.last_launch = ""
     runner.last_prefill_tokens = 0
+    runner.launch_records = []
+    cuda = runner.state.device.type == "cuda"
+
+    def recorded(kind, queue, *args):
+        start = end = None
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        handle = queue(*args)
+        host_s = time.perf_counter() - t0
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        runner.launch_records.append(LaunchRecord(kind, host_s, start, end))
+        return handle
 
     def traced_continued(previous, pages):
         runner.last_prefill_tokens = 0
-        return launch_continued(previous, pages)
+        return recorded("continued", launch_continued, previous, pages)
 
     def traced(chunks, draft_len):
         prefill = [ch.length for ch in chunks if ch.length > 1 or not ch.samples]
@@ -594,10 +626,35 @@ def trace_launches(runner) -> None:
             f"prefill chunks {prefill}"
         )
         runner.last_prefill_tokens = sum(prefill)
-        return launch(chunks, draft_len)
+        return recorded("prefill" if prefill else "decode", launch, chunks, draft_len)
 
     runner.launch = traced
     runner.launch_continued = traced_continued
+    runner.sample_continued = lambda handle: recorded("continued", sample_continued, handle)
+
+
+def gpu_timeline(records: list[LaunchRecord], elapsed: float) -> str:
+    """Per kind of launch: how many, the GPU's idle time before them (waiting for the host to
+    queue them), the host's time queueing them, and the GPU span from its start to its end."""
+    if not records or records[0].start is None:
+        return ""
+    records[-1].end.synchronize()
+    totals: dict[str, list[float]] = {}
+    for before, record in zip([None, *records], records):
+        idle = before.end.elapsed_time(record.start) / 1e3 if before is not None else 0.0
+        span = record.start.elapsed_time(record.end) / 1e3
+        count, *sums = totals.setdefault(record.kind, [0, 0.0, 0.0, 0.0])
+        totals[record.kind] = [count + 1, sums[0] + idle, sums[1] + record.host_s, sums[2] + span]
+    idle_total = sum(t[1] for t in totals.values())
+    parts = [
+        f"{kind} {n}: idle before {idle * 1e3 / n:.2f} ms, queued in {host * 1e3 / n:.2f} ms, "
+        f"span {span * 1e3 / n:.2f} ms"
+        for kind, (n, idle, host, span) in sorted(totals.items())
+    ]
+    return (
+        f"      GPU idle between launches {idle_total:.2f} s of {elapsed:.2f} s "
+        f"({100 * idle_total / elapsed:.1f}%); per launch: " + "; ".join(parts)
+    )
 
 
 def print_level_details(level: Level, compiled: set) -> None:
@@ -619,6 +676,8 @@ def print_level_details(level: Level, compiled: set) -> None:
         f"(p50 {split.decode_p50_ms:.2f} ms); level {level.elapsed:.2f} s",
         flush=True,
     )
+    if level.timeline:
+        print(level.timeline, flush=True)
     for t, what in level.slow_steps:  # tail-latency hunting: what the slowest steps ran
         print(f"      slow step {t * 1e3:.0f} ms, last launch: {what}", flush=True)
     if compiled:
