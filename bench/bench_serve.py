@@ -319,12 +319,17 @@ def bench(url: str, model: str, args) -> list[dict]:
     levels = []
     for concurrency in args.concurrency:
         n = args.num_prompts or max(8, 4 * concurrency)
-        prompts = [
-            [rng.randrange(args.min_token_id, vocab) for _ in range(args.input_len)]
-            for _ in range(n)
-        ]
+
+        def random_prompts(count: int) -> list[list[int]]:
+            return [
+                [rng.randrange(args.min_token_id, vocab) for _ in range(args.input_len)]
+                for _ in range(count)
+            ]
+
+        prompts = random_prompts(n)
         if not args.no_warmup:
-            asyncio.run(run_level(url, model, prompts[:concurrency], concurrency, args))
+            # Prompts of their own: measured ones would hit the prefix cache.
+            asyncio.run(run_level(url, model, random_prompts(concurrency), concurrency, args))
         before = server_counters(url)
         results, elapsed = asyncio.run(run_level(url, model, prompts, concurrency, args))
         after = server_counters(url)
