@@ -8,7 +8,9 @@ gap between two deliveries of a request, spread over the tokens delivered togeth
 tokens land at once). Next to the measured TPOT it prints the decode-step bandwidth roofline
 (docs/architecture.md, "Performance model: the bandwidth roofline"): the bytes one verify step must
 read (target weights, k drafter passes, KV) over the memory bandwidth, divided by the measured
-tokens per step.
+tokens per step. On CUDA each level also prints its GPU timeline: CUDA events around every launch
+give the GPU's idle time before continued, scheduled-decode and prefill-carrying launches, the
+host's time queueing them and the span each covers.
 
     # CPU, seconds: a tiny random checkpoint
     python bench/bench_offline.py --tiny --input-len 64 --output-len 32 --concurrency 1 4 \\
