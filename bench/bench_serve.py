@@ -7,10 +7,12 @@ Random-token prompts of exactly --input-len tokens (drawn from the model's vocab
 --concurrency it keeps that many requests in flight; --request-rate sends them as a Poisson process
 instead (capped by the concurrency). Per level: output tokens/s, TTFT, TPOT (per request, after
 the first token), ITL (the gap between two deliveries of a request, spread over the tokens
-delivered together: with MTP several tokens land at once), the mean accepted length and the
-preemptions from the server's counters, and the decode-step bandwidth roofline next to the TPOT
-(the bytes one step must read over the bandwidth, docs/architecture.md; computed from the configs
-as bench/bench_offline.py does, so it needs --model).
+delivered together: with MTP several tokens land at once), from the server's counters the mean
+accepted length, the preemptions and the share of prompt tokens the prefix cache served (0 for
+these random prompts: the warm-up requests have prompts of their own), and the decode-step
+bandwidth roofline next to the TPOT (the bytes one step must read over the bandwidth,
+docs/architecture.md; computed from the configs as bench/bench_offline.py does, so it needs
+--model).
 
     # starts the server (bench/server_process.py), E4B shapes with dummy weights
     python bench/bench_serve.py --model configs/gemma-4-E4B-it \\
@@ -164,6 +166,7 @@ COUNTERS = (  # read from /metrics before and after each level
     "spec_decode_num_drafts",  # verify steps that carried drafts
     "spec_decode_num_accepted_tokens",
     "num_preemptions",
+    "prefix_cache_hits",  # prompt tokens served from the prefix cache
 )
 
 
@@ -201,7 +204,11 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
 
 
 def summarize(
-    results: list[RequestResult], elapsed: float, concurrency: int, counters: dict[str, float]
+    results: list[RequestResult],
+    elapsed: float,
+    concurrency: int,
+    counters: dict[str, float],
+    prompt_tokens: int,
 ) -> dict:
     done = [r for r in results if r.error is None]
     ttft = [r.ttft for r in done]
@@ -219,6 +226,8 @@ def summarize(
         "output_throughput": sum(r.output_tokens for r in done) / elapsed,
         "mean_accepted_length": 1 + accepted / steps if steps else None,
         "preemptions": int(counters["num_preemptions"]),
+        "prefix_cache_hit_tokens": int(counters["prefix_cache_hits"]),
+        "prompt_tokens": prompt_tokens,
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         summary[f"mean_{name}_ms"] = mean(values) * 1e3
@@ -277,7 +286,7 @@ def num_draft_tokens(args) -> int:
 
 COLUMNS = ("conc", "reqs", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean",
            "TPOT p50", "TPOT p99", "ITL mean", "ITL p50", "ITL p99", "acc len", "preempt",
-           "roof TPOT", "% roof")  # fmt: skip
+           "cached %", "roof TPOT", "% roof")  # fmt: skip
 WIDTHS = [max(len(c), 7) for c in COLUMNS]
 
 
@@ -287,7 +296,8 @@ def table_row(summary: dict, roof_tpot_ms: float | None) -> str:
     row = [summary["concurrency"], summary["completed"], summary["output_throughput"]]
     row += [summary[f"{stat}_{name}_ms"] for name in ("ttft", "tpot", "itl")
             for stat in ("mean", "p50", "p99")]  # fmt: skip
-    row += [acc, summary["preemptions"], roof_tpot_ms, percent]
+    cached = 100 * summary["prefix_cache_hit_tokens"] / max(1, summary["prompt_tokens"])
+    row += [acc, summary["preemptions"], cached, roof_tpot_ms, percent]
     cells = ["-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v) for v in row]
     return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS))
 
@@ -312,7 +322,8 @@ def bench(url: str, model: str, args) -> list[dict]:
     print(
         f"\ninput {args.input_len} tokens, output {args.output_len} tokens (ignore_eos, "
         f"temperature {args.temperature}), request rate {args.request_rate}; times in ms; "
-        "acc len = tokens per verify step incl. bonus, preempt = preemptions (server metrics); "
+        "acc len = tokens per verify step incl. bonus, preempt = preemptions, cached % = prompt "
+        "tokens served by the prefix cache (server metrics); "
         "roof TPOT = roofline step time / acc len"
     )
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
@@ -334,7 +345,7 @@ def bench(url: str, model: str, args) -> list[dict]:
         results, elapsed = asyncio.run(run_level(url, model, prompts, concurrency, args))
         after = server_counters(url)
         counters = {name: after[name] - before[name] for name in COUNTERS}
-        summary = summarize(results, elapsed, concurrency, counters)
+        summary = summarize(results, elapsed, concurrency, counters, sum(map(len, prompts)))
         roof_tpot_ms = None
         if roof is not None:
             step = roof[0](concurrency, args.input_len + args.output_len // 2)

@@ -44,7 +44,7 @@ def table(out: str) -> dict[int, dict[str, float]]:
 
 def test_bench_prints_a_row_per_concurrency():
     out = run_bench(
-        "--input-len", "24", "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
+        "--input-len", "60", "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
         "--num-draft-tokens", "3", "--forced-acceptance", "3.1", "--bandwidth-gbps", "50",
     )  # fmt: skip
     first = out.splitlines()[0]
@@ -64,6 +64,9 @@ def test_bench_prints_a_row_per_concurrency():
         assert 2.0 < row["acc len"] <= 4.0
         assert 50 < row["draft %"] < 100
     assert out.count("GB/step") == 2
+    # Every measured prompt is prefilled whole: the warm-up's prompts are others (a 60-token prompt
+    # would otherwise hit the prefix cache).
+    assert out.count("(180 prompt tokens,") == 2
 
 
 def test_bench_hf_baseline_on_the_same_weights():
@@ -85,17 +88,18 @@ def test_bench_hf_baseline_on_the_same_weights():
 
 
 def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
-    """bench/bench_serve.py starts the server, streams a few requests per level, prints a row per
-    concurrency with the accepted length from /metrics and the roofline, and saves JSON."""
+    """bench/bench_serve.py starts the server, warms each level up, streams a few requests per
+    level, prints a row per concurrency with the accepted length from /metrics and the roofline,
+    and saves JSON. The warm-up must not put the measured prompts in the prefix cache."""
     target, assistant = tiny_checkpoints.get("dense"), tiny_checkpoints.get_assistant("dense")
     result_file = tmp_path / "result.json"
     server_args = "--device cpu --num-draft-tokens 3 --max-model-len 256 --forced-acceptance 3.1"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_serve.py"), "--model", str(target),
-         "--draft", str(assistant), "--server-args", server_args, "--input-len", "24",
+         "--draft", str(assistant), "--server-args", server_args, "--input-len", "60",
          "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
-         "--bandwidth-gbps", "50", "--no-warmup", "--result-file", str(result_file)],
+         "--bandwidth-gbps", "50", "--result-file", str(result_file)],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -113,6 +117,7 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         # Forced acceptance of 3.1 tokens per verify step, read from the server's counters.
         assert 2.0 < level["mean_accepted_length"] <= 4.0
         assert level["preemptions"] == 0
+        assert level["prompt_tokens"] == 3 * 60 and level["prefix_cache_hit_tokens"] == 0
         assert level["roofline_tpot_ms"] > 0
 
 
