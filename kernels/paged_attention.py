@@ -455,9 +455,9 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
         block_t=block_t,
         block_m=block_m,
         block_n=64 if head_dim <= 256 else 32,
-        # enough threads that the accumulator stays around 64-128 fp32 registers per thread (a
-        # 512-wide verify tile of 32 rows is faster on 4 warps than on 8, docs/performance.md)
-        num_warps=8 if block_m * head_dim > 16384 else 4,
+        # 8 warps for 64-row tiles of 256+ dims (the accumulator's registers); 512-wide tiles of
+        # 16 or 32 rows are faster on 4 (docs/performance.md)
+        num_warps=8 if block_m * head_dim >= 16384 and block_m >= 64 else 4,
         num_stages=2,
     )
 
