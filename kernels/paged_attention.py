@@ -51,67 +51,6 @@ def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _attend_tile(
-    q,
-    k_ptr,
-    v_ptr,
-    m_i,
-    l_i,
-    acc,
-    pos,
-    lo,
-    hi,
-    start,
-    end,
-    pages,
-    p0,
-    entries,
-    kvh,
-    d,
-    stride_kp,
-    stride_ks,
-    stride_kh,
-    stride_vp,
-    stride_vs,
-    stride_vh,
-    PAGE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """One tile of keys at positions `pos` into the online softmax (m_i, l_i, acc).
-
-    Keys outside [lo, hi) are neither looked up nor loaded; a key's page comes from `pages`, the
-    table entries from page p0 on.
-    """
-    kv_ok = (pos >= lo) & (pos < hi)
-    rel = pos // PAGE - p0
-    page = tl.sum(tl.where(rel[:, None] == entries[None, :], pages[None, :], 0), axis=1)
-    return _attend_keys(
-        q,
-        k_ptr,
-        v_ptr,
-        m_i,
-        l_i,
-        acc,
-        pos,
-        kv_ok,
-        page.to(tl.int64),
-        True,
-        start,
-        end,
-        kvh,
-        d,
-        stride_kp,
-        stride_ks,
-        stride_kh,
-        stride_vp,
-        stride_vs,
-        stride_vh,
-        PAGE,
-        DOT_FP32,
-    )
-
-
-@triton.jit
 def _attend_keys(
     q,
     k_ptr,
@@ -348,21 +287,24 @@ def _attn_kernel(
                 other=0,
             )
             for b in range(c_lo, c_hi):
-                m_i, l_i, acc = _attend_tile(
+                pos = b * BLOCK_N + tl.arange(0, BLOCK_N)
+                kv_ok = (pos >= lo) & (pos < hi)
+                # Each key's page from the entries in registers (page p0 on): no table read.
+                rel = pos // PAGE - p0
+                page = tl.sum(tl.where(rel[:, None] == entries[None, :], pages[None, :], 0), axis=1)
+                m_i, l_i, acc = _attend_keys(
                     q,
                     k_ptr,
                     v_ptr,
                     m_i,
                     l_i,
                     acc,
-                    b * BLOCK_N + tl.arange(0, BLOCK_N),
-                    lo,
-                    hi,
+                    pos,
+                    kv_ok,
+                    page.to(tl.int64),
+                    True,
                     start,
                     end,
-                    pages,
-                    p0,
-                    entries,
                     kvh,
                     d,
                     stride_kp,
