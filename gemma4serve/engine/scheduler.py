@@ -98,11 +98,12 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_query
 
-        admitting = self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-        reserved = self.reserved_pages() if admitting else 0
+        reserved = None  # the running sequences' expected pages, summed once a request is tried
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self._lookup(seq)
+            if reserved is None:
+                reserved = self.reserved_pages()
             alone = not self.running and not chunks
             chunk = self._admissible_chunk(seq, budget, hit, alone, reserved)
             if chunk is None:
