@@ -742,11 +742,14 @@ def main(argv=None) -> None:
     )
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
     levels = []
+
+    def random_prompts(count: int) -> list[list[int]]:
+        return [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(count)]
+
     for c in args.concurrency:
         n = args.num_prompts or max(8, 4 * c)
-        prompts = [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(n)]
-        # Prompts of their own: measured ones would hit the prefix cache.
-        warm_prompts = [[rng.randrange(V) for _ in range(args.input_len)] for _ in range(c)]
+        prompts = random_prompts(n)
+        warm_prompts = random_prompts(c)  # prompts of their own: measured ones would be cached
         for constrained in {"off": [False], "on": [True], "both": [False, True]}[args.json_object]:
             tag = f"c{c}" + ("-json" if constrained else "")
             # First-use costs (allocator, kernels, graphs) stay out of the numbers.

@@ -328,15 +328,15 @@ def bench(url: str, model: str, args) -> list[dict]:
     )
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
     levels = []
+
+    def random_prompts(count: int) -> list[list[int]]:
+        return [
+            [rng.randrange(args.min_token_id, vocab) for _ in range(args.input_len)]
+            for _ in range(count)
+        ]
+
     for concurrency in args.concurrency:
         n = args.num_prompts or max(8, 4 * concurrency)
-
-        def random_prompts(count: int) -> list[list[int]]:
-            return [
-                [rng.randrange(args.min_token_id, vocab) for _ in range(args.input_len)]
-                for _ in range(count)
-            ]
-
         prompts = random_prompts(n)
         if not args.no_warmup:
             # Prompts of their own: measured ones would hit the prefix cache.
