@@ -4,6 +4,7 @@ All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
 """
 
 from .activation import gelu_tanh_mul
+from .all_reduce_norm import PeerBuffers, all_reduce_residual_norm
 from .gemv import MAX_ROWS as GEMV_MAX_ROWS
 from .gemv import gemv, gemv_mlp
 from .greedy_head import greedy_head, quantize_rows, value_table
@@ -15,6 +16,7 @@ from .qkv_epilogue import qkv_epilogue
 from .step_inputs import rope_tables, write_slots
 
 __all__ = [
+    "all_reduce_residual_norm",
     "attention_config",
     "GEMV_MAX_ROWS",
     "gelu_tanh_mul",
@@ -26,6 +28,7 @@ __all__ = [
     "moe_experts",
     "moe_route",
     "paged_attention",
+    "PeerBuffers",
     "qkv_epilogue",
     "quantize_rows",
     "rms_norm",

@@ -67,24 +67,53 @@ def _residual_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    DT: tl.constexpr = o_ptr.dtype.element_ty
     # The weights before waiting on the kernel that computed h.
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALAR:
-        scalar = tl.load(s_ptr).to(tl.float32)
-    if HAS_NEXT:
-        w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w, scalar, w2 = norm_weights(w_ptr, s_ptr, w2_ptr, offs, mask, HAS_SCALAR, HAS_NEXT)
     wait_for_producer(PDL)
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    o_row, o2_row = o_ptr + row * stride_o, o2_ptr + row * stride_o2
+    residual_norm_row(x, h, w, scalar, w2, o_row, o2_row, offs, mask, n, eps, HAS_SCALAR, HAS_NEXT)
+
+
+@triton.jit
+def norm_weights(
+    w_ptr, s_ptr, w2_ptr, offs, mask, HAS_SCALAR: tl.constexpr, HAS_NEXT: tl.constexpr
+):
+    """(w, layer scalar, next w) of residual_norm_row in fp32; the unused ones are placeholders."""
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scalar = tl.load(s_ptr).to(tl.float32) if HAS_SCALAR else 1.0
+    w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32) if HAS_NEXT else w
+    return w, scalar, w2
+
+
+@triton.jit
+def residual_norm_row(
+    x,
+    h,
+    w,
+    scalar,
+    w2,
+    o_row,
+    o2_row,
+    offs,
+    mask,
+    n,
+    eps,
+    HAS_SCALAR: tl.constexpr,
+    HAS_NEXT: tl.constexpr,
+):
+    """Store y = round(x + norm(h) * w) (times the scalar) at o_row, and norm(y) * w2 at o2_row:
+    one row of rmsnorm_residual_add from fp32 operands."""
+    DT: tl.constexpr = o_row.dtype.element_ty
     normed = round_to(h * tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps) * w, DT)
     y = round_to(x + normed, DT)
     if HAS_SCALAR:  # layer_scalar scales the residual stream after the add (docs/gemma4.md §3.4)
         y = round_to(y * scalar, DT)
-    tl.store(o_ptr + row * stride_o + offs, y.to(DT), mask=mask)
+    tl.store(o_row + offs, y.to(DT), mask=mask)
     if HAS_NEXT:  # the next sublayer's input norm of the new residual, while it is in registers
         z = y * tl.math.rsqrt(tl.sum(y * y, axis=0) / n + eps) * w2
-        tl.store(o2_ptr + row * stride_o2 + offs, round_to(z, DT).to(DT), mask=mask)
+        tl.store(o2_row + offs, round_to(z, DT).to(DT), mask=mask)
 
 
 @triton.jit

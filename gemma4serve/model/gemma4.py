@@ -47,12 +47,9 @@ class ForwardContext:
 class Attention(nn.Module):
     ops: TorchOps = REFERENCE_OPS
 
-    def __init__(
-        self, cfg: TextConfig, spec: LayerSpec, hidden_size: int, tp: TensorParallel | None
-    ):
+    def __init__(self, cfg: TextConfig, spec: LayerSpec, hidden_size: int):
         super().__init__()
         self.spec = spec
-        self.tp = tp  # o_proj is row-parallel: its partial sums are all-reduced
         self.kv_layer = spec.kv_layer  # the assistant rebinds this to the target's store layer
         self.eps = cfg.rms_norm_eps
         nh, hd, nkv = cfg.num_heads, spec.head_dim, spec.num_kv_heads
@@ -82,8 +79,9 @@ class Attention(nn.Module):
             slots = ctx.meta.write_slot[kind]
             q = self.ops.project_qkv(self, h, cos, sin, k_cache, v_cache, slots)
         out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
-        out = self.ops.linear(out.reshape(T, -1), self.o_proj.weight)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        # Under tensor parallelism o_proj is row-parallel: this rank's partial sum (the layer
+        # all-reduces it in its norm).
+        return self.ops.linear(out.reshape(T, -1), self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -93,8 +91,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.spec = spec
-        self.tp = tp  # down_proj and the experts' down are row-parallel: one all-reduce
-        self.self_attn = Attention(cfg, spec, H, tp)
+        self.tp = tp  # o_proj, down_proj and the experts' down are row-parallel: all-reduced
+        self.self_attn = Attention(cfg, spec, H)
         self.mlp = MLP(H, spec.mlp_width)
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
@@ -125,9 +123,15 @@ class DecoderLayer(nn.Module):
         norm: RMSNorm,
         scale: torch.Tensor | None = None,
         next_norm: RMSNorm | None = None,
+        partial: bool = False,
     ):
-        """(x + norm(h)) * scale, and next_norm of that (None without next_norm)."""
+        """(x + norm(h)) * scale, and next_norm of that (None without next_norm). `partial`: h is
+        this rank's share of a row-parallel sum under tensor parallelism, all-reduced first."""
         next_weight = next_norm.weight if next_norm is not None else None
+        if partial and self.tp is not None:
+            return self.tp.reduce_add_norm(
+                self.ops, x, h, norm.weight, norm.eps, scale, next_weight
+            )
         return self.ops.add_norm(x, h, norm.weight, norm.eps, scale, next_weight)
 
     def forward(
@@ -144,7 +148,11 @@ class DecoderLayer(nn.Module):
         the previous layer already computed it."""
         h = self.self_attn(normed if normed is not None else self.input_layernorm(x), cos, sin, ctx)
         x, h_ff = self._add_norm(
-            x, h, self.post_attention_layernorm, next_norm=self.pre_feedforward_layernorm
+            x,
+            h,
+            self.post_attention_layernorm,
+            next_norm=self.pre_feedforward_layernorm,
+            partial=True,
         )
         residual = x
         h = self.mlp(h_ff)
@@ -154,14 +162,13 @@ class DecoderLayer(nn.Module):
             if self.tp is not None:  # both partial sums in one all-reduce
                 h, moe_out = self.tp.all_reduce(torch.stack([h, moe_out])).unbind(0)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
-        elif self.tp is not None:
-            h = self.tp.all_reduce(h)
+        partial = not self.moe  # the MoE sum was all-reduced above
         # layer_scalar scales the whole residual stream, after PLE when there is one
         if not self.ple:
             return self._add_norm(
-                residual, h, self.post_feedforward_layernorm, self.layer_scalar, next_norm
+                residual, h, self.post_feedforward_layernorm, self.layer_scalar, next_norm, partial
             )
-        x, _ = self._add_norm(residual, h, self.post_feedforward_layernorm)
+        x, _ = self._add_norm(residual, h, self.post_feedforward_layernorm, partial=partial)
         gate = gelu_tanh(self.per_layer_input_gate(x)) * ple
         return self._add_norm(
             x,

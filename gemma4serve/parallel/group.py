@@ -62,12 +62,72 @@ class OneShotAllReduce:
         return x
 
 
+class FusedAllReduceNorm:
+    """A row-parallel output's all-reduce and the residual norm after it as one kernel
+    (kernels/all_reduce_norm.py) over symmetric memory: each rank pushes its rows into every
+    rank's buffer over NVLink P2P (no multicast). For decode, verify and draft-loop rows."""
+
+    SOURCE_ELEMENTS = 4 * 2**20  # bf16 rows per (parity, source rank): 780 of the 31B's 5376
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, device: torch.device):
+        import torch.distributed._symmetric_memory as symmetric_memory
+
+        from gemma4serve.model.fused import kernels
+
+        programs = torch.cuda.get_device_properties(device).multi_processor_count
+        t = torch.tensor([programs], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)  # flags for as many on every rank
+        max_programs = int(t.item())
+        flag_bytes = 8 * 2 * max_programs * size
+        self.memory = symmetric_memory.empty(
+            flag_bytes + 2 * 2 * size * self.SOURCE_ELEMENTS, dtype=torch.uint8, device=device
+        )
+        handle = symmetric_memory.rendezvous(self.memory, group.group_name)
+        self.memory[:flag_bytes].zero_()
+        # Every rank's copy of this tensor, at the same offset in its allocation.
+        offset = self.memory.data_ptr() - handle.buffer_ptrs[rank]
+        flags = [base + offset for base in handle.buffer_ptrs]
+        self.peers = kernels().PeerBuffers(
+            rank=rank,
+            world=size,
+            buffers=torch.tensor([f + flag_bytes for f in flags], device=device),
+            flags=torch.tensor(flags, device=device),
+            epoch=torch.tensor([1, 0], device=device),
+            source_elements=self.SOURCE_ELEMENTS,
+            max_programs=max_programs,
+        )
+        self.kernel = kernels().all_reduce_residual_norm
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # every rank's flags are zero before any rank raises one
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, rank: int, size: int, device: torch.device):
+        """The buffers on every rank (a collective), or None where symmetric memory or the
+        kernels do not run (an all-reduce, then the norm kernel, serve every call then)."""
+        from gemma4serve.model.fused import kernels
+
+        if kernels() is None:
+            return None
+        try:
+            return cls(group, rank, size, device)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the unfused path, which works
+            log.warning("fused all-reduce unavailable (%s: %s)", type(e).__name__, e)
+            return None
+
+    def fits(self, h: torch.Tensor) -> bool:
+        return h.dtype == torch.bfloat16 and self.peers.fits(h)
+
+    def __call__(self, x, h, weight, eps, scale, next_weight):
+        return self.kernel(x, h, weight, eps, scale, next_weight, self.peers)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int
     size: int
     group: dist.ProcessGroup  # NCCL on CUDA, gloo on CPU
     one_shot: OneShotAllReduce | None = None  # small all-reduces on CUDA
+    fused_norm: FusedAllReduceNorm | None = None  # the all-reduces before a residual norm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (a row-parallel projection's partial outputs)."""
@@ -75,6 +135,13 @@ class TensorParallel:
             return self.one_shot(x)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def reduce_add_norm(self, ops, x, partial, weight, eps, scale=None, next_weight=None):
+        """ops.add_norm(x, the sum over ranks of `partial`, ...): one kernel where the fused
+        all-reduce fits, else an all-reduce and the norm."""
+        if self.fused_norm is not None and self.fused_norm.fits(partial):
+            return self.fused_norm(x, partial, weight, eps, scale, next_weight)
+        return ops.add_norm(x, self.all_reduce(partial), weight, eps, scale, next_weight)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x, in rank order."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.step_plan import ContinuedPlan, ScheduledPlan, Stop
-from gemma4serve.parallel.group import OneShotAllReduce, TensorParallel
+from gemma4serve.parallel.group import FusedAllReduceNorm, OneShotAllReduce, TensorParallel
 
 log = logging.getLogger("gemma4serve")
 
@@ -99,8 +99,8 @@ def _free_port() -> int:
 def init_group(
     rank: int, size: int, init_method: str, device: torch.device, custom_all_reduce: bool
 ) -> TensorParallel:
-    """Join the group; on CUDA also the one-shot all-reduce's buffers unless switched off (every
-    rank gets the same `custom_all_reduce`, so all or none make the collective buffer)."""
+    """Join the group; on CUDA also the custom all-reduces' buffers unless switched off (every
+    rank gets the same `custom_all_reduce`, so all or none make the collective buffers)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
@@ -113,7 +113,10 @@ def init_group(
     # All ranks or none: a rank whose buffers failed makes every rank keep NCCL.
     if tp.min_int(int(one_shot is not None), device) == 0:
         return tp
-    return TensorParallel(rank, size, group, one_shot)
+    fused_norm = FusedAllReduceNorm.create(group, rank, size, device)
+    if tp.min_int(int(fused_norm is not None), device) == 0:
+        fused_norm = None
+    return TensorParallel(rank, size, group, one_shot, fused_norm)
 
 
 def _rank_device(args: EngineArgs, rank: int) -> torch.device:

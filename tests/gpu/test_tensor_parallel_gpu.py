@@ -119,3 +119,117 @@ def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
     assert len(rank0) > 20
     assert rank0 == rank1
     assert any(step and step["next_drafts"] for step in rank0)
+
+
+def _rank_main(fn, rank: int, port: int, results) -> None:
+    faulthandler.dump_traceback_later(100)  # a hang shows where, before the kill
+    try:
+        results.put((rank, "ok", fn(rank, port)))
+    except BaseException as e:
+        results.put((rank, "error", repr(e)))
+        raise
+
+
+def on_two_ranks(fn, timeout: float = 150) -> list:
+    """[fn(0, port), fn(1, port)], each rank in a spawned process on its GPU; killed if they do
+    not both answer within `timeout` seconds."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    processes = [spawn.Process(target=_rank_main, args=(fn, r, port, results)) for r in (0, 1)]
+    for process in processes:
+        process.start()
+    answers: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(answers) < 2:
+            assert time.monotonic() < deadline, f"no answer within {timeout} s: {answers}"
+            try:
+                rank, status, value = results.get(timeout=1)
+            except queue.Empty:
+                continue
+            assert status == "ok", f"rank {rank}: {value}"
+            answers[rank] = value
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    return [answers[0], answers[1]]
+
+
+def _fused_all_reduce_norm_checks(rank: int, port: int) -> list[float]:
+    """The fused kernel against NCCL's all-reduce, then the norm kernel, at decode to verify row
+    counts: eagerly back to back, in a chain of 200 calls, and replayed in a CUDA graph."""
+    import torch.distributed as dist
+
+    from gemma4serve.parallel.workers import init_group
+    from gemma4serve_kernels import rmsnorm_residual_add
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    tp = init_group(rank, 2, f"tcp://127.0.0.1:{port}", device, custom_all_reduce=True)
+    fused = tp.fused_norm
+    assert fused is not None
+    hidden, eps = 5376, 1e-6
+    shared = torch.Generator().manual_seed(0)  # the same draws on both ranks
+    own = torch.Generator().manual_seed(1 + rank)  # this rank's partial sums
+
+    def rand(generator, *shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).bfloat16().to(device)
+
+    def reference(x, h, scalar, next_weight):
+        total = h.clone()
+        dist.all_reduce(total)
+        if next_weight is None:
+            return rmsnorm_residual_add(x, total, w, eps, scalar), None
+        return rmsnorm_residual_add(x, total, w, eps, scalar, next_weight)
+
+    w, w2 = rand(shared, hidden), rand(shared, hidden)
+    scalar = torch.tensor([0.37], dtype=torch.bfloat16, device=device)
+    sums = []
+    calls = []
+    for rows in (1, 3, 16, 160, 700, 1, 5, 5):
+        x, h = rand(shared, rows, hidden, scale=4), rand(own, rows, hidden, scale=9)
+        options = (scalar, None) if rows % 2 else (None, w2)
+        calls.append((x, h, options, fused(x, h, w, eps, *options)))
+    for x, h, options, (y, z) in calls:  # after all launches: no sync between them
+        ry, rz = reference(x, h, *options)
+        assert torch.equal(y, ry) and (z is None if rz is None else torch.equal(z, rz))
+        sums.append(y.float().sum().item())
+    x = rand(shared, 4, hidden, scale=4)
+    partials = [rand(own, 4, hidden, scale=9) for _ in range(200)]
+    y, want = x, x
+    for h in partials:  # each call's residual is the previous call's output
+        y, _ = fused(y, h, w, eps, None, None)
+    for h in partials:
+        want, _ = reference(want, h, None, None)
+    assert torch.equal(y, want)
+    sums.append(y.float().sum().item())
+    static_x, static_h = rand(shared, 5, hidden), rand(own, 5, hidden)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # two calls: both buffer parities on every replay
+        y1, z1 = fused(static_x, static_h, w, eps, None, w2)
+        y2, _ = fused(y1, static_h, w, eps, scalar, None)
+    for _ in range(20):
+        static_x.copy_(rand(shared, 5, hidden, scale=4))
+        static_h.copy_(rand(own, 5, hidden, scale=9))
+        graph.replay()
+        ry1, rz1 = reference(static_x, static_h, None, w2)
+        ry2, _ = reference(ry1, static_h, scalar, None)
+        assert torch.equal(y1, ry1) and torch.equal(z1, rz1) and torch.equal(y2, ry2)
+        sums.append(y2.float().sum().item())
+    del graph
+    dist.destroy_process_group()
+    return sums
+
+
+def test_fused_all_reduce_norm_equals_nccl_then_norm():
+    """The one-kernel all-reduce + residual norm equals NCCL's sum then the norm kernel, bit for
+    bit, and both ranks get the same rows."""
+    rank0, rank1 = on_two_ranks(_fused_all_reduce_norm_checks)
+    assert rank0 == rank1
