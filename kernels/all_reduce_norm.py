@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import INTERPRET, next_pow2, pdl_args, round_to, row_warps
+from ._common import next_pow2, pdl_args, round_to, row_warps
 from .norm import norm_weights, residual_norm_row
 
 
@@ -42,25 +42,6 @@ class PeerBuffers:
         """Rows of a 2-byte dtype that fit a source region; decided by shape alone, so every rank
         takes the same path for the same call."""
         return h.dim() == 2 and h.element_size() == 2 and h.numel() <= self.source_elements
-
-
-@triton.jit
-def _raise_flag(address, epoch, RELEASE_STORE: tl.constexpr):
-    """Store `epoch` at `address` (any GPU's memory) after every store the program issued before
-    its last barrier: a release store by one thread, which waits for no reply (an atomic
-    exchange, the interpreter's way, waits a round trip over NVLink)."""
-    if not RELEASE_STORE:
-        tl.atomic_xchg(address, epoch, sem="release", scope="sys")
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred first; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 first, t, 0; "
-            "@first st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,l",
-            [address, epoch],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit
@@ -90,7 +71,6 @@ def _all_reduce_norm_kernel(
     HAS_NEXT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-    RELEASE_STORE: tl.constexpr,
 ):
     program = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -122,7 +102,7 @@ def _all_reduce_norm_kernel(
     tl.debug_barrier()  # every thread's stores are issued before the releases below
     for peer in tl.static_range(WORLD):
         flags = tl.load(flags_ptr + peer).to(tl.pointer_type(tl.int64))
-        _raise_flag(flags + flag + rank, epoch, RELEASE_STORE)
+        tl.atomic_xchg(flags + flag + rank, epoch, sem="release", scope="sys")
     own_flags = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int64))
     for source in tl.static_range(WORLD):
         while tl.atomic_add(own_flags + flag + source, 0, sem="acquire", scope="sys") != epoch:
@@ -185,7 +165,6 @@ def all_reduce_residual_norm(
             HAS_SCALAR=layer_scalar is not None,
             HAS_NEXT=next_weight is not None,
             BLOCK=block,
-            RELEASE_STORE=not INTERPRET,
             num_warps=row_warps(block),
             **pdl_args(x.device),
         )

@@ -14,8 +14,6 @@ kernels keeps that overlap at every boundary, which a cuBLAS GEMM in between wou
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +23,6 @@ from ._common import dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_
 from .activation import gelu_tanh_f32
 
 MAX_ROWS = 16  # the dot's row tile; larger M goes to cuBLAS
-# K tiles each program asks L2 for while it waits on the previous kernel (prefetch_tiles).
-PREFETCH_TILES = int(os.environ.get("GEMMA4SERVE_GEMV_PREFETCH_TILES", "8"))
 
 
 @triton.jit
@@ -65,24 +61,6 @@ def _await_columns(flag_ptr, split, k_lo, k_hi, cols_per_signal, PDL: tl.constex
         tl.atomic_xchg(flag_ptr + split, 0, sem="relaxed")
 
 
-@triton.jit
-def _prefetch_rows_to_l2(w_ptr, n, stride_wn, k0, k_hi, TILES: tl.constexpr, BK: tl.constexpr):
-    """Ask L2 for the program's weight rows over [k0, k0 + TILES * BK) (within k_hi): one bulk
-    prefetch per row, no registers held. Issued before the wait on the previous kernel, it keeps
-    HBM busy while that kernel's latency-bound tail runs (an all-reduce, attention)."""
-    size = tl.minimum(TILES * BK, k_hi - k0) * 2  # bytes of a 2-byte dtype, a multiple of 16
-    if size > 0:
-        rows = w_ptr + n.to(tl.int64) * stride_wn + k0
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
-            "=r,l,r",
-            [rows, size + tl.zeros(n.shape, tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
 @triton.jit(do_not_specialize=["k_per_split", "flag_cols"])
 def _gemv_kernel(
     x_ptr,
@@ -109,7 +87,6 @@ def _gemv_kernel(
     GLU: tl.constexpr,
     SIGNAL: tl.constexpr,
     AWAIT: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """y = x @ w^T over one column tile and K split per program.
 
@@ -143,9 +120,6 @@ def _gemv_kernel(
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
     x_ptrs = x_ptr + m[:, None] * stride_xm + kk[None, :]
     # Weights never depend on the previous kernel: start reading them before waiting for it.
-    if PREFETCH > 0:
-        n_row = tl.minimum(n, (N * 2 if GLU else N) - 1)  # rows past N: a valid duplicate
-        _prefetch_rows_to_l2(w_ptr, n_row, stride_wn, k_lo + BK, k_hi, PREFETCH, BK)
     w = tl.load(
         w_ptrs + k_lo,
         mask=_in_split(n_ok, k_lo, kk, k_hi, EVEN_K),
@@ -314,20 +288,6 @@ def gemv_mlp(
     return y
 
 
-def prefetch_tiles(x: torch.Tensor, w: torch.Tensor, wait_on_flags: bool) -> int:
-    """K tiles past the first that each program asks L2 for before its PDL wait (0: none).
-
-    Only under PDL on Hopper (the bulk prefetch is sm_90's), with 16-byte aligned bf16/fp16 rows,
-    and not for a consumer of gemv_mlp's flags (it starts inside the producer's stream of weights,
-    not after a latency-bound kernel).
-    """
-    if not pdl_args(x.device)["PDL"] or wait_on_flags or w.element_size() != 2:
-        return 0
-    if w.data_ptr() % 16 or w.stride(0) % 8 or w.shape[1] % 8:
-        return 0
-    return PREFETCH_TILES
-
-
 def _check(x: torch.Tensor, w: torch.Tensor) -> None:
     assert (
         x.shape[0] <= MAX_ROWS
@@ -397,7 +357,6 @@ def _launch_columns(
         GLU=glu,
         SIGNAL=signal,
         AWAIT=wait_on_flags,
-        PREFETCH=prefetch_tiles(x, w, wait_on_flags),
         num_warps=warps,
         num_stages=stages,
         **pdl_args(x.device),
