@@ -3,8 +3,8 @@ add and norms of rmsnorm_residual_add, in one kernel (decode, verify and draft-l
 
 Every rank pushes its partial rows into every rank's receive buffer (NVLink stores to peer memory
 the caller mapped), raises a flag there, waits for every rank's flag and sums the ranks' rows in
-rank order from its own buffer, so every rank gets the same sum. Two torch launches (an
-all-reduce, then the norm) become one Triton launch that chains to its neighbours under PDL.
+rank order from its own buffer, so every rank gets the same sum. Two launches (an all-reduce
+kernel, then the norm kernel) become one, which chains to its neighbours under PDL.
 
 The flags carry an epoch that every rank advances once per call. The ranks launch the same
 kernels in the same order, so their epochs agree without host input and CUDA graphs replay them.

@@ -69,27 +69,26 @@ class FusedAllReduceNorm:
 
     SOURCE_ELEMENTS = 4 * 2**20  # bf16 rows per (parity, source rank): 780 of the 31B's 5376
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, device: torch.device):
+    def __init__(self, tp: TensorParallel, device: torch.device):
         import torch.distributed._symmetric_memory as symmetric_memory
 
         from gemma4serve.model.fused import kernels
 
-        programs = torch.cuda.get_device_properties(device).multi_processor_count
-        t = torch.tensor([programs], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)  # flags for as many on every rank
-        max_programs = int(t.item())
-        flag_bytes = 8 * 2 * max_programs * size
+        # Flags for as many programs as the smallest GPU has SMs, the same number on every rank.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        max_programs = tp.min_int(sms, device)
+        flag_bytes = 8 * 2 * max_programs * tp.size
         self.memory = symmetric_memory.empty(
-            flag_bytes + 2 * 2 * size * self.SOURCE_ELEMENTS, dtype=torch.uint8, device=device
+            flag_bytes + 2 * 2 * tp.size * self.SOURCE_ELEMENTS, dtype=torch.uint8, device=device
         )
-        handle = symmetric_memory.rendezvous(self.memory, group.group_name)
+        handle = symmetric_memory.rendezvous(self.memory, tp.group.group_name)
         self.memory[:flag_bytes].zero_()
         # Every rank's copy of this tensor, at the same offset in its allocation.
-        offset = self.memory.data_ptr() - handle.buffer_ptrs[rank]
+        offset = self.memory.data_ptr() - handle.buffer_ptrs[tp.rank]
         flags = [base + offset for base in handle.buffer_ptrs]
         self.peers = kernels().PeerBuffers(
-            rank=rank,
-            world=size,
+            rank=tp.rank,
+            world=tp.size,
             buffers=torch.tensor([f + flag_bytes for f in flags], device=device),
             flags=torch.tensor(flags, device=device),
             epoch=torch.tensor([1, 0], device=device),
@@ -98,10 +97,10 @@ class FusedAllReduceNorm:
         )
         self.kernel = kernels().all_reduce_residual_norm
         torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # every rank's flags are zero before any rank raises one
+        dist.barrier(group=tp.group)  # every rank's flags are zero before any rank raises one
 
     @classmethod
-    def create(cls, group: dist.ProcessGroup, rank: int, size: int, device: torch.device):
+    def create(cls, tp: TensorParallel, device: torch.device) -> FusedAllReduceNorm | None:
         """The buffers on every rank (a collective), or None where symmetric memory or the
         kernels do not run (an all-reduce, then the norm kernel, serve every call then)."""
         from gemma4serve.model.fused import kernels
@@ -109,7 +108,7 @@ class FusedAllReduceNorm:
         if kernels() is None:
             return None
         try:
-            return cls(group, rank, size, device)
+            return cls(tp, device)
         except Exception as e:  # noqa: BLE001 - any failure leaves the unfused path, which works
             log.warning("fused all-reduce unavailable (%s: %s)", type(e).__name__, e)
             return None
@@ -118,6 +117,7 @@ class FusedAllReduceNorm:
         return h.dtype == torch.bfloat16 and self.peers.fits(h)
 
     def __call__(self, x, h, weight, eps, scale, next_weight):
+        """(x + norm(sum over ranks of h)) * scale, and next_weight's norm of that (or None)."""
         return self.kernel(x, h, weight, eps, scale, next_weight, self.peers)
 
 
@@ -136,7 +136,16 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def reduce_add_norm(self, ops, x, partial, weight, eps, scale=None, next_weight=None):
+    def reduce_add_norm(
+        self,
+        ops,
+        x: torch.Tensor,
+        partial: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        scale: torch.Tensor | None = None,
+        next_weight: torch.Tensor | None = None,
+    ):
         """ops.add_norm(x, the sum over ranks of `partial`, ...): one kernel where the fused
         all-reduce fits, else an all-reduce and the norm."""
         if self.fused_norm is not None and self.fused_norm.fits(partial):

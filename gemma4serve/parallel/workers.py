@@ -113,7 +113,7 @@ def init_group(
     # All ranks or none: a rank whose buffers failed makes every rank keep NCCL.
     if tp.min_int(int(one_shot is not None), device) == 0:
         return tp
-    fused_norm = FusedAllReduceNorm.create(group, rank, size, device)
+    fused_norm = FusedAllReduceNorm.create(tp, device)
     if tp.min_int(int(fused_norm is not None), device) == 0:
         fused_norm = None
     return TensorParallel(rank, size, group, one_shot, fused_norm)
