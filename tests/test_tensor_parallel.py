@@ -25,7 +25,7 @@ from fake_engine import ServerProcess
 from gemma4serve import LLM, SamplingParams
 from gemma4serve.cli import engine_args, parse_args
 from gemma4serve.config import ConfigError, load_config
-from gemma4serve.parallel.group import OneShotAllReduce
+from gemma4serve.parallel.group import FusedAllReduceNorm, OneShotAllReduce
 from gemma4serve.parallel.shards import shard_text_config
 from gemma4serve.structured.spec import StructuredOutputsParams
 
@@ -235,6 +235,19 @@ def test_the_one_shot_path_is_chosen_by_shape_alone():
     assert not one_shot.fits(torch.zeros(7, dtype=torch.bfloat16))  # not in 16-byte units
     too_big = OneShotAllReduce.MAX_BYTES // 2 + 8
     assert not one_shot.fits(torch.empty(too_big, dtype=torch.bfloat16))
+
+
+def test_the_fused_all_reduce_norm_is_chosen_by_shape_alone():
+    """Decode to verify rows of bf16 take the one-kernel all-reduce + norm; prefill-sized rows and
+    other dtypes take an all-reduce, then the norm (on every rank alike)."""
+    from gemma4serve_kernels import PeerBuffers
+
+    fused = FusedAllReduceNorm.__new__(FusedAllReduceNorm)  # the rule only, no buffers
+    unused = torch.zeros(2, dtype=torch.int64)
+    fused.peers = PeerBuffers(0, 2, unused, unused, unused, FusedAllReduceNorm.SOURCE_ELEMENTS, 132)
+    assert fused.fits(torch.zeros(780, 5376, dtype=torch.bfloat16))  # 32 x 5 verify rows and more
+    assert not fused.fits(torch.zeros(781, 5376, dtype=torch.bfloat16))  # a prefill chunk
+    assert not fused.fits(torch.zeros(4, 5376, dtype=torch.float32))
 
 
 def test_custom_all_reduce_flag():
