@@ -133,11 +133,9 @@ def _rank_main(fn, rank: int, port: int, results) -> None:
 def on_two_ranks(fn, timeout: float = 150) -> list:
     """[fn(0, port), fn(1, port)], each rank in a spawned process on its GPU; killed if they do
     not both answer within `timeout` seconds."""
-    import socket
+    from gemma4serve.parallel.workers import _free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     processes = [spawn.Process(target=_rank_main, args=(fn, r, port, results)) for r in (0, 1)]
