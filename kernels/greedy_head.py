@@ -282,7 +282,9 @@ def _exact_kernel(
 
 
 @triton.jit
-def _pick_kernel(best_g_ptr, best_i_ptr, out_ptr, N, P, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _pick_kernel(
+    best_g_ptr, best_i_ptr, out_ptr, value_ptr, N, P, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     wait_for_producer(PDL)
     mi = tl.program_id(0)
     p = tl.arange(0, BLOCK)
@@ -290,6 +292,7 @@ def _pick_kernel(best_g_ptr, best_i_ptr, out_ptr, N, P, BLOCK: tl.constexpr, PDL
     i = tl.load(best_i_ptr + mi * P + p, mask=p < P, other=N)
     g_max = tl.max(g, axis=0)
     tl.store(out_ptr + mi, tl.min(tl.where(g == g_max, i, N), axis=0).to(tl.int64))
+    tl.store(value_ptr + mi, g_max)
 
 
 @torch.no_grad()
@@ -343,8 +346,9 @@ def greedy_head(
     scale: torch.Tensor,
     lut: torch.Tensor,
     screen: tuple | None = None,
-) -> torch.Tensor:
-    """The first argmax over N of lut[bf16(x @ w^T)] per row, for x [M <= MAX_ROWS, K]: [M] int64.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first argmax over N of lut[bf16(x @ w^T)] per row, for x [M <= MAX_ROWS, K], and its
+    value: (tokens [M] int64, values [M] fp32).
 
     q, scale: quantize_rows(w); lut: value_table of G. `screen` overrides SCREEN_CONFIG
     (benchmarks).
@@ -428,6 +432,9 @@ def greedy_head(
         num_stages=EXACT_STAGES,
         **pdl_args(dev),
     )
-    out = torch.empty(M, dtype=torch.int64, device=dev)
-    _pick_kernel[(M,)](best_g, best_i, out, N, P, BLOCK=triton.next_power_of_2(P), **pdl_args(dev))
-    return out
+    tokens = torch.empty(M, dtype=torch.int64, device=dev)
+    values = torch.empty(M, dtype=torch.float32, device=dev)
+    _pick_kernel[(M,)](
+        best_g, best_i, tokens, values, N, P, BLOCK=triton.next_power_of_2(P), **pdl_args(dev)
+    )
+    return tokens, values

@@ -25,7 +25,13 @@ from fake_engine import ServerProcess
 from gemma4serve import LLM, SamplingParams
 from gemma4serve.cli import engine_args, parse_args
 from gemma4serve.config import ConfigError, load_config
-from gemma4serve.parallel.group import FusedAllReduceNorm, OneShotAllReduce
+from gemma4serve.model.layers import TorchOps
+from gemma4serve.parallel.group import (
+    FusedAllReduceNorm,
+    OneShotAllReduce,
+    argmax_keys,
+    key_tokens,
+)
 from gemma4serve.parallel.shards import shard_text_config
 from gemma4serve.structured.spec import StructuredOutputsParams
 
@@ -248,6 +254,27 @@ def test_the_fused_all_reduce_norm_is_chosen_by_shape_alone():
     assert fused.fits(torch.zeros(780, 5376, dtype=torch.bfloat16))  # 32 x 5 verify rows and more
     assert not fused.fits(torch.zeros(781, 5376, dtype=torch.bfloat16))  # a prefill chunk
     assert not fused.fits(torch.zeros(4, 5376, dtype=torch.float32))
+
+
+def test_the_shards_best_tokens_as_keys_give_the_whole_vocabularys_argmax():
+    """The largest of the ranks' keys is torch.argmax over the whole logits: across shards the
+    larger value wins, ties go to the lower id (+0.0 and -0.0 tie), negative values order."""
+    logits = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits[0] = -3.0  # one value everywhere: token 0
+    logits[1, 5] = logits[1, 30] = 10.0  # a tie across shards
+    logits[2] = 0.0
+    logits[2, :24] = -0.0  # -0.0 in the first shard ties +0.0 in the rest: token 0
+    logits[3] = -logits[3].abs() - 1  # every value negative
+    logits[4, 47] = float("inf")
+    for size in (2, 4):
+        width = 48 // size
+        keys = torch.stack(
+            [
+                argmax_keys(TorchOps().best_tokens(None, shard, lambda h: h), rank * width)
+                for rank, shard in enumerate(logits.split(width, dim=-1))
+            ]
+        )
+        assert torch.equal(key_tokens(keys.max(0).values), logits.argmax(-1)), size
 
 
 def test_custom_all_reduce_flag():

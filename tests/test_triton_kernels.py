@@ -687,11 +687,13 @@ def test_greedy_head_equals_argmax_of_full_head(N, K, M):
         q, scale = quantize_rows(w)
         for fn in (_softcap, lambda v: v):
             lut = value_table(fn, x.device)
-            want = fn(gemv(x, w).to(torch.bfloat16)).argmax(-1)
+            logits = fn(gemv(x, w).to(torch.bfloat16))
+            want = logits.argmax(-1)
             if name == "coarse":
                 assert want[0] == a
-            got = greedy_head(x, w, q, scale, lut)
+            got, values = greedy_head(x, w, q, scale, lut)
             assert torch.equal(got, want), (name, got, want)
+            assert torch.equal(values, logits.max(-1).values.float()), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

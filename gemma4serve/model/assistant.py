@@ -99,7 +99,7 @@ class Gemma4Assistant(nn.Module):
         """
         u = self.ops.linear(torch.cat([tok_embed, hprev], dim=-1), self.pre_projection.weight)
         h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
-        tokens = self.ops.argmax_tokens(self.greedy_head, h, self._logits)
+        tokens = self.ops.best_tokens(self.greedy_head, h, self._logits).tokens
         return tokens, self.ops.linear(h, self.post_projection.weight)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

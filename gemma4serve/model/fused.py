@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from gemma4serve.model.layers import MLP, TorchOps
+from gemma4serve.model.layers import MLP, BestTokens, TorchOps
 
 if TYPE_CHECKING:
     from gemma4serve.model.gemma4 import Attention, DecoderLayer
@@ -70,8 +70,10 @@ class GreedyHead:
         self.q, self.scale = self.kernels.quantize_rows(weight)
         self.table = self.kernels.value_table(softcap, weight.device)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernels.greedy_head(hidden, self.weight, self.q, self.scale, self.table)
+    def __call__(self, hidden: torch.Tensor) -> BestTokens:
+        return BestTokens(
+            *self.kernels.greedy_head(hidden, self.weight, self.q, self.scale, self.table)
+        )
 
 
 class FusedOps(TorchOps):
@@ -186,8 +188,8 @@ class FusedOps(TorchOps):
             return None
         return GreedyHead(weight, softcap)
 
-    def argmax_tokens(self, head, hidden: torch.Tensor, logits) -> torch.Tensor:
-        """Through the greedy head where it takes these rows (the same tokens)."""
+    def best_tokens(self, head, hidden: torch.Tensor, logits) -> BestTokens:
+        """Through the greedy head where it takes these rows (the same tokens and values)."""
         if head is not None and self.gemv_fits(hidden):
             return head(hidden)
-        return logits(hidden).argmax(-1)
+        return super().best_tokens(head, hidden, logits)

@@ -248,10 +248,9 @@ class Gemma4Model(nn.Module):
             ops.prepare(layer)
 
     def finish_loading(self) -> None:
-        """What needs the loaded weights: the greedy head's int8 copy of the LM head (one device:
-        a rank's head is a vocabulary shard, whose candidates are exchanged instead)."""
-        if self.tp is None:
-            self.greedy_head = self.ops.greedy_head(self.embed_tokens.weight, self.softcap)
+        """What needs the loaded weights: the greedy head's int8 copy of the LM head (of this
+        rank's vocabulary shard under tensor parallelism)."""
+        self.greedy_head = self.ops.greedy_head(self.embed_tokens.weight, self.softcap)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The scaled embedding E[ids] * dtype(sqrt(H)); the drafter embeds its tokens with it
@@ -287,8 +286,12 @@ class Gemma4Model(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the
         cap). Under tensor parallelism every rank gets the whole [T, V]."""
-        logits = self.softcap(self.ops.linear(hidden, self.embed_tokens.weight))
+        logits = self.shard_logits(hidden)
         return logits if self.tp is None else vocab_parallel_logits(self.tp, logits)
+
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of this rank's vocabulary shard (all of them on one device)."""
+        return self.softcap(self.ops.linear(hidden, self.embed_tokens.weight))
 
     def softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcapping
@@ -296,11 +299,12 @@ class Gemma4Model(nn.Module):
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The first argmax of logits(hidden) per row, [T] int64. Few rows take the greedy head
-        where there is one: it reads most of the head as int8 and gets the same tokens."""
-        if self.tp is not None:
-            local = self.softcap(self.ops.linear(hidden, self.embed_tokens.weight))
-            return vocab_parallel_argmax(self.tp, local)
-        return self.ops.argmax_tokens(self.greedy_head, hidden, self.logits)
+        where there is one: it reads most of the head as int8 and gets the same tokens. Under
+        tensor parallelism each rank finds its shard's best, and one all-reduce picks."""
+        best = self.ops.best_tokens(self.greedy_head, hidden, self.shard_logits)
+        if self.tp is None:
+            return best.tokens
+        return vocab_parallel_argmax(self.tp, best, self.cfg.vocab_size)
 
     def checkpoint_param_name(self, name: str) -> str | None:
         """Checkpoint tensor name -> our parameter name, or None to skip it."""

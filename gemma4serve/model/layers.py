@@ -8,7 +8,7 @@ reference) runs `TorchOps`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,13 @@ from gemma4serve.config import RopeSpec, TextConfig
 
 if TYPE_CHECKING:
     from gemma4serve.model.gemma4 import Attention, DecoderLayer
+
+
+class BestTokens(NamedTuple):
+    """Each row's first argmax of some logits, and the logit there."""
+
+    tokens: torch.Tensor  # [T] int64
+    values: torch.Tensor  # [T] fp32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -204,9 +211,10 @@ class TorchOps:
         none)."""
         return None
 
-    def argmax_tokens(self, head, hidden: torch.Tensor, logits) -> torch.Tensor:
-        """The first argmax of logits(hidden) per row, [T] int64."""
-        return logits(hidden).argmax(-1)
+    def best_tokens(self, head, hidden: torch.Tensor, logits) -> BestTokens:
+        """Each row's first argmax of logits(hidden) and its value."""
+        values, tokens = logits(hidden).max(-1)
+        return BestTokens(tokens, values.float())
 
 
 REFERENCE_OPS = TorchOps()

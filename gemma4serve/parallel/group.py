@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gemma4serve.model.layers import BestTokens
+
 log = logging.getLogger("gemma4serve")
 
 # torch 2.13 renamed all_gather_into_tensor (older releases have only that name).
@@ -191,16 +193,29 @@ def vocab_parallel_lookup(
     return tp.all_reduce(rows)
 
 
-def vocab_parallel_argmax(tp: TensorParallel, local_logits: torch.Tensor) -> torch.Tensor:
-    """The first argmax over the whole vocabulary [T] from each rank's [T, V / size] logits: the
-    best of each rank's candidates, ties to the lowest rank (so to the lowest token id)."""
-    index = local_logits.argmax(dim=-1)  # the first of the rank's ties
-    best = local_logits.gather(-1, index[:, None]).squeeze(-1)
-    start = tp.rank * local_logits.shape[-1]
-    values = tp.all_gather(best.float())  # [size, T]
-    ids = tp.all_gather(index + start)
-    winner = (values == values.max(dim=0).values).int().argmax(dim=0)  # first rank at the max
-    return ids.gather(0, winner[None]).squeeze(0)
+def vocab_parallel_argmax(tp: TensorParallel, best: BestTokens, vocab_size: int) -> torch.Tensor:
+    """The first argmax over the whole vocabulary [T] from each rank's best of its shard: the
+    largest key over ranks (one all-reduce), so the largest value, ties to the lowest token id."""
+    start, _ = tp.vocab_range(vocab_size)
+    keys = argmax_keys(best, start)
+    dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=tp.group)
+    return key_tokens(keys)
+
+
+_LOW = 2**32 - 1  # a key's low 32 bits hold this minus the token id
+
+
+def argmax_keys(best: BestTokens, start: int) -> torch.Tensor:
+    """int64 keys that order as (value, then lower global token id): the fp32 value's bits made
+    order-preserving in the high half. -0.0 becomes +0.0 first, as the two tie in torch.argmax."""
+    bits = (best.values + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    return ordered * 2**32 + (_LOW - (best.tokens + start))
+
+
+def key_tokens(keys: torch.Tensor) -> torch.Tensor:
+    """The global token ids of argmax_keys."""
+    return _LOW - (keys & _LOW)
 
 
 def vocab_parallel_logits(tp: TensorParallel, local_logits: torch.Tensor) -> torch.Tensor:

@@ -358,14 +358,15 @@ def test_greedy_head_real_shapes(K):
     for M in (1, 5, 16):
         for i in range(0, 64 - M + 1, M):
             rows = x[i : i + M]
-            assert torch.equal(
-                greedy_head(rows, w, q, scale, table), softcap(gemv(rows, w)).argmax(-1)
-            ), (M, i)
+            tokens, values = greedy_head(rows, w, q, scale, table)
+            logits = softcap(gemv(rows, w))
+            assert torch.equal(tokens, logits.argmax(-1)), (M, i)
+            assert torch.equal(values, logits.max(-1).values.float()), (M, i)
     rows = x[:5].clone()
     greedy_head(rows, w, q, scale, table)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = greedy_head(rows, w, q, scale, table)
+        out, _ = greedy_head(rows, w, q, scale, table)
     for i in range(0, 60, 5):
         rows.copy_(x[i : i + 5])
         graph.replay()
