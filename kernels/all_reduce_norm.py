@@ -1,15 +1,20 @@
 """The sum over tensor-parallel ranks of a row-parallel projection's partial rows, then the residual
 add and norms of rmsnorm_residual_add, in one kernel (decode, verify and draft-loop sizes).
 
-Every rank pushes its partial rows into every rank's receive buffer (NVLink stores to peer memory
-the caller mapped), raises a flag there, waits for every rank's flag and sums the ranks' rows in
-rank order from its own buffer, so every rank gets the same sum. Two launches (an all-reduce
-kernel, then the norm kernel) become one, which chains to its neighbours under PDL.
+Every rank pushes its partial rows into every peer's receive buffer (NVLink stores to peer memory
+the caller mapped), waits for every peer's rows in its own buffer and sums all ranks' rows in rank
+order, so every rank gets the same sum. Two launches (an all-reduce kernel, then the norm kernel)
+become one, which chains to its neighbours under PDL.
 
-The flags carry an epoch that every rank advances once per call. The ranks launch the same
-kernels in the same order, so their epochs agree without host input and CUDA graphs replay them.
-Buffers and flags alternate by epoch parity: a rank reaches call e + 2 only after every peer
-raised its flag of call e + 1, which a peer does only after call e finished (its PDL wait).
+The rows travel as 8-byte packets, two bf16 values in the low half and the call's epoch in the
+high half (NCCL's LL protocol): an aligned 8-byte store lands whole, so a packet that shows this
+call's epoch holds this call's data, and no fence or separate flag has to cross NVLink first.
+
+Every rank advances its epoch once per call. The ranks launch the same kernels in the same
+order, so their epochs agree without host input and CUDA graphs replay them. Buffers alternate
+by epoch parity: a rank reaches call e + 2 only after it received every peer's rows of call e + 1,
+which a peer sends only after its call e finished (its PDL wait), so no row is overwritten before
+it is read.
 """
 
 from __future__ import annotations
@@ -24,24 +29,40 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ._common import next_pow2, pdl_args, round_to, row_warps
 from .norm import norm_weights, residual_norm_row
 
+# A packet's high half: the epoch's low 32 bits (0xFFFFFFFF00000000 as int64).
+EPOCH_BITS = tl.constexpr(-(2**32))
+
 
 @dataclass(frozen=True)
 class PeerBuffers:
     """Where the ranks exchange partial rows: memory every rank can address (the caller maps it,
-    e.g. torch's symmetric memory), plus this rank's epoch."""
+    e.g. torch's symmetric memory, zeroed), plus this rank's epoch."""
 
     rank: int
     world: int
-    buffers: torch.Tensor  # int64 [world]: each rank's receive buffer, 2 * world * source_elements
-    flags: torch.Tensor  # int64 [world]: each rank's int64 flags, 2 * max_programs * world, zeroed
+    buffers: torch.Tensor  # int64 [world]: each rank's receive buffer, 2 * world * source_packets
     epoch: torch.Tensor  # int64 [2] on this rank: (the next call's epoch, programs done), [1, 0]
-    source_elements: int  # 2-byte elements of one (parity, source rank) region
-    max_programs: int  # the same on every rank (flags exist for this many programs)
+    source_packets: int  # 8-byte packets (two values each) of one (parity, source rank) region
+    max_programs: int  # the largest grid
 
     def fits(self, h: torch.Tensor) -> bool:
-        """Rows of a 2-byte dtype that fit a source region; decided by shape alone, so every rank
-        takes the same path for the same call."""
-        return h.dim() == 2 and h.element_size() == 2 and h.numel() <= self.source_elements
+        """bf16 rows of an even width that fit a source region; decided by shape alone, so every
+        rank takes the same path for the same call."""
+        return (
+            h.dim() == 2
+            and h.dtype == torch.bfloat16
+            and h.shape[1] % 2 == 0
+            and h.numel() <= 2 * self.source_packets
+        )
+
+
+@triton.jit
+def _unpack(pairs, BLOCK: tl.constexpr):
+    """fp32 [BLOCK] of bf16 pairs held in the low 32 bits of [BLOCK // 2] integers (little
+    endian: element 2i in the low 16 bits)."""
+    low = ((pairs & 0xFFFF) << 16).to(tl.uint32).to(tl.float32, bitcast=True)
+    high = (((pairs >> 16) & 0xFFFF) << 16).to(tl.uint32).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(low, high), [BLOCK])
 
 
 @triton.jit
@@ -54,18 +75,16 @@ def _all_reduce_norm_kernel(
     o_ptr,
     o2_ptr,
     buffers_ptr,
-    flags_ptr,
     epoch_ptr,
-    rank,
     rows,
     n,
-    source_elements,
-    max_programs,
+    source_packets,
     stride_h,
     stride_x,
     stride_o,
     stride_o2,
     eps,
+    RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HAS_SCALAR: tl.constexpr,
     HAS_NEXT: tl.constexpr,
@@ -76,15 +95,14 @@ def _all_reduce_norm_kernel(
     programs = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    DT: tl.constexpr = o_ptr.dtype.element_ty
+    pair = tl.arange(0, BLOCK // 2)  # packet i carries elements 2i and 2i + 1
+    pair_mask = pair < n // 2
     w, scalar, w2 = norm_weights(w_ptr, s_ptr, w2_ptr, offs, mask, HAS_SCALAR, HAS_NEXT)
     # Read before the wait: the previous call advanced the epoch before it let its successor
     # launch (below), so no kernel after it can see the old one.
     epoch = tl.atomic_add(epoch_ptr, 0, sem="relaxed")
     parity = epoch & 1
-    # This program's rows of source s sit at region (parity, s) of every receive buffer.
-    region = (parity * WORLD + rank) * source_elements
-    flag = (parity * max_programs + program) * WORLD
+    stamp = epoch << 32  # this call's packets' high half
     if PDL:
         gdc_wait()
     # The last program to read the epoch advances it, then every program lets the next kernel
@@ -94,27 +112,29 @@ def _all_reduce_norm_kernel(
         tl.atomic_xchg(epoch_ptr, epoch + 1, sem="release")
     if PDL:
         gdc_launch_dependents()
+    h_pairs = h_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    # Source s's rows sit at region (parity, s) of every receive buffer.
     for row in range(program, rows, programs):
-        h = tl.load(h_ptr + row * stride_h + offs, mask=mask)
+        pairs = tl.load(h_pairs + row * (stride_h // 2) + pair, mask=pair_mask)
+        packets = stamp | (pairs.to(tl.int64) & 0xFFFFFFFF)
         for peer in tl.static_range(WORLD):
-            buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(DT))
-            tl.store(buffer + region + row * n + offs, h, mask=mask)
-    tl.debug_barrier()  # every thread's stores are issued before the releases below
-    for peer in tl.static_range(WORLD):
-        flags = tl.load(flags_ptr + peer).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(flags + flag + rank, epoch, sem="release", scope="sys")
-    own_flags = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int64))
-    for source in tl.static_range(WORLD):
-        while tl.atomic_add(own_flags + flag + source, 0, sem="acquire", scope="sys") != epoch:
-            pass
-    tl.debug_barrier()  # no thread reads the buffer before every flag is seen
-    own = tl.load(buffers_ptr + rank).to(tl.pointer_type(DT)) + parity * WORLD * source_elements
+            if peer != RANK:
+                buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
+                region = buffer + (parity * WORLD + RANK) * source_packets
+                tl.store(region + row * (n // 2) + pair, packets, mask=pair_mask)
+    own = tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int64))
     for row in range(program, rows, programs):
         total = tl.zeros([BLOCK], tl.float32)
         for source in tl.static_range(WORLD):
-            part = own + source * source_elements + row * n + offs
-            total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        h = round_to(total, DT)  # the all-reduced tensor's dtype, as an all-reduce gives
+            if source == RANK:
+                pairs = tl.load(h_pairs + row * (stride_h // 2) + pair, mask=pair_mask, other=0)
+            else:
+                region = own + (parity * WORLD + source) * source_packets + row * (n // 2)
+                pairs = tl.load(region + pair, mask=pair_mask, other=stamp, volatile=True)
+                while tl.min(((pairs & EPOCH_BITS) == stamp).to(tl.int32), axis=0) == 0:
+                    pairs = tl.load(region + pair, mask=pair_mask, other=stamp, volatile=True)
+            total += _unpack(pairs, BLOCK)
+        h = round_to(total, tl.bfloat16)  # the all-reduced tensor's dtype, as an all-reduce gives
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         o_row, o2_row = o_ptr + row * stride_o, o2_ptr + row * stride_o2
         residual_norm_row(
@@ -135,7 +155,8 @@ def all_reduce_residual_norm(
     collective launch (every rank calls it with the same shapes)."""
     assert x.shape == h.shape and x.dtype == h.dtype and peers.fits(h) and x.stride(1) == 1
     rows, n = h.shape
-    h = h if h.stride(1) == 1 else h.contiguous()
+    if h.stride(1) != 1 or h.stride(0) % 2 or h.data_ptr() % 4:  # read as 4-byte pairs
+        h = h.clone(memory_format=torch.contiguous_format)
     out = torch.empty_like(x)
     out2 = torch.empty_like(out) if next_weight is not None else out
     if rows:
@@ -149,18 +170,16 @@ def all_reduce_residual_norm(
             out,
             out2,
             peers.buffers,
-            peers.flags,
             peers.epoch,
-            peers.rank,
             rows,
             n,
-            peers.source_elements,
-            peers.max_programs,
+            peers.source_packets,
             h.stride(0),
             x.stride(0),
             out.stride(0),
             out2.stride(0),
             eps,
+            RANK=peers.rank,
             WORLD=peers.world,
             HAS_SCALAR=layer_scalar is not None,
             HAS_NEXT=next_weight is not None,

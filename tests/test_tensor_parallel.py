@@ -250,7 +250,7 @@ def test_the_fused_all_reduce_norm_is_chosen_by_shape_alone():
 
     fused = FusedAllReduceNorm.__new__(FusedAllReduceNorm)  # the rule only, no buffers
     unused = torch.zeros(2, dtype=torch.int64)
-    fused.peers = PeerBuffers(0, 2, unused, unused, unused, FusedAllReduceNorm.SOURCE_ELEMENTS, 132)
+    fused.peers = PeerBuffers(0, 2, unused, unused, FusedAllReduceNorm.SOURCE_PACKETS, 132)
     assert fused.fits(torch.zeros(780, 5376, dtype=torch.bfloat16))  # 32 x 5 verify rows and more
     assert not fused.fits(torch.zeros(781, 5376, dtype=torch.bfloat16))  # a prefill chunk
     assert not fused.fits(torch.zeros(4, 5376, dtype=torch.float32))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
+import time
 
 import torch
 
@@ -462,19 +464,18 @@ def test_rmsnorm_residual_add(dtype, with_scalar):
 
 @pytest.mark.parametrize("with_scalar,with_next", [(False, True), (True, False)])
 def test_all_reduce_residual_norm_as_one_rank_of_two(with_scalar, with_next):
-    """Rank 1 of two, its peer played by the test: rank 0's rows and flags are put in place
-    beforehand. Three calls (both buffer parities), more rows than programs."""
-    world, rank, programs, source_elements = 2, 1, 3, 7 * 48
-    buffers = [torch.zeros(2 * world * source_elements, dtype=torch.bfloat16, device=DEV)]
+    """Rank 1 of two, its peer played by a thread of the test: rank 0's packets land while the
+    kernel waits, over zeros or a stale epoch's packets. Three calls (both buffer parities), more
+    rows than programs."""
+    world, rank, programs, source_packets = 2, 1, 3, 7 * 24
+    buffers = [torch.zeros(2 * world * source_packets, dtype=torch.int64, device=DEV)]
     buffers.append(torch.zeros_like(buffers[0]))
-    flags = [torch.zeros(2 * programs * world, dtype=torch.int64, device=DEV) for _ in range(2)]
     peers = PeerBuffers(
         rank=rank,
         world=world,
         buffers=torch.tensor([b.data_ptr() for b in buffers], device=DEV),
-        flags=torch.tensor([f.data_ptr() for f in flags], device=DEV),
         epoch=torch.tensor([1, 0], device=DEV),
-        source_elements=source_elements,
+        source_packets=source_packets,
         max_programs=programs,
     )
     generator = torch.Generator().manual_seed(4)
@@ -482,24 +483,31 @@ def test_all_reduce_residual_norm_as_one_rank_of_two(with_scalar, with_next):
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).bfloat16().to(DEV)
 
+    def packets(rows, epoch):  # two bf16 in the low half, the epoch in the high half
+        return (rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | epoch << 32
+
     for epoch in (1, 2, 3):
         parity, rows = epoch & 1, 7 - epoch
         x, mine, theirs = rand(rows, 48, scale=4), rand(rows, 48, scale=9), rand(rows, 48, scale=9)
         w, w2 = rand(48), rand(48)
         scalar = torch.tensor([0.37], dtype=torch.bfloat16, device=DEV) if with_scalar else None
-        peer_region = (parity * world + 0) * source_elements
-        buffers[rank][peer_region : peer_region + rows * 48] = theirs.flatten()
-        for program in range(min(rows, programs)):
-            flags[rank][(parity * programs + program) * world + 0] = epoch
+        peer_region = (parity * world + 0) * source_packets
+
+        def send():  # the peer's packets arrive while the kernel waits on the old ones
+            time.sleep(0.05)
+            buffers[rank][peer_region : peer_region + rows * 24] = packets(theirs, epoch).flatten()
+
+        peer = threading.Thread(target=send)
+        peer.start()
         y, z = all_reduce_residual_norm(x, mine, w, 1e-6, scalar, w2 if with_next else None, peers)
+        peer.join()
         ry, rz = rmsnorm_residual_add(x, theirs + mine, w, 1e-6, scalar, w2)
         assert torch.equal(y, ry)
         assert torch.equal(z, rz) if with_next else z is None
-        # This rank's rows and flags reached the peer, and the epoch moved on.
-        my_region = (parity * world + rank) * source_elements
-        assert torch.equal(buffers[0][my_region : my_region + rows * 48].view(rows, 48), mine)
-        for program in range(min(rows, programs)):
-            assert flags[0][(parity * programs + program) * world + rank] == epoch
+        # This rank's packets reached the peer, and the epoch moved on.
+        my_region = (parity * world + rank) * source_packets
+        sent = buffers[0][my_region : my_region + rows * 24].view(rows, 24)
+        assert torch.equal(sent, packets(mine, epoch))
         assert peers.epoch.tolist() == [epoch + 1, 0]
 
 

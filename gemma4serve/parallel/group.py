@@ -67,39 +67,34 @@ class OneShotAllReduce:
 class FusedAllReduceNorm:
     """A row-parallel output's all-reduce and the residual norm after it as one kernel
     (kernels/all_reduce_norm.py) over symmetric memory: each rank pushes its rows into every
-    rank's buffer over NVLink P2P (no multicast). For decode, verify and draft-loop rows."""
+    peer's buffer over NVLink P2P (no multicast). For decode, verify and draft-loop rows."""
 
-    SOURCE_ELEMENTS = 4 * 2**20  # bf16 rows per (parity, source rank): 780 of the 31B's 5376
+    SOURCE_PACKETS = 2 * 2**20  # 8-byte packets of two bf16 each per (parity, source rank): 780
+    # rows of the 31B's 5376
 
     def __init__(self, tp: TensorParallel, device: torch.device):
         import torch.distributed._symmetric_memory as symmetric_memory
 
         from gemma4serve.model.fused import kernels
 
-        # Flags for as many programs as the smallest GPU has SMs, the same number on every rank.
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        max_programs = tp.min_int(sms, device)
-        flag_bytes = 8 * 2 * max_programs * tp.size
         self.memory = symmetric_memory.empty(
-            flag_bytes + 2 * 2 * tp.size * self.SOURCE_ELEMENTS, dtype=torch.uint8, device=device
+            2 * tp.size * self.SOURCE_PACKETS, dtype=torch.int64, device=device
         )
         handle = symmetric_memory.rendezvous(self.memory, tp.group.group_name)
-        self.memory[:flag_bytes].zero_()
+        self.memory.zero_()
         # Every rank's copy of this tensor, at the same offset in its allocation.
         offset = self.memory.data_ptr() - handle.buffer_ptrs[tp.rank]
-        flags = [base + offset for base in handle.buffer_ptrs]
         self.peers = kernels().PeerBuffers(
             rank=tp.rank,
             world=tp.size,
-            buffers=torch.tensor([f + flag_bytes for f in flags], device=device),
-            flags=torch.tensor(flags, device=device),
+            buffers=torch.tensor([base + offset for base in handle.buffer_ptrs], device=device),
             epoch=torch.tensor([1, 0], device=device),
-            source_elements=self.SOURCE_ELEMENTS,
-            max_programs=max_programs,
+            source_packets=self.SOURCE_PACKETS,
+            max_programs=torch.cuda.get_device_properties(device).multi_processor_count,
         )
         self.kernel = kernels().all_reduce_residual_norm
         torch.cuda.synchronize(device)
-        dist.barrier(group=tp.group)  # every rank's flags are zero before any rank raises one
+        dist.barrier(group=tp.group)  # every rank's buffer is zero before any rank writes to it
 
     @classmethod
     def create(cls, tp: TensorParallel, device: torch.device) -> FusedAllReduceNorm | None:
@@ -116,7 +111,7 @@ class FusedAllReduceNorm:
             return None
 
     def fits(self, h: torch.Tensor) -> bool:
-        return h.dtype == torch.bfloat16 and self.peers.fits(h)
+        return self.peers.fits(h)
 
     def __call__(self, x, h, weight, eps, scale, next_weight):
         """(x + norm(sum over ranks of h)) * scale, and next_weight's norm of that (or None)."""
