@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """All-reduce latency at a decode step's sizes, replayed in a CUDA graph as the server replays it:
-NCCL (what tensor parallelism uses) and PyTorch's symmetric-memory one-shot all-reduce (a
-custom-all-reduce candidate: each GPU reads the others' buffers over NVLink P2P, no multicast).
+NCCL, PyTorch's symmetric-memory one-shot all-reduce (each GPU reads the others' buffers over
+NVLink P2P, no multicast), and the all-reduce with the residual norm after it as the layers run
+it: one-shot then the norm kernel, and the fused kernel (kernels/all_reduce_norm.py).
 
 A 31B decode step all-reduces [rows, 5376] bf16 twice per layer (60 layers): this times one
 all-reduce as the mean over a graph of --repeats of them, and prints the per-step cost and the
@@ -84,16 +85,45 @@ def one_shot(x: torch.Tensor):
         return None
 
 
+def reduce_add_norm(tp, partial: torch.Tensor):
+    """The all-reduce of `partial` and the residual norm after it, as the layers run them with
+    `tp` (one kernel where tp has the fused path and the rows fit it)."""
+    from gemma4serve.model.fused import FusedOps
+
+    ops = FusedOps()
+    weight = torch.randn(partial.shape[1], dtype=partial.dtype, device=partial.device)
+    residual = torch.randn_like(partial)
+
+    def fn():
+        tp.reduce_add_norm(ops, residual, partial, weight, 1e-6, None, weight)
+
+    return fn
+
+
+def norm_paths(rank: int, ranks: int):
+    """(one-shot then the norm, the fused kernel) as TensorParallel groups, or None each where
+    they do not run here."""
+    from gemma4serve.parallel.group import FusedAllReduceNorm, OneShotAllReduce, TensorParallel
+
+    device = torch.device("cuda", rank)
+    plain = TensorParallel(rank, ranks, dist.group.WORLD)
+    one_shot = OneShotAllReduce.create(plain.group, device)
+    fused = FusedAllReduceNorm.create(plain, device)
+    unfused = TensorParallel(rank, ranks, plain.group, one_shot) if one_shot else None
+    return unfused, TensorParallel(rank, ranks, plain.group, fused_norm=fused) if fused else None
+
+
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks
     )
     dist.all_reduce(torch.ones(1, device="cuda"))  # create the communicator before capture
+    unfused, fused = norm_paths(rank, args.ranks)
     if rank == 0:
         print(f"{args.ranks} ranks, {torch.cuda.get_device_name()}; times per all-reduce (us)")
         print(f"{'rows':>6} {'KiB':>8} {'NCCL':>8} {'one-shot':>9} {'link roof':>10} "
-              f"{'NCCL/step ms':>13}")  # fmt: skip
+              f"{'NCCL/step ms':>13} {'one-shot+norm':>14} {'fused+norm':>11}")  # fmt: skip
     use_one_shot = True
     for rows in args.rows:
         x = torch.randn(rows, args.hidden, dtype=torch.bfloat16, device="cuda")
@@ -106,12 +136,21 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             if rank == 0:
                 print(f"one-shot all-reduce in a graph failed: {type(e).__name__}: {e}")
             t_one, use_one_shot = None, False
+        t_unfused = (
+            time_graph(reduce_add_norm(unfused, x.clone()), args.repeats) if unfused else None
+        )
+        fits = fused is not None and fused.fused_norm.fits(x)
+        t_fused = time_graph(reduce_add_norm(fused, x.clone()), args.repeats) if fits else None
         nbytes = x.numel() * x.element_size()
         roof = nbytes * (args.ranks - 1) / (args.link_gbps * 1e9)
         if rank == 0:
-            one = f"{t_one * 1e6:9.1f}" if t_one is not None else f"{'-':>9}"
+            one, with_norm, fused_norm = (
+                f"{t * 1e6:{width}.1f}" if t is not None else f"{'-':>{width}}"
+                for t, width in ((t_one, 9), (t_unfused, 14), (t_fused, 11))
+            )
             print(f"{rows:6d} {nbytes / 1024:8.1f} {t_nccl * 1e6:8.1f} {one} {roof * 1e6:10.1f} "
-                  f"{t_nccl * ALL_REDUCES_PER_STEP * 1e3:13.2f}", flush=True)  # fmt: skip
+                  f"{t_nccl * ALL_REDUCES_PER_STEP * 1e3:13.2f} {with_norm} {fused_norm}",
+                  flush=True)  # fmt: skip
     dist.destroy_process_group()
 
 
