@@ -313,7 +313,16 @@ def vocab_size(args) -> int:
     return 256000  # every Gemma 4 vocabulary is larger: a safe range for a server we cannot see
 
 
-def bench(url: str, model: str, args) -> list[dict]:
+def save(args, command: list[str], levels: list[dict]) -> None:
+    """The levels so far as JSON in --result-file (after every level: a run cut short keeps
+    what it measured)."""
+    if args.result_file:
+        config = {k: v for k, v in vars(args).items() if k != "result_file"}
+        result = {"command": shlex.join(command), "args": config, "levels": levels}
+        Path(args.result_file).write_text(json.dumps(result, indent=2, default=str))
+
+
+def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
     rng = random.Random(args.seed)
     vocab = vocab_size(args)
     roof = roofline_of(args)
@@ -354,6 +363,7 @@ def bench(url: str, model: str, args) -> list[dict]:
             summary["roofline_step_bytes"] = step.total if acc else step.decode_target + step.kv
         summary["roofline_tpot_ms"] = roof_tpot_ms
         levels.append(summary)
+        save(args, command, levels)
         print(table_row(summary, roof_tpot_ms), flush=True)
         if summary["failed"]:
             print(f"      {summary['failed']} failed: {summary['errors']}", flush=True)
@@ -367,15 +377,12 @@ def main(argv=None) -> None:
     if args.base_url:
         url = args.base_url.rstrip("/")
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        levels = bench(url, model, args)
+        levels = bench(url, model, args, command)
     else:
         extra = args.server_args.split()
         with start_server(args.model, args.draft, args.load_format, extra) as (url, model):
-            levels = bench(url, model, args)
+            levels = bench(url, model, args, command)
     if args.result_file:
-        config = {k: v for k, v in vars(args).items() if k != "result_file"}
-        result = {"command": shlex.join(command), "args": config, "levels": levels}
-        Path(args.result_file).write_text(json.dumps(result, indent=2, default=str))
         print(f"results: {args.result_file}")
     if any(level["failed"] for level in levels):
         sys.exit(1)
