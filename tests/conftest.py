@@ -53,6 +53,17 @@ def tiny_checkpoints(tmp_path_factory) -> TinyCheckpoints:
 
 
 @pytest.fixture(scope="session")
+def demo_root(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """The built-in demo model, built once per session: (its cache root, target_dir,
+    assistant_dir)."""
+    from gemma4serve.demo.checkpoints import ensure_demo_model
+
+    root = tmp_path_factory.mktemp("demo-cache")
+    target, assistant = ensure_demo_model(root)
+    return root, target, assistant
+
+
+@pytest.fixture(scope="session")
 def trained_chat_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny target trained to write known tool calls and thinking (tests/trained_chat.py) and its
     MTP assistant: (target_dir, assistant_dir), trained once per session."""

@@ -18,15 +18,6 @@ EXAMPLES_PER_OPERATION = 80
 
 
 @pytest.fixture(scope="module")
-def demo_root(tmp_path_factory):
-    from gemma4serve.demo.checkpoints import ensure_demo_model
-
-    root = tmp_path_factory.mktemp("demo-cache")
-    target, assistant = ensure_demo_model(root)
-    return root, target, assistant
-
-
-@pytest.fixture(scope="module")
 def server(demo_root):
     _, target, assistant = demo_root
     # Generations stay short: at most 64 positions and 2 choices a request.

@@ -24,15 +24,6 @@ CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "Tell me a story about the sea."}]
 
 
-@pytest.fixture(scope="module")
-def demo_root(tmp_path_factory):
-    from gemma4serve.demo.checkpoints import ensure_demo_model
-
-    root = tmp_path_factory.mktemp("demo-cache")
-    target, assistant = ensure_demo_model(root)
-    return root, target, assistant
-
-
 def start_server(target, assistant, *extra: str) -> ServerProcess:
     return ServerProcess(
         [

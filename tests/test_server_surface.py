@@ -22,15 +22,6 @@ ORIGIN = "http://app.example"
 HI = [{"role": "user", "content": "Tell me a story about the sea."}]
 
 
-@pytest.fixture(scope="module")
-def demo_root(tmp_path_factory):
-    from gemma4serve.demo.checkpoints import ensure_demo_model
-
-    root = tmp_path_factory.mktemp("demo-cache")
-    target, assistant = ensure_demo_model(root)
-    return root, target, assistant
-
-
 def start(*args: str, env: dict | None = None) -> ServerProcess:
     return ServerProcess(
         [
