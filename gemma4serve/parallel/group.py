@@ -69,8 +69,8 @@ class FusedAllReduceNorm:
     (kernels/all_reduce_norm.py) over symmetric memory: each rank pushes its rows into every
     peer's buffer over NVLink P2P (no multicast). For decode, verify and draft-loop rows."""
 
-    SOURCE_PACKETS = 2 * 2**20  # 8-byte packets of two bf16 each per (parity, source rank): 780
-    # rows of the 31B's 5376
+    # 8-byte packets (two bf16 each) per (parity, source rank): 780 rows of the 31B's 5376.
+    SOURCE_PACKETS = 2 * 2**20
 
     def __init__(self, tp: TensorParallel, device: torch.device):
         import torch.distributed._symmetric_memory as symmetric_memory
