@@ -85,32 +85,36 @@ def one_shot(x: torch.Tensor):
         return None
 
 
-def reduce_add_norm(tp, partial: torch.Tensor):
-    """The all-reduce of `partial` and the residual norm after it, as the layers run them with
-    `tp` (one kernel where tp has the fused path and the rows fit it)."""
-    from gemma4serve.model.fused import FusedOps
-
-    ops = FusedOps()
+def reduce_add_norm(path, partial: torch.Tensor):
+    """The all-reduce of `partial` and the residual norm after it by `path`, a callable of
+    (x, partial, weight, eps, scale, next_weight) as TensorParallel.reduce_add_norm's two paths."""
     weight = torch.randn(partial.shape[1], dtype=partial.dtype, device=partial.device)
     residual = torch.randn_like(partial)
 
     def fn():
-        tp.reduce_add_norm(ops, residual, partial, weight, 1e-6, None, weight)
+        path(residual, partial, weight, 1e-6, None, weight)
 
     return fn
 
 
 def norm_paths(rank: int, ranks: int):
-    """(one-shot then the norm, the fused kernel) as TensorParallel groups, or None each where
-    they do not run here."""
+    """(one-shot then the norm kernel, the fused kernel) as callables of reduce_add_norm, or None
+    each where they do not run here. The fused kernel is timed at every size its buffers hold,
+    also past the rows the server gives it (FusedAllReduceNorm.MAX_PEER_ROWS)."""
+    from gemma4serve.model.fused import FusedOps
     from gemma4serve.parallel.group import FusedAllReduceNorm, OneShotAllReduce, TensorParallel
 
     device = torch.device("cuda", rank)
-    plain = TensorParallel(rank, ranks, dist.group.WORLD)
-    one_shot = OneShotAllReduce.create(plain.group, device)
-    fused = FusedAllReduceNorm.create(plain, device)
-    unfused = TensorParallel(rank, ranks, plain.group, one_shot) if one_shot else None
-    return unfused, TensorParallel(rank, ranks, plain.group, fused_norm=fused) if fused else None
+    group = dist.group.WORLD
+    one_shot = OneShotAllReduce.create(group, device)
+    fused = FusedAllReduceNorm.create(TensorParallel(rank, ranks, group), device)
+    plain = TensorParallel(rank, ranks, group, one_shot)
+    ops = FusedOps()
+
+    def unfused(x, partial, *norm):
+        return ops.add_norm(x, plain.all_reduce(partial), *norm)
+
+    return unfused if one_shot else None, fused
 
 
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -139,7 +143,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         t_unfused = (
             time_graph(reduce_add_norm(unfused, x.clone()), args.repeats) if unfused else None
         )
-        fits = fused is not None and fused.fused_norm.fits(x)
+        fits = fused is not None and fused.peers.fits(x)
         t_fused = time_graph(reduce_add_norm(fused, x.clone()), args.repeats) if fits else None
         nbytes = x.numel() * x.element_size()
         roof = nbytes * (args.ranks - 1) / (args.link_gbps * 1e9)

@@ -158,6 +158,7 @@ def mixed_step(args) -> None:
             num_draft_tokens=k,
             max_model_len=max(args.context, args.mixed) + 512,
             max_num_batched_tokens=args.mixed + args.batch * (k + 1),
+            forced_acceptance=args.forced_acceptance,
         )
     )
     decoding = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -210,7 +211,7 @@ def main() -> None:
     parser.add_argument(
         "--forced-acceptance",
         type=float,
-        help="with --engine-loop: tokens per verify step (dummy weights accept almost no drafts, "
+        help="with --engine-loop or --mixed: tokens per verify step (dummy weights accept almost no drafts, "
         "so the adaptive draft length would stop drafting)",
     )
     parser.add_argument(

@@ -244,16 +244,26 @@ def test_the_one_shot_path_is_chosen_by_shape_alone():
 
 
 def test_the_fused_all_reduce_norm_is_chosen_by_shape_alone():
-    """Decode to verify rows of bf16 take the one-kernel all-reduce + norm; prefill-sized rows and
-    other dtypes take an all-reduce, then the norm (on every rank alike)."""
+    """Decode to verify rows of bf16 take the one-kernel all-reduce + norm, fewer the more peers
+    send them; prefill-sized rows and other dtypes take an all-reduce, then the norm (on every
+    rank alike)."""
     from gemma4serve_kernels import PeerBuffers
 
-    fused = FusedAllReduceNorm.__new__(FusedAllReduceNorm)  # the rule only, no buffers
-    unused = torch.zeros(2, dtype=torch.int64)
-    fused.peers = PeerBuffers(0, 2, unused, unused, FusedAllReduceNorm.SOURCE_PACKETS, 132)
-    assert fused.fits(torch.zeros(780, 5376, dtype=torch.bfloat16))  # 32 x 5 verify rows and more
-    assert not fused.fits(torch.zeros(781, 5376, dtype=torch.bfloat16))  # a prefill chunk
-    assert not fused.fits(torch.zeros(4, 5376, dtype=torch.float32))
+    def rule(world: int) -> FusedAllReduceNorm:
+        fused = FusedAllReduceNorm.__new__(FusedAllReduceNorm)  # the rule only, no buffers
+        unused = torch.zeros(world, dtype=torch.int64)
+        fused.world = world
+        fused.peers = PeerBuffers(0, world, unused, unused, FusedAllReduceNorm.SOURCE_PACKETS, 132)
+        return fused
+
+    def rows(n: int, dtype=torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(n, 5376, dtype=dtype)
+
+    assert rule(2).fits(rows(160))  # 32 x 5 verify rows
+    assert not rule(2).fits(rows(161))  # a prefill chunk
+    assert rule(4).fits(rows(32)) and rule(4).fits(rows(53))
+    assert not rule(4).fits(rows(54)) and not rule(4).fits(rows(160))
+    assert not rule(2).fits(rows(4, torch.float32))
 
 
 def test_the_shards_best_tokens_as_keys_give_the_whole_vocabularys_argmax():

@@ -69,14 +69,18 @@ class FusedAllReduceNorm:
     (kernels/all_reduce_norm.py) over symmetric memory: each rank pushes its rows into every
     peer's buffer over NVLink P2P (no multicast). For decode, verify and draft-loop rows."""
 
-    # 8-byte packets (two bf16 each) per (parity, source rank): 780 rows of the 31B's 5376.
-    SOURCE_PACKETS = 2 * 2**20
+    # Rows times peers it takes: past that, one-shot then the norm kernel is faster (TP = 4 at 160
+    # rows; TP = 2 still gains at 160: docs/performance.md).
+    MAX_PEER_ROWS = 160
+    # 8-byte packets (two bf16 each) per (parity, source rank): 195 rows of the 31B's 5376.
+    SOURCE_PACKETS = 2**19
 
     def __init__(self, tp: TensorParallel, device: torch.device):
         import torch.distributed._symmetric_memory as symmetric_memory
 
         from gemma4serve.model.fused import kernels
 
+        self.world = tp.size
         self.memory = symmetric_memory.empty(
             2 * tp.size * self.SOURCE_PACKETS, dtype=torch.int64, device=device
         )
@@ -111,7 +115,7 @@ class FusedAllReduceNorm:
             return None
 
     def fits(self, h: torch.Tensor) -> bool:
-        return self.peers.fits(h)
+        return self.peers.fits(h) and h.shape[0] * (self.world - 1) <= self.MAX_PEER_ROWS
 
     def __call__(self, x, h, weight, eps, scale, next_weight):
         """(x + norm(sum over ranks of h)) * scale, and next_weight's norm of that (or None)."""
