@@ -321,6 +321,7 @@ class Roofline:
     kv: float
     bandwidth: float  # bytes / s
     decode_target: float  # bytes per 1-token step (no drafting)
+    prompt_flops: float  # matmul FLOPs per prompt token: the layers' weights (not the head's)
 
     @property
     def total(self) -> float:
@@ -369,7 +370,27 @@ def roofline(engine: LLMEngine, concurrency: int, context: int, bandwidth: float
     decode = weight_bytes_per_step(
         state.target, concurrency, skip=("embed_tokens_per_layer",), cfg=cfg
     )
-    return Roofline(target, draft, kv, bandwidth, decode)
+    # One multiply-add per weight a token reads (its top-k experts under MoE); attention's are
+    # left out (~1% of a 1k-token prompt's on the 31B), so this bounds from above.
+    prompt = 2 * weight_bytes_per_step(state.target, 1, skip=("embed_tokens",), cfg=cfg) / elt
+    return Roofline(target, draft, kv, bandwidth, decode, prompt)
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul (cuBLAS on CUDA): what prompt tokens' GEMMs can reach."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn_like(a)
+    a @ b
+    reps = 20 if device.type == "cuda" else 3
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def measure_bandwidth(device: torch.device) -> float:

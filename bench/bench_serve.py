@@ -12,7 +12,9 @@ accepted length, the preemptions and the share of prompt tokens the prefix cache
 these random prompts: the warm-up requests have prompts of their own), and the decode-step
 bandwidth roofline next to the TPOT (the bytes one step must read over the bandwidth,
 docs/architecture.md; computed from the configs as bench/bench_offline.py does, so it needs
---model).
+--model). Under each row, the level's output tokens/s bounds: the prompts' GEMMs at the matmul rate
+and the decode steps at the bandwidth, overlapped (whichever takes longer) and in waves (one after
+the other, as a closed loop of equal requests runs them).
 
     # starts the server (bench/server_process.py), E4B shapes with dummy weights
     python bench/bench_serve.py --model configs/gemma-4-E4B-it \\
@@ -69,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true", help="no warm-up requests per level")
     p.add_argument(
         "--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured)"
+    )
+    p.add_argument(
+        "--matmul-tflops", type=float, help="matmul rate for the roofline (default: measured)"
     )
     p.add_argument("--result-file", help="write every level's numbers here as JSON")
     p.add_argument("--seed", type=int, default=0)
@@ -239,15 +244,39 @@ def summarize(
 # ---- the roofline --------------------------------------------------------------------------------
 
 
-def roofline_of(args) -> tuple[object, float, str] | None:
-    """A function (concurrency, context) -> bench_offline.Roofline over meta-device modules built
-    from the configs, and the bandwidth; None without --model."""
+@dataclass
+class Rooflines:
+    step: object  # (concurrency, context) -> bench_offline.Roofline
+    bandwidth: float  # bytes / s
+    bandwidth_source: str
+    matmul_flops: float  # FLOP/s
+    matmul_source: str
+
+    def output_throughput(self, concurrency: int, args, acc: float) -> tuple[float, float]:
+        """Output tokens/s bounds of the level's workload: (prompts' GEMMs at matmul_flops and
+        the decode steps at the bandwidth overlapped: whichever takes longer binds; the two one
+        after the other, as a closed loop of equal requests runs them: in waves, the prompts of
+        `concurrency` arrivals, then their decode steps)."""
+        step = self.step(concurrency, args.input_len + args.output_len // 2)
+        steps = args.output_len / acc if acc else args.output_len
+        rows = concurrency * (1 + num_draft_tokens(args) if acc else 1)
+        prefill_flops = concurrency * args.input_len * step.prompt_flops
+        flops = prefill_flops + steps * rows * step.prompt_flops
+        decode_s = steps * (step.step_s if acc else step.decode_s)
+        tokens = concurrency * args.output_len
+        overlapped = max(flops / self.matmul_flops, decode_s)
+        return tokens / overlapped, tokens / (prefill_flops / self.matmul_flops + decode_s)
+
+
+def roofline_of(args) -> Rooflines | None:
+    """The rooflines over meta-device modules built from the configs, with the bandwidth and
+    matmul rate (measured here unless given); None without --model."""
     if not args.model or not (Path(args.model) / "config.json").exists():
         return None
     import types
 
     import torch
-    from bench_offline import measure_bandwidth, roofline
+    from bench_offline import measure_bandwidth, measure_matmul_flops, roofline
 
     from gemma4serve.config import load_config
     from gemma4serve.model.assistant import Gemma4Assistant
@@ -265,10 +294,22 @@ def roofline_of(args) -> tuple[object, float, str] | None:
         bandwidth, source = args.bandwidth_gbps * 1e9, "given"
     else:
         bandwidth, source = measure_bandwidth(device), f"measured by a {device.type} copy here"
+    if args.matmul_tflops:
+        flops, flops_source = args.matmul_tflops * 1e12, "given"
+    else:
+        flops = measure_matmul_flops(device, dtype)
+        flops_source = f"measured by a {device.type} matmul here"
     ranks = server_flag(args, ("-tp", "--tensor-parallel-size"), 1)
-    if ranks > 1:  # each rank reads its 1/N of the bytes at once
+    if ranks > 1:  # each rank reads its 1/N of the bytes and does 1/N of the math at once
         bandwidth, source = bandwidth * ranks, f"{source}, x{ranks} tensor-parallel ranks"
-    return (lambda c, context: roofline(engine, c, context, bandwidth)), bandwidth, source
+        flops, flops_source = flops * ranks, f"{flops_source}, x{ranks} ranks"
+    return Rooflines(
+        lambda c, context: roofline(engine, c, context, bandwidth),
+        bandwidth,
+        source,
+        flops,
+        flops_source,
+    )
 
 
 def server_flag(args, names: tuple[str, ...], default: int) -> int:
@@ -327,7 +368,9 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
     vocab = vocab_size(args)
     roof = roofline_of(args)
     if roof is not None:
-        print(f"bandwidth for the roofline: {roof[1] / 1e9:.0f} GB/s ({roof[2]})")
+        rate, bandwidth = roof.matmul_flops / 1e12, roof.bandwidth / 1e9
+        print(f"bandwidth for the roofline: {bandwidth:.0f} GB/s ({roof.bandwidth_source})")
+        print(f"matmul rate for the roofline: {rate:.0f} TFLOP/s ({roof.matmul_source})")
     print(
         f"\ninput {args.input_len} tokens, output {args.output_len} tokens (ignore_eos, "
         f"temperature {args.temperature}), request rate {args.request_rate}; times in ms; "
@@ -355,16 +398,25 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
         after = server_counters(url)
         counters = {name: after[name] - before[name] for name in COUNTERS}
         summary = summarize(results, elapsed, concurrency, counters, sum(map(len, prompts)))
-        roof_tpot_ms = None
+        roof_tpot_ms = bounds = None
         if roof is not None:
-            step = roof[0](concurrency, args.input_len + args.output_len // 2)
+            step = roof.step(concurrency, args.input_len + args.output_len // 2)
             acc = summary["mean_accepted_length"]
             roof_tpot_ms = (step.step_s / acc if acc else step.decode_s) * 1e3
             summary["roofline_step_bytes"] = step.total if acc else step.decode_target + step.kv
+            bounds = roof.output_throughput(concurrency, args, acc)
+            summary["roofline_output_throughput"] = bounds[0]
+            summary["roofline_in_waves_output_throughput"] = bounds[1]
         summary["roofline_tpot_ms"] = roof_tpot_ms
         levels.append(summary)
         save(args, command, levels)
         print(table_row(summary, roof_tpot_ms), flush=True)
+        if bounds is not None:
+            print(
+                f"      roofline {bounds[0]:.1f} out tok/s (prompts' GEMMs and decode steps "
+                f"overlapped), {bounds[1]:.1f} in waves (one after the other)",
+                flush=True,
+            )
         if summary["failed"]:
             print(f"      {summary['failed']} failed: {summary['errors']}", flush=True)
     return levels

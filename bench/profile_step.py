@@ -211,8 +211,8 @@ def main() -> None:
     parser.add_argument(
         "--forced-acceptance",
         type=float,
-        help="with --engine-loop or --mixed: tokens per verify step (dummy weights accept almost no drafts, "
-        "so the adaptive draft length would stop drafting)",
+        help="with --engine-loop or --mixed: tokens per verify step (dummy weights accept almost "
+        "no drafts, so the adaptive draft length would stop drafting)",
     )
     parser.add_argument(
         "--mixed", type=int, default=0, help="time steps carrying a prompt this long (see above)"

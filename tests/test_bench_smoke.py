@@ -99,13 +99,17 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         [sys.executable, str(ROOT / "bench" / "bench_serve.py"), "--model", str(target),
          "--draft", str(assistant), "--server-args", server_args, "--input-len", "60",
          "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
-         "--bandwidth-gbps", "50", "--result-file", str(result_file)],
+         "--bandwidth-gbps", "50", "--matmul-tflops", "5", "--result-file", str(result_file)],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()  # the server's log goes to stderr
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["conc", "reqs"])
-    rows = {int(line.split()[0]): line.split() for line in lines[header + 1 : header + 3]}
+    rows = {
+        int(line.split()[0]): line.split()
+        for line in lines[header + 1 :]
+        if line.split() and line.split()[0].isdigit()
+    }
     assert set(rows) == {1, 3} and all(row[1] == "3" for row in rows.values())
     levels = json.loads(result_file.read_text())["levels"]
     assert [level["concurrency"] for level in levels] == [1, 3]
@@ -119,6 +123,16 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         assert level["preemptions"] == 0
         assert level["prompt_tokens"] == 3 * 60 and level["prefix_cache_hit_tokens"] == 0
         assert level["roofline_tpot_ms"] > 0
+        # Overlapping the prompts' GEMMs with the decode steps can only beat running them in turn.
+        waves, overlapped = (
+            level["roofline_in_waves_output_throughput"],
+            level["roofline_output_throughput"],
+        )
+        assert 0 < waves <= overlapped
+    assert "matmul rate for the roofline: 5 TFLOP/s (given)" in proc.stdout
+    assert (
+        sum("out tok/s (prompts' GEMMs and decode steps overlapped)" in line for line in lines) == 2
+    )
 
 
 def test_bench_with_json_object_constrains_every_request():
