@@ -1,8 +1,11 @@
-"""Paged-attention bandwidth on the GPU at the 31B shapes.
+"""Paged-attention bandwidth on the GPU at a model's shapes (the 31B's by default).
 
 Decode, 5-row verify and 1024-token prefill chunks; "mixed" is a served step's layout: `batch`
-5-row verifications and a prompt chunk filling the 2048-token budget, padded as the mixed CUDA
-graphs pad it (to the token bucket, and with empty groups to the server's sequence bucket).
+5-row verifications and prompt chunks filling the 2048-token budget (one first chunk, or with
+--prompt-len whole prompts of that length and the first piece of the next), padded as the mixed
+CUDA graphs pad it (with empty groups to the server's sequence bucket); its row is followed by its
+parts alone. "prompts" is those prompt chunks alone (the prefill tiles' case for --sweep). Shapes
+are the --model's (the 31B by default).
 
     python bench/bench_kernels.py            # the table
     # Also search configs (slow: limit it).
@@ -33,10 +36,22 @@ from gemma4serve_kernels import attention_config, paged_attention
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import copy_bandwidth  # noqa: E402
 
-SHAPES = {  # 31B: 32 query heads
-    "full": dict(nh=32, nkv=4, hd=512, window=0),
-    "sliding": dict(nh=32, nkv=16, hd=256, window=1024),
-}
+
+def shapes_of(model: str) -> dict:
+    """Attention shapes of the model's full and sliding layers."""
+    from gemma4serve.config import load_config
+
+    cfg = load_config(model)
+    shapes = {}
+    for layer in cfg.layers:
+        window = cfg.sliding_window if layer.kind == "sliding_attention" else 0
+        name = "sliding" if window else "full"
+        shapes.setdefault(
+            name, dict(nh=cfg.num_heads, nkv=layer.num_kv_heads, hd=layer.head_dim, window=window)
+        )
+    return shapes
+
+
 PAGE = 16
 DT = torch.bfloat16
 PHASE_ROWS = {
@@ -44,70 +59,72 @@ PHASE_ROWS = {
     "verify": 5,
     "prefill": 1024,
     "mixed": 5,
-}  # query rows per sequence (prefill: one chunk; mixed: per verifying sequence)
+    "prompts": 5,
+}  # query rows per sequence (prefill: one chunk; mixed and prompts: per verifying sequence)
 MIXED_TOKENS = 2048  # the server's default token budget
 
 
-def build(shape: dict, batch: int, ctx: int, rows: int):
-    """Every sequence has `ctx` committed positions; its `rows` query rows are the last ones."""
+def build_groups(shape: dict, groups: list[tuple[int, int]]):
+    """Paged attention's arguments for sequence groups [(committed positions, query rows)]: each
+    group's rows are its last positions; pages in a random order. Also the bytes moved (the K and V
+    rows the queries can see, q read, output written) and the FLOPs of q·k and p·v."""
     nh, nkv, hd, window = shape["nh"], shape["nkv"], shape["hd"], shape["window"]
-    pages_per = triton.cdiv(ctx, PAGE)
-    num_pages = 1 + batch * pages_per
-    phys = (torch.randperm(num_pages - 1, device="cuda") + 1).to(torch.int32)
-    table = phys.view(batch, pages_per).contiguous()
-    k_cache = torch.randn(num_pages, PAGE, nkv, hd, device="cuda", dtype=DT)
+    pages = [triton.cdiv(ctx, PAGE) for ctx, _ in groups]
+    phys = (torch.randperm(sum(pages), device="cuda") + 1).to(torch.int32)
+    table = torch.zeros(len(groups), max(pages), dtype=torch.int32, device="cuda")
+    for i, (first, count) in enumerate(zip(itertools.accumulate([0] + pages), pages)):
+        table[i, :count] = phys[first : first + count]
+    k_cache = torch.randn(1 + sum(pages), PAGE, nkv, hd, device="cuda", dtype=DT)
     v_cache = torch.randn_like(k_cache)
-    T = batch * rows
+    T = sum(rows for _, rows in groups)
     q = torch.randn(T, nh, hd, device="cuda", dtype=DT) * hd**-0.5
-    ends = torch.arange(ctx - rows + 1, ctx + 1, dtype=torch.int32, device="cuda").repeat(batch)
-    token_seq = torch.arange(batch, dtype=torch.int32, device="cuda").repeat_interleave(rows)
-    cu = torch.arange(0, T + 1, rows, dtype=torch.int32, device="cuda")
-    visible = (
-        min(ctx, window + rows - 1) if window else ctx
-    )  # keys one sequence's rows read together
-    nbytes = batch * visible * nkv * hd * 2 * 2 + 2 * q.numel() * 2
-    args = (q, k_cache, v_cache, token_seq, ends, table, cu, rows, window)
+    ends = torch.cat(
+        [torch.arange(ctx - rows + 1, ctx + 1, dtype=torch.int32) for ctx, rows in groups]
+    )
+    token_seq = torch.cat(
+        [torch.full((rows,), i, dtype=torch.int32) for i, (_, rows) in enumerate(groups)]
+    )
+    cu = torch.tensor([0, *itertools.accumulate(rows for _, rows in groups)], dtype=torch.int32)
+    nbytes, flops = 2 * q.numel() * 2, 0
+    for ctx, rows in groups:
+        # keys one group's rows read together; each row attends to at most a window of them
+        nbytes += min(ctx, window + rows - 1 if window else ctx) * nkv * hd * 2 * 2
+        seen = torch.arange(ctx - rows + 1, ctx + 1)
+        flops += 4 * nh * hd * int((seen.clamp(max=window) if window else seen).sum())
+    args = (q, k_cache, v_cache, token_seq.cuda(), ends.cuda(), table, cu.cuda(),
+            max(rows for _, rows in groups), window)  # fmt: skip
+    return args, nbytes, flops
+
+
+def build(shape: dict, batch: int, ctx: int, rows: int):
+    """`batch` sequences of `ctx` committed positions, each with its last `rows` as queries."""
+    args, nbytes, _ = build_groups(shape, [(ctx, rows)] * batch)
     return args, nbytes
 
 
-def build_mixed(shape: dict, batch: int, ctx: int):
-    """`batch` verifying sequences at `ctx` and a prompt's first chunk filling the budget, with
-    empty groups up to the sequence bucket (of the server's default 256 sequences) as
+def prompt_chunks(batch: int, prompt_len: int | None) -> list[tuple[int, int]]:
+    """The prompt chunks that fill the token budget beside `batch` verifications: one first chunk,
+    or whole prompts of `prompt_len` and the first piece of the next."""
+    budget = MIXED_TOKENS - batch * PHASE_ROWS["verify"]
+    if prompt_len is None:
+        return [(budget, budget)]
+    pieces = [prompt_len] * (budget // prompt_len) + [budget % prompt_len]
+    return [(rows, rows) for rows in pieces if rows]
+
+
+def build_mixed(shape: dict, batch: int, ctx: int, prompt_len: int | None):
+    """`batch` verifying sequences at `ctx` and the prompt chunks beside them, with empty groups
+    up to the sequence bucket (of the server's default 256 sequences) as
     gemma4serve/engine/cuda_graphs.py's mixed graphs pad them."""
     from gemma4serve.engine.cuda_graphs import mixed_group_buckets
 
-    rows = PHASE_ROWS["verify"]
-    chunk = MIXED_TOKENS - batch * rows
-    args, nbytes = build(shape, batch, ctx, rows)
-    chunk_args, chunk_bytes = build(shape, 1, chunk, chunk)  # a prompt's first chunk
-    q, k_cache, v_cache, token_seq, ends, table, cu = args[:7]
-    cq, ck, cv, _, c_ends, c_table, _ = chunk_args[:7]
-    offset = k_cache.shape[0] - 1  # the chunk's pages after the verifications' (page 0 shared)
-    k_cache, v_cache = torch.cat([k_cache, ck[1:]]), torch.cat([v_cache, cv[1:]])
-    width = max(table.shape[1], c_table.shape[1])
-    table = torch.cat(
-        [
-            torch.nn.functional.pad(table, (0, width - table.shape[1])),
-            torch.nn.functional.pad(c_table + offset, (0, width - c_table.shape[1])),
-        ]
-    )
-    groups = batch + 1
-    group_bucket = next(g for g in mixed_group_buckets(256) if g >= groups)
-    # The chunk's group ends the rows; the empty ones after it pad to the bucket's G + 1 groups.
-    cu = torch.cat([cu, cu.new_full((group_bucket + 2 - groups,), MIXED_TOKENS)])
-    token_seq = torch.cat([token_seq, token_seq.new_full((chunk,), batch)])
-    mixed = (
-        torch.cat([q, cq]),
-        k_cache,
-        v_cache,
-        token_seq,
-        torch.cat([ends, c_ends]),
-        table,
-        cu,
-        MIXED_TOKENS,
-        shape["window"],
-    )
-    return mixed, nbytes + chunk_bytes
+    verify = [(ctx, PHASE_ROWS["verify"])] * batch
+    groups = verify + prompt_chunks(batch, prompt_len)
+    args, nbytes, flops = build_groups(shape, groups)
+    bucket = next(g for g in mixed_group_buckets(256) if g >= len(groups))
+    cu = args[6]
+    cu = torch.cat([cu, cu.new_full((bucket + 1 - len(groups),), MIXED_TOKENS)])
+    return (*args[:6], cu, MIXED_TOKENS, args[8]), nbytes, flops
 
 
 def time_case(args, **kw):
@@ -211,6 +228,10 @@ def main():
         action="store_true",
         help="sweep only block_n and the split settings, keeping the default warps / stages",
     )
+    parser.add_argument("--model", default="configs/gemma-4-31B-it", help="the shapes' config")
+    parser.add_argument(
+        "--prompt-len", type=int, help="mixed and prompts: whole prompts of this length"
+    )
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--layers", default="full,sliding")
@@ -248,25 +269,39 @@ def main():
     )
     print(head + ("   best (sweep, graph us)" if cli.sweep else ""))
     print("-" * len(head))
+    shapes = shapes_of(cli.model)
     for name in cli.layers.split(","):
-        shape = SHAPES[name]
+        shape = shapes[name]
         for phase in cli.phases.split(","):
-            rows = PHASE_ROWS[phase]
             for batch in map(int, cli.batches.split(",")):
                 for ctx in map(int, cli.contexts.split(",")):
+                    parts, flops = {}, None
                     if phase == "mixed":
-                        args, nbytes = build_mixed(shape, batch, ctx)
+                        args, nbytes, flops = build_mixed(shape, batch, ctx, cli.prompt_len)
+                        parts["verify"] = build(shape, batch, ctx, PHASE_ROWS["verify"])[0]
+                        parts["prompts"] = build_groups(
+                            shape, prompt_chunks(batch, cli.prompt_len)
+                        )[0]
+                    elif phase == "prompts":
+                        groups = prompt_chunks(batch, cli.prompt_len)
+                        args, nbytes, flops = build_groups(shape, groups)
                     else:
-                        args, nbytes = build(shape, batch, ctx, rows)
+                        args, nbytes = build(shape, batch, ctx, PHASE_ROWS[phase])
                     ms, graph_ms = time_case(args)
                     gbs = nbytes / (ms * 1e-3) / 1e9
                     line = (
                         f"{name:8s} {phase:7s} {batch:5d} {ctx:6d} {nbytes / 1e6:9.1f} "
                         f"{ms * 1e3:8.1f} {gbs:7.0f} {100 * gbs / bw:6.1f}% {graph_ms * 1e3:9.1f}"
                     )
+                    if flops is not None:
+                        line += f"  ({flops / (graph_ms * 1e-3) / 1e12:.0f} TFLOP/s)"
+                    for part, part_args in parts.items():
+                        line += (
+                            f"\n      {part} alone: {time_case(part_args)[1] * 1e3:.1f} graph us"
+                        )
                     if cli.sweep:
                         ranked = sweep(
-                            args, shape["hd"], shape["nh"] // shape["nkv"], rows, **options
+                            args, shape["hd"], shape["nh"] // shape["nkv"], args[7], **options
                         )
                         line += "".join(
                             f"\n      {ms * 1e3:6.1f} us "
@@ -274,7 +309,7 @@ def main():
                             for ms, cfg in ranked[: cli.top]
                         )
                     print(line, flush=True)
-                    del args
+                    del args, parts
                     torch.cuda.empty_cache()
 
 
