@@ -311,3 +311,43 @@ def test_mismatched_drafter_is_refused(tiny_checkpoints):
             draft=str(tiny_checkpoints.get_assistant("ple")),
             device="cpu",
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_centroid_heads_best_tokens_are_the_first_argmax_of_its_logits(dtype):
+    """The drafter's greedy tokens skip the [B, V] logits of the E2B/E4B centroid head, and still
+    are their first argmax: ties go to the lowest id, and when all selected logits are equal and
+    the fill below them rounds up to them (bf16 at 1024), every token ties and token 0 wins."""
+    from types import SimpleNamespace
+
+    from gemma4serve.model.assistant import CentroidHead
+
+    V, H, C, B = 512, 16, 32, 6
+    cfg = SimpleNamespace(
+        text=SimpleNamespace(vocab_size=V, hidden_size=H), centroid_top_k=4, num_centroids=C
+    )
+    generator = torch.Generator().manual_seed(0)
+    head = CentroidHead(cfg).to(dtype)
+    head.centroids.weight.data = torch.randn(C, H, generator=generator).to(dtype)
+    ordering = torch.randperm(V, generator=generator)
+    # token 0 first in a cluster that all-ones hidden states do not select
+    unselected = head.centroids(torch.ones(1, H, dtype=dtype)).argmin().item()
+    first = unselected * (V // C)
+    ordering[ordering == 0], ordering[first] = ordering[first].item(), 0
+    head.token_ordering.copy_(ordering)
+    h = torch.randn(B, H, generator=generator)
+    distinct = torch.randn(V, H, generator=generator)
+    few = torch.randn(3, H, generator=generator)[torch.randint(0, 3, (V,), generator=generator)]
+    equal = torch.zeros(V, H)
+    equal[:, 0] = 1024.0
+    cases = [(h, distinct), (h, few), (torch.ones(B, H), equal)]  # distinct; 3 values; all 1024
+    for hidden, lm_head in cases:
+        hidden, lm_head = hidden.to(dtype), lm_head.to(dtype)
+        values, tokens = head(hidden, lm_head).max(-1)
+        best = head.best_tokens(hidden, lm_head)
+        assert torch.equal(best.tokens, tokens) and torch.equal(best.values, values.float())
+    # Token 0 is not selected here, so in bf16 only the every-token tie can make it win.
+    selected, _ = head._selected(hidden, lm_head)
+    assert (selected != 0).all()
+    lowest = selected.min(-1).values
+    assert torch.equal(best.tokens, torch.zeros_like(lowest) if dtype == torch.bfloat16 else lowest)

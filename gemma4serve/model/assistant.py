@@ -14,7 +14,7 @@ from torch import nn
 from gemma4serve.config import AssistantConfig, TextConfig
 from gemma4serve.model import fused
 from gemma4serve.model.gemma4 import DecoderLayer, ForwardContext, Rotary, run_layers
-from gemma4serve.model.layers import REFERENCE_OPS, RMSNorm, TorchOps, bind_ops
+from gemma4serve.model.layers import REFERENCE_OPS, BestTokens, RMSNorm, TorchOps, bind_ops
 from gemma4serve.parallel.group import TensorParallel
 
 
@@ -39,13 +39,31 @@ class CentroidHead(nn.Module):
         self.register_buffer("token_ordering", torch.zeros(V, dtype=torch.int64))
 
     def forward(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """The full logits [B, V]."""
         B, V = h.shape[0], lm_head.shape[0]
-        top = torch.topk(self.centroids(h), self.top_k, dim=-1).indices  # [B, k]
-        clusters = self.token_ordering.view(self.centroids.out_features, -1)
-        toks = clusters[top].reshape(B, -1)  # [B, k * V / C] canonical token ids
-        sel = (h[:, None, :] @ lm_head[toks].transpose(1, 2)).squeeze(1)
+        toks, sel = self._selected(h, lm_head)
         fill = (sel.min(dim=-1, keepdim=True).values - 1.0).expand(B, V)
         return fill.contiguous().scatter(1, toks, sel)
+
+    def best_tokens(self, h: torch.Tensor, lm_head: torch.Tensor) -> BestTokens:
+        """The first argmax of forward(h, lm_head) per row and its value, without the [B, V]
+        logits: every other token's fill lies below the selected ones, so the first maximum is the
+        lowest id among the selected tokens holding the largest value. Unless the fill rounds up
+        to it (all selected equal): then every token ties and token 0 is the first."""
+        V = lm_head.shape[0]
+        toks, sel = self._selected(h, lm_head)
+        best = sel.max(dim=-1, keepdim=True).values
+        fill = sel.min(dim=-1, keepdim=True).values - 1.0
+        tokens = torch.where(sel == best, toks, V).min(dim=-1).values
+        tokens = torch.where(fill.squeeze(-1) == best.squeeze(-1), 0, tokens)
+        return BestTokens(tokens, best.squeeze(-1).float())
+
+    def _selected(self, h: torch.Tensor, lm_head: torch.Tensor):
+        """(the top clusters' token ids [B, k * V / C], their logits [B, k * V / C])."""
+        top = torch.topk(self.centroids(h), self.top_k, dim=-1).indices  # [B, k]
+        clusters = self.token_ordering.view(self.centroids.out_features, -1)
+        toks = clusters[top].reshape(h.shape[0], -1)  # canonical token ids
+        return toks, (h[:, None, :] @ lm_head[toks].transpose(1, 2)).squeeze(1)
 
 
 class Gemma4Assistant(nn.Module):
@@ -99,14 +117,15 @@ class Gemma4Assistant(nn.Module):
         """
         u = self.ops.linear(torch.cat([tok_embed, hprev], dim=-1), self.pre_projection.weight)
         h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
-        tokens = self.ops.best_tokens(self.greedy_head, h, self._logits).tokens
+        if self.masked_embedding is not None:
+            tokens = self.masked_embedding.best_tokens(h, self.model.embed_tokens.weight).tokens
+        else:
+            tokens = self.ops.best_tokens(self.greedy_head, h, self._logits).tokens
         return tokens, self.ops.linear(h, self.post_projection.weight)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        lm_head = self.model.embed_tokens.weight
-        if self.masked_embedding is not None:
-            return self.masked_embedding(h, lm_head)
-        return self.ops.linear(h, lm_head)
+        """The full (not centroid) head's logits."""
+        return self.ops.linear(h, self.model.embed_tokens.weight)
 
     def checkpoint_param_name(self, name: str) -> str | None:
         return None if name == "lm_head.weight" else name
