@@ -165,6 +165,7 @@ def _fused_all_reduce_norm_checks(rank: int, port: int) -> list[float]:
     counts: eagerly back to back, in a chain of 200 calls, and replayed in a CUDA graph."""
     import torch.distributed as dist
 
+    from gemma4serve.parallel.group import FusedAllReduceNorm
     from gemma4serve.parallel.workers import init_group
     from gemma4serve_kernels import rmsnorm_residual_add
 
@@ -191,7 +192,8 @@ def _fused_all_reduce_norm_checks(rank: int, port: int) -> list[float]:
     scalar = torch.tensor([0.37], dtype=torch.bfloat16, device=device)
     sums = []
     calls = []
-    for rows in (1, 3, 16, 160, 700, 1, 5, 5):
+    most = 2 * FusedAllReduceNorm.SOURCE_PACKETS // hidden  # the rows its buffers hold
+    for rows in (1, 3, 16, 160, most, 1, 5, 5):
         x, h = rand(shared, rows, hidden, scale=4), rand(own, rows, hidden, scale=9)
         options = (scalar, None) if rows % 2 else (None, w2)
         calls.append((x, h, options, fused(x, h, w, eps, *options)))
