@@ -39,12 +39,12 @@ from bench_step import copy_bandwidth  # noqa: E402
 
 def shapes_of(model: str) -> dict:
     """Attention shapes of the model's full and sliding layers."""
-    from gemma4serve.config import load_config
+    from gemma4serve.config import SLIDING, load_config
 
     cfg = load_config(model)
     shapes = {}
     for layer in cfg.layers:
-        window = cfg.sliding_window if layer.kind == "sliding_attention" else 0
+        window = cfg.sliding_window if layer.kind == SLIDING else 0
         name = "sliding" if window else "full"
         shapes.setdefault(
             name, dict(nh=cfg.num_heads, nkv=layer.num_kv_heads, hd=layer.head_dim, window=window)
@@ -58,9 +58,7 @@ PHASE_ROWS = {
     "decode": 1,
     "verify": 5,
     "prefill": 1024,
-    "mixed": 5,
-    "prompts": 5,
-}  # query rows per sequence (prefill: one chunk; mixed and prompts: per verifying sequence)
+}  # query rows per sequence (prefill: one chunk)
 MIXED_TOKENS = 2048  # the server's default token budget
 
 
@@ -235,7 +233,9 @@ def main():
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--layers", default="full,sliding")
-    parser.add_argument("--phases", default="decode,verify")
+    parser.add_argument(
+        "--phases", default="decode,verify", help="of decode, verify, prefill, mixed, prompts"
+    )
     parser.add_argument("--warps", default="4,8", help="num_warps options of the sweep")
     parser.add_argument("--stages", default="3,5", help="num_stages options of the sweep")
     parser.add_argument(
