@@ -8,9 +8,11 @@ gap between two deliveries of a request, spread over the tokens delivered togeth
 tokens land at once). Next to the measured TPOT it prints the decode-step bandwidth roofline
 (docs/architecture.md, "Performance model: the bandwidth roofline"): the bytes one verify step must
 read (target weights, k drafter passes, KV) over the memory bandwidth, divided by the measured
-tokens per step. On CUDA each level also prints its GPU timeline: CUDA events around every launch
-give the GPU's idle time before continued, scheduled-decode and prefill-carrying launches, the
-host's time queueing them and the span each covers.
+tokens per step; under each row, the level's output tokens/s bounds (`output_bounds`: the prompts'
+GEMMs at a measured matmul rate with the decode steps at that roofline, overlapped and in waves).
+On CUDA each level also prints its GPU timeline: CUDA events around every launch give the GPU's
+idle time before continued, scheduled-decode and prefill-carrying launches, the host's time
+queueing them and the span each covers.
 
     # CPU, seconds: a tiny random checkpoint
     python bench/bench_offline.py --tiny --input-len 64 --output-len 32 --concurrency 1 4 \\
@@ -96,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--bandwidth-gbps", type=float, help="memory bandwidth for the roofline (default: measured)"
+    )
+    p.add_argument(
+        "--matmul-tflops", type=float, help="matmul rate for the roofline (default: measured)"
     )
     p.add_argument(
         "--no-warmup", action="store_true", help="skip the short warm-up run before each level"
@@ -374,6 +379,38 @@ def roofline(engine: LLMEngine, concurrency: int, context: int, bandwidth: float
     # left out (~1% of a 1k-token prompt's on the 31B), so this bounds from above.
     prompt = 2 * weight_bytes_per_step(state.target, 1, skip=("embed_tokens",), cfg=cfg) / elt
     return Roofline(target, draft, kv, bandwidth, decode, prompt)
+
+
+def output_bounds(
+    roof: Roofline,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    acc: float | None,
+    num_draft_tokens: int,
+    matmul_flops: float,
+) -> tuple[float, float]:
+    """Output tokens/s bounds of a closed loop of `concurrency` equal requests: the prompts' GEMMs
+    at `matmul_flops` and the decode steps (acc tokens each; one without drafts) at the bandwidth
+    roofline. (Overlapped: whichever takes longer binds; in waves: one after the other, as such a
+    loop runs them: the prompts of `concurrency` arrivals, then their decode steps.)"""
+    drafting = num_draft_tokens > 0 and acc is not None and acc > 1.0
+    steps = output_len / acc if drafting else output_len
+    rows = concurrency * (1 + num_draft_tokens if drafting else 1)
+    prefill_flops = concurrency * input_len * roof.prompt_flops
+    flops = prefill_flops + steps * rows * roof.prompt_flops
+    decode_s = steps * (roof.step_s if drafting else roof.decode_s)
+    tokens = concurrency * output_len
+    overlapped = max(flops / matmul_flops, decode_s)
+    return tokens / overlapped, tokens / (prefill_flops / matmul_flops + decode_s)
+
+
+def print_output_bounds(bounds: tuple[float, float]) -> None:
+    print(
+        f"      roofline {bounds[0]:.1f} out tok/s (prompts' GEMMs and decode steps overlapped), "
+        f"{bounds[1]:.1f} in waves (one after the other)",
+        flush=True,
+    )
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -750,6 +787,11 @@ def main(argv=None) -> None:
     else:
         bw, bw_src = measure_bandwidth(state.device), "measured by a device copy"
     print(f"bandwidth for the roofline: {bw / 1e9:.0f} GB/s ({bw_src})")
+    if args.matmul_tflops:
+        rate, rate_src = args.matmul_tflops * 1e12, "given"
+    else:
+        rate, rate_src = measure_matmul_flops(state.device, state.dtype), "measured by a matmul"
+    print(f"matmul rate for the roofline: {rate / 1e12:.0f} TFLOP/s ({rate_src})")
     V = state.target.cfg.vocab_size
     del state  # --hf-baseline frees the engine's KV pool: keep no reference to it
     trace_launches(engine.runner)
@@ -786,6 +828,9 @@ def main(argv=None) -> None:
             if args.json_object == "both":
                 print(f"      {'json_object' if constrained else 'plain'}:", flush=True)
             print(table_row(level, roof), flush=True)
+            print_output_bounds(
+                output_bounds(roof, c, args.input_len, args.output_len, level.accepted_len, k, rate)
+            )
             print_level_details(level, compiled)
 
     print(

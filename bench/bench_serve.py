@@ -252,20 +252,16 @@ class Rooflines:
     matmul_flops: float  # FLOP/s
     matmul_source: str
 
-    def output_throughput(self, concurrency: int, args, acc: float) -> tuple[float, float]:
-        """Output tokens/s bounds of the level's workload: (prompts' GEMMs at matmul_flops and
-        the decode steps at the bandwidth overlapped: whichever takes longer binds; the two one
-        after the other, as a closed loop of equal requests runs them: in waves, the prompts of
-        `concurrency` arrivals, then their decode steps)."""
+    def output_throughput(self, concurrency: int, args, acc: float | None) -> tuple[float, float]:
+        """The level's output tokens/s bounds (bench_offline.output_bounds): overlapped, in
+        waves."""
+        from bench_offline import output_bounds
+
         step = self.step(concurrency, args.input_len + args.output_len // 2)
-        steps = args.output_len / acc if acc else args.output_len
-        rows = concurrency * (1 + num_draft_tokens(args) if acc else 1)
-        prefill_flops = concurrency * args.input_len * step.prompt_flops
-        flops = prefill_flops + steps * rows * step.prompt_flops
-        decode_s = steps * (step.step_s if acc else step.decode_s)
-        tokens = concurrency * args.output_len
-        overlapped = max(flops / self.matmul_flops, decode_s)
-        return tokens / overlapped, tokens / (prefill_flops / self.matmul_flops + decode_s)
+        k = num_draft_tokens(args) if args.draft else 0
+        return output_bounds(
+            step, concurrency, args.input_len, args.output_len, acc, k, self.matmul_flops
+        )
 
 
 def roofline_of(args) -> Rooflines | None:
@@ -412,11 +408,9 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
         save(args, command, levels)
         print(table_row(summary, roof_tpot_ms), flush=True)
         if bounds is not None:
-            print(
-                f"      roofline {bounds[0]:.1f} out tok/s (prompts' GEMMs and decode steps "
-                f"overlapped), {bounds[1]:.1f} in waves (one after the other)",
-                flush=True,
-            )
+            from bench_offline import print_output_bounds
+
+            print_output_bounds(bounds)
         if summary["failed"]:
             print(f"      {summary['failed']} failed: {summary['errors']}", flush=True)
     return levels

@@ -46,6 +46,7 @@ def test_bench_prints_a_row_per_concurrency():
     out = run_bench(
         "--input-len", "60", "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
         "--num-draft-tokens", "3", "--forced-acceptance", "3.1", "--bandwidth-gbps", "50",
+        "--matmul-tflops", "5",
     )  # fmt: skip
     first = out.splitlines()[0]
     assert first.startswith("command: ") and "--forced-acceptance 3.1" in first
@@ -64,6 +65,8 @@ def test_bench_prints_a_row_per_concurrency():
         assert 2.0 < row["acc len"] <= 4.0
         assert 50 < row["draft %"] < 100
     assert out.count("GB/step") == 2
+    assert "matmul rate for the roofline: 5 TFLOP/s (given)" in out
+    assert out.count("out tok/s (prompts' GEMMs and decode steps overlapped)") == 2
     # Every measured prompt is prefilled whole: the warm-up's prompts are others (a 60-token prompt
     # would otherwise hit the prefix cache).
     assert out.count("(180 prompt tokens,") == 2
