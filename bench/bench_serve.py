@@ -252,17 +252,6 @@ class Rooflines:
     matmul_flops: float  # FLOP/s
     matmul_source: str
 
-    def output_throughput(self, concurrency: int, args, acc: float | None) -> tuple[float, float]:
-        """The level's output tokens/s bounds (bench_offline.output_bounds): overlapped, in
-        waves."""
-        from bench_offline import output_bounds
-
-        step = self.step(concurrency, args.input_len + args.output_len // 2)
-        k = num_draft_tokens(args) if args.draft else 0
-        return output_bounds(
-            step, concurrency, args.input_len, args.output_len, acc, k, self.matmul_flops
-        )
-
 
 def roofline_of(args) -> Rooflines | None:
     """The rooflines over meta-device modules built from the configs, with the bandwidth and
@@ -364,6 +353,8 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
     vocab = vocab_size(args)
     roof = roofline_of(args)
     if roof is not None:
+        from bench_offline import output_bounds, print_output_bounds
+
         rate, bandwidth = roof.matmul_flops / 1e12, roof.bandwidth / 1e9
         print(f"bandwidth for the roofline: {bandwidth:.0f} GB/s ({roof.bandwidth_source})")
         print(f"matmul rate for the roofline: {rate:.0f} TFLOP/s ({roof.matmul_source})")
@@ -400,7 +391,10 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
             acc = summary["mean_accepted_length"]
             roof_tpot_ms = (step.step_s / acc if acc else step.decode_s) * 1e3
             summary["roofline_step_bytes"] = step.total if acc else step.decode_target + step.kv
-            bounds = roof.output_throughput(concurrency, args, acc)
+            k = num_draft_tokens(args) if args.draft else 0
+            bounds = output_bounds(
+                step, concurrency, args.input_len, args.output_len, acc, k, roof.matmul_flops
+            )
             summary["roofline_output_throughput"] = bounds[0]
             summary["roofline_in_waves_output_throughput"] = bounds[1]
         summary["roofline_tpot_ms"] = roof_tpot_ms
@@ -408,8 +402,6 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
         save(args, command, levels)
         print(table_row(summary, roof_tpot_ms), flush=True)
         if bounds is not None:
-            from bench_offline import print_output_bounds
-
             print_output_bounds(bounds)
         if summary["failed"]:
             print(f"      {summary['failed']} failed: {summary['errors']}", flush=True)
