@@ -252,7 +252,6 @@ def test_the_fused_all_reduce_norm_is_chosen_by_shape_alone():
     def rule(world: int) -> FusedAllReduceNorm:
         fused = FusedAllReduceNorm.__new__(FusedAllReduceNorm)  # the rule only, no buffers
         unused = torch.zeros(world, dtype=torch.int64)
-        fused.world = world
         fused.peers = PeerBuffers(0, world, unused, unused, FusedAllReduceNorm.SOURCE_PACKETS, 132)
         return fused
 

@@ -42,8 +42,7 @@ class CentroidHead(nn.Module):
         """The full logits [B, V]."""
         B, V = h.shape[0], lm_head.shape[0]
         toks, sel = self._selected(h, lm_head)
-        fill = (sel.min(dim=-1, keepdim=True).values - 1.0).expand(B, V)
-        return fill.contiguous().scatter(1, toks, sel)
+        return self._fill(sel).expand(B, V).contiguous().scatter(1, toks, sel)
 
     def best_tokens(self, h: torch.Tensor, lm_head: torch.Tensor) -> BestTokens:
         """The first argmax of forward(h, lm_head) per row and its value, without the [B, V]
@@ -53,10 +52,14 @@ class CentroidHead(nn.Module):
         V = lm_head.shape[0]
         toks, sel = self._selected(h, lm_head)
         best = sel.max(dim=-1, keepdim=True).values
-        fill = sel.min(dim=-1, keepdim=True).values - 1.0
         tokens = torch.where(sel == best, toks, V).min(dim=-1).values
-        tokens = torch.where(fill.squeeze(-1) == best.squeeze(-1), 0, tokens)
+        tokens = torch.where((self._fill(sel) == best).squeeze(-1), 0, tokens)
         return BestTokens(tokens, best.squeeze(-1).float())
+
+    @staticmethod
+    def _fill(sel: torch.Tensor) -> torch.Tensor:
+        """[B, 1]: every unselected token's logit, HF's min(selected) - 1 in the logits' dtype."""
+        return sel.min(dim=-1, keepdim=True).values - 1.0
 
     def _selected(self, h: torch.Tensor, lm_head: torch.Tensor):
         """(the top clusters' token ids [B, k * V / C], their logits [B, k * V / C])."""

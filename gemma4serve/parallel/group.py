@@ -80,7 +80,6 @@ class FusedAllReduceNorm:
 
         from gemma4serve.model.fused import kernels
 
-        self.world = tp.size
         self.memory = symmetric_memory.empty(
             2 * tp.size * self.SOURCE_PACKETS, dtype=torch.int64, device=device
         )
@@ -115,7 +114,7 @@ class FusedAllReduceNorm:
             return None
 
     def fits(self, h: torch.Tensor) -> bool:
-        return self.peers.fits(h) and h.shape[0] * (self.world - 1) <= self.MAX_PEER_ROWS
+        return self.peers.fits(h) and h.shape[0] * (self.peers.world - 1) <= self.MAX_PEER_ROWS
 
     def __call__(self, x, h, weight, eps, scale, next_weight):
         """(x + norm(sum over ranks of h)) * scale, and next_weight's norm of that (or None)."""
