@@ -5,6 +5,7 @@ All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
 
 from .activation import gelu_tanh_mul
 from .all_reduce_norm import PeerBuffers, all_reduce_residual_norm
+from .first_max import first_max
 from .gemv import MAX_ROWS as GEMV_MAX_ROWS
 from .gemv import gemv, gemv_mlp
 from .greedy_head import greedy_head, quantize_rows, value_table
@@ -17,6 +18,7 @@ from .step_inputs import rope_tables, write_slots
 
 __all__ = [
     "all_reduce_residual_norm",
+    "first_max",
     "attention_config",
     "GEMV_MAX_ROWS",
     "gelu_tanh_mul",

@@ -37,6 +37,7 @@ from gemma4serve.model.layers import (  # noqa: E402
 from gemma4serve_kernels import (  # noqa: E402  # noqa: E402
     PeerBuffers,
     all_reduce_residual_norm,
+    first_max,
     gelu_tanh_mul,
     gemv,
     gemv_mlp,
@@ -702,6 +703,33 @@ def test_greedy_head_equals_argmax_of_full_head(N, K, M):
             got, values = greedy_head(x, w, q, scale, lut)
             assert torch.equal(got, want), (name, got, want)
             assert torch.equal(values, logits.max(-1).values.float()), name
+
+
+@pytest.mark.parametrize("N", [5000, 300])
+def test_first_max_equals_torch_argmax(N):
+    """first_max = torch's softcap then max over bf16 logits (the table's path), and the lowest id
+    among a row's maxima (the ids' path), with ties planted across chunks (5000 columns are two
+    4096-column chunks), a saturated softcap (many tokens tie at 30) and a constant row."""
+    from gemma4serve.model.layers import TorchOps
+
+    generator = torch.Generator().manual_seed(5)
+    M = 4
+    logits = (torch.randn(M, N, generator=generator) * 4).to(torch.bfloat16)
+    logits[0, N - 1] = logits[0, 7] = logits[0].max() + 1  # a tie: the lower column wins
+    logits[1] *= 40  # saturated: hundreds tie after the softcap
+    logits[2] = 3.0
+    table = value_table(_softcap, DEV)
+    tokens, best, least = first_max(logits.to(DEV), table=table)
+    want, want_tokens = _softcap(logits).max(-1)
+    assert tokens[0].item() == 7
+    assert torch.equal(tokens.cpu(), want_tokens) and torch.equal(best.cpu(), want.float())
+    assert torch.equal(least.cpu(), logits.min(-1).values.float())
+    ids = torch.stack([torch.randperm(N, generator=generator) for _ in range(M)])
+    few = logits.float().round().clamp(-2, 2).to(torch.bfloat16)  # five values: many ties
+    for values in (logits, few, logits.float()):
+        got = first_max(values.to(DEV), ids=ids.to(DEV))
+        ref = TorchOps().first_max(values, ids=ids)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, ref)), values.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

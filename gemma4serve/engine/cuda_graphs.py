@@ -1,7 +1,8 @@
 """CUDA graphs for the steady state: the target's decode/verify forward (with the logits of every
-row) and the whole k-step draft loop, each captured once per batch-size bucket. Buckets of at
-most the GEMV's rows also get a greedy variant of the forward that ends in the greedy head's
-tokens instead of the logits.
+row) and the whole k-step draft loop, each captured once per batch-size bucket. Where the target
+has a greedy head, every bucket also gets a greedy variant of the forward that ends in each row's
+greedy token instead of the logits (the greedy head's, or the first maximum of the softcapped
+logits in one read past its rows).
 
 A decode step of B sequences with d drafts each is B groups of Q = d + 1 query tokens. Its token
 ids, positions and page tables are copied into static buffers; write slots and key ranges are
@@ -29,7 +30,6 @@ import torch
 from gemma4serve.attention.metadata import causal_metadata, copy_into, to_device
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.spec import DraftLoop, StepCost
-from gemma4serve.model import fused
 from gemma4serve.model.gemma4 import ForwardContext
 
 log = logging.getLogger("gemma4serve")
@@ -167,9 +167,6 @@ class CudaGraphs:
 
         return run
 
-    def _has_greedy(self, B: int, Q: int) -> bool:
-        return self.state.target.greedy_head is not None and B * Q <= fused.gemv_max_rows()
-
     def _draft_fn(self, B: int):
         def run():
             return self.draft_loop.run(
@@ -201,7 +198,7 @@ class CudaGraphs:
                 self.mixed_graphs[(T, G)] = self._capture(self._mixed_fn(T, G))
         for B in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             for Q in self.q_lens:
-                for greedy in (False, True) if self._has_greedy(B, Q) else (False,):
+                for greedy in (False, True) if self.state.target.greedy_head else (False,):
                     graph, (hidden, out) = self._capture(self._target_fn(B, Q, greedy))
                     self.target_graphs[(B, Q, greedy)] = (graph, hidden, out)
             if self.draft_loop is not None:

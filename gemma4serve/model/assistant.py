@@ -31,6 +31,8 @@ class CentroidHead(nn.Module):
     """The E2B/E4B "ordered embedding" head: score 2048 token clusters, keep the top few, and give
     every other token a logit just below the worst selected one (HF fills min(selected) - 1)."""
 
+    ops: TorchOps = REFERENCE_OPS
+
     def __init__(self, cfg: AssistantConfig):
         super().__init__()
         V, Ha = cfg.text.vocab_size, cfg.text.hidden_size
@@ -42,24 +44,24 @@ class CentroidHead(nn.Module):
         """The full logits [B, V]."""
         B, V = h.shape[0], lm_head.shape[0]
         toks, sel = self._selected(h, lm_head)
-        return self._fill(sel).expand(B, V).contiguous().scatter(1, toks, sel)
+        fill = self._fill(sel.min(dim=-1, keepdim=True).values)
+        return fill.expand(B, V).contiguous().scatter(1, toks, sel)
 
     def best_tokens(self, h: torch.Tensor, lm_head: torch.Tensor) -> BestTokens:
         """The first argmax of forward(h, lm_head) per row and its value, without the [B, V]
         logits: every other token's fill lies below the selected ones, so the first maximum is the
         lowest id among the selected tokens holding the largest value. Unless the fill rounds up
         to it (all selected equal): then every token ties and token 0 is the first."""
-        V = lm_head.shape[0]
         toks, sel = self._selected(h, lm_head)
-        best = sel.max(dim=-1, keepdim=True).values
-        tokens = torch.where(sel == best, toks, V).min(dim=-1).values
-        tokens = torch.where((self._fill(sel) == best).squeeze(-1), 0, tokens)
-        return BestTokens(tokens, best.squeeze(-1).float())
+        tokens, best, least = self.ops.first_max(sel, ids=toks)
+        every_token_ties = self._fill(least.to(sel.dtype)).float() == best
+        return BestTokens(torch.where(every_token_ties, 0, tokens), best)
 
     @staticmethod
-    def _fill(sel: torch.Tensor) -> torch.Tensor:
-        """[B, 1]: every unselected token's logit, HF's min(selected) - 1 in the logits' dtype."""
-        return sel.min(dim=-1, keepdim=True).values - 1.0
+    def _fill(least: torch.Tensor) -> torch.Tensor:
+        """Every unselected token's logit from the selected ones' smallest: HF's min(selected) - 1,
+        in the logits' dtype."""
+        return least - 1.0
 
     def _selected(self, h: torch.Tensor, lm_head: torch.Tensor):
         """(the top clusters' token ids [B, k * V / C], their logits [B, k * V / C])."""

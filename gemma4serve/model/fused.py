@@ -189,7 +189,16 @@ class FusedOps(TorchOps):
         return GreedyHead(weight, softcap)
 
     def best_tokens(self, head, hidden: torch.Tensor, logits) -> BestTokens:
-        """Through the greedy head where it takes these rows (the same tokens and values)."""
-        if head is not None and self.gemv_fits(hidden):
+        """Through the greedy head where it takes these rows; more rows read the head's bf16 logits
+        once, softcapped by its table in the argmax's read (the same tokens and values)."""
+        if head is None:
+            return super().best_tokens(head, hidden, logits)
+        if self.gemv_fits(hidden):
             return head(hidden)
-        return super().best_tokens(head, hidden, logits)
+        tokens, values, _ = self.kernels.first_max(
+            self.linear(hidden, head.weight), table=head.table
+        )
+        return BestTokens(tokens, values)
+
+    def first_max(self, values: torch.Tensor, ids: torch.Tensor | None = None):
+        return self.kernels.first_max(values, ids=ids)

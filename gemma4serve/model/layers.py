@@ -216,6 +216,15 @@ class TorchOps:
         values, tokens = logits(hidden).max(-1)
         return BestTokens(tokens, values.float())
 
+    def first_max(self, values: torch.Tensor, ids: torch.Tensor | None = None):
+        """Per row of values [M, N]: (the lowest of ids [M, N] (the column without) holding the
+        largest value, that value, the smallest value), the values as fp32."""
+        best = values.max(-1, keepdim=True).values
+        if ids is None:
+            ids = torch.arange(values.shape[-1], device=values.device).expand_as(values)
+        tokens = torch.where(values == best, ids, torch.iinfo(torch.int64).max).min(-1).values
+        return tokens, best.squeeze(-1).float(), values.min(-1).values.float()
+
 
 REFERENCE_OPS = TorchOps()
 
