@@ -6,6 +6,10 @@ of the model's layers as the server runs them (q/k/v and gate/up fused), sums th
 and prints ms per step next to its two floors: the weight bytes at the copy bandwidth and the FLOPs
 at the matmul rate, both measured here. Dense layers only (MoE experts run other kernels).
 
+Each shape runs over as many distinct weights as layers have it, back to back in one CUDA graph, as
+a step runs them: a small model's projections would otherwise be timed from L2 and with the host's
+launch gaps between them (E4B's came out ~30 us each, whatever their size).
+
     python bench/bench_gemm.py --model configs/gemma-4-31B-it --rows 32 64 128 160 192 256 320
     python bench/bench_gemm.py --blas cublas cublaslt   # torch's preferred_blas_library
 """
@@ -58,7 +62,10 @@ def main() -> None:
     cfg = load_config(args.model)
     device, dtype = torch.device("cuda"), torch.bfloat16
     shapes = projection_shapes(cfg)
-    weights = {shape: torch.randn(shape, device=device, dtype=dtype) / 64 for shape in shapes}
+    weights = {
+        shape: [torch.randn(shape, device=device, dtype=dtype) / 64 for _ in range(count)]
+        for shape, count in shapes.items()
+    }
     nbytes = sum(N * K * 2 * count for (N, K), count in shapes.items())
     bandwidth, rate = measure_bandwidth(device), measure_matmul_flops(device, dtype)
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e9:,.0f} GB/s, "
@@ -69,15 +76,31 @@ def main() -> None:
         print(f"\n{blas}: ms per step (floors: bytes at the bandwidth, FLOPs at the matmul rate)")
         for rows in args.rows:
             step, cells = 0.0, []
-            for (N, K), count in shapes.items():
+            for (N, K), layers in weights.items():
                 x = torch.randn(rows, K, device=device, dtype=dtype)
-                t = time_it(lambda: F.linear(x, weights[(N, K)]))
-                step += t * count
-                cells.append(f"{N}x{K} {t * 1e6:.1f} us")
+                t = layers_replay_s(x, layers)
+                step += t
+                cells.append(f"{N}x{K} {t / len(layers) * 1e6:.1f} us")
             flops = rows * nbytes  # 2 FLOPs per weight and row, 2 bytes per weight
             print(f"  {rows:4d} rows: {step * 1e3:6.2f} ms ({nbytes / step / 1e12:4.2f} TB/s, "
                   f"{flops / step / 1e12:4.0f} TFLOP/s); floors {nbytes / bandwidth * 1e3:5.2f} / "
                   f"{flops / rate * 1e3:5.2f} ms | " + ", ".join(cells), flush=True)  # fmt: skip
+
+
+def layers_replay_s(x: torch.Tensor, layers: list[torch.Tensor]) -> float:
+    """Seconds of one replay of a CUDA graph that multiplies x by every weight of `layers` in turn
+    (captured after an eager run, which picks cuBLAS's algorithm)."""
+
+    def run():
+        for weight in layers:
+            F.linear(x, weight)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return time_it(graph.replay, iters=20)
 
 
 if __name__ == "__main__":
