@@ -18,8 +18,8 @@ from .step_inputs import rope_tables, write_slots
 
 __all__ = [
     "all_reduce_residual_norm",
-    "first_max",
     "attention_config",
+    "first_max",
     "GEMV_MAX_ROWS",
     "gelu_tanh_mul",
     "gemv",

@@ -196,9 +196,10 @@ class CudaGraphs:
         for T in reversed(self.mixed_tokens):
             for G in reversed(self.mixed_groups):
                 self.mixed_graphs[(T, G)] = self._capture(self._mixed_fn(T, G))
+        variants = (False, True) if self.state.target.greedy_head is not None else (False,)
         for B in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             for Q in self.q_lens:
-                for greedy in (False, True) if self.state.target.greedy_head else (False,):
+                for greedy in variants:
                     graph, (hidden, out) = self._capture(self._target_fn(B, Q, greedy))
                     self.target_graphs[(B, Q, greedy)] = (graph, hidden, out)
             if self.draft_loop is not None:

@@ -62,7 +62,8 @@ def select_ops(device) -> TorchOps:
 class GreedyHead:
     """Greedy tokens of a bf16 LM head and its softcap for few-row inputs, exactly the argmax of the
     full logits, reading the head mostly as an int8 copy (kernels/greedy_head.py). The copy costs
-    half the head's memory."""
+    half the head's memory. Its `table` (the softcap at every bf16 value) also serves
+    FusedOps.best_tokens past those rows."""
 
     def __init__(self, weight: torch.Tensor, softcap):
         self.kernels = kernels()

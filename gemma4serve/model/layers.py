@@ -217,8 +217,8 @@ class TorchOps:
         return BestTokens(tokens, values.float())
 
     def first_max(self, values: torch.Tensor, ids: torch.Tensor | None = None):
-        """Per row of values [M, N]: (the lowest of ids [M, N] (the column without) holding the
-        largest value, that value, the smallest value), the values as fp32."""
+        """Per row of values [M, N]: the lowest id holding its largest value (from ids [M, N], or
+        the column index), that value and the row's smallest value, both as fp32."""
         best = values.max(-1, keepdim=True).values
         if ids is None:
             ids = torch.arange(values.shape[-1], device=values.device).expand_as(values)
