@@ -143,10 +143,15 @@ def engine_loop(args) -> None:
 
 
 def mixed_step(args) -> None:
-    """Wall time against GPU busy time of steps carrying an `args.mixed`-token prompt."""
+    """Wall time against GPU busy time of steps carrying an `args.mixed`-token prompt.
+
+    The server's default sequence cap and token budget (the budget grown only where the prompt and
+    the verifications would not fit it), so the step replays the mixed graph bucket serving
+    replays: a smaller cap or budget gives other buckets, and other attention grids and splits."""
     from gemma4serve.sampling_params import SamplingParams
 
     k = args.k if args.draft else 0
+    served = EngineArgs.max_num_batched_tokens
     engine = LLMEngine(
         EngineArgs(
             model=args.model,
@@ -154,10 +159,9 @@ def mixed_step(args) -> None:
             load_format="dummy",
             device="cuda",
             dtype="bfloat16",
-            max_num_seqs=args.batch + 1,
             num_draft_tokens=k,
             max_model_len=max(args.context, args.mixed) + 512,
-            max_num_batched_tokens=args.mixed + args.batch * (k + 1),
+            max_num_batched_tokens=max(served, args.mixed + args.batch * (k + 1)),
             forced_acceptance=args.forced_acceptance,
         )
     )
