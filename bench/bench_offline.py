@@ -418,16 +418,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn_like(a)
-    a @ b
-    reps = 20 if device.type == "cuda" else 3
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
+    return 2 * n**3 / seconds_per_call(lambda: a @ b, device, reps=20)
 
 
 def measure_bandwidth(device: torch.device) -> float:
@@ -435,18 +426,21 @@ def measure_bandwidth(device: torch.device) -> float:
     n = (1 << 30 if device.type == "cuda" else 1 << 28) // 4
     a = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
     b = torch.empty_like(a)
-    b.copy_(a)
-    reps = 10 if device.type == "cuda" else 3
+    return 2 * n * 4 / seconds_per_call(lambda: b.copy_(a), device, reps=10)
+
+
+def seconds_per_call(fn, device: torch.device, reps: int) -> float:
+    """Wall seconds per call of fn over `reps` calls after one warm-up (3 calls on the CPU)."""
+    fn()
+    reps = reps if device.type == "cuda" else 3
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(reps):
-        b.copy_(a)
+        fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    dt = time.perf_counter() - t0
-    del a, b
-    return 2 * n * 4 * reps / dt
+    return (time.perf_counter() - t0) / reps
 
 
 # ---- the transformers baseline -------------------------------------------------------------------
