@@ -18,6 +18,7 @@ import triton.language as tl
 from ._common import pdl_args, wait_for_producer
 
 CHUNK = 4096  # columns per program: 64 programs a row at a 262,144-token vocabulary
+NO_ID = tl.constexpr(2**62)  # above every id: the minimum over no maximum's ids
 
 
 @triton.jit
@@ -54,9 +55,8 @@ def _chunk_kernel(
     else:
         ids = n.to(tl.int64)
     g_max = tl.max(g, axis=0)
-    NONE: tl.constexpr = 2**62
     tl.store(best_ptr + m * P + p, g_max)
-    tl.store(best_id_ptr + m * P + p, tl.min(tl.where(inside & (g == g_max), ids, NONE), axis=0))
+    tl.store(best_id_ptr + m * P + p, tl.min(tl.where(inside & (g == g_max), ids, NO_ID), axis=0))
     least = tl.where(inside, raw.to(tl.float32), float("inf"))
     tl.store(least_ptr + m * P + p, tl.min(least, axis=0))
 
@@ -77,11 +77,10 @@ def _combine_kernel(
     wait_for_producer(PDL)
     m = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, BLOCK)
-    NONE: tl.constexpr = 2**62
     g = tl.load(best_ptr + m * P + p, mask=p < P, other=float("-inf"))
-    i = tl.load(best_id_ptr + m * P + p, mask=p < P, other=NONE)
+    i = tl.load(best_id_ptr + m * P + p, mask=p < P, other=NO_ID)
     g_max = tl.max(g, axis=0)
-    tl.store(tokens_ptr + m, tl.min(tl.where(g == g_max, i, NONE), axis=0))
+    tl.store(tokens_ptr + m, tl.min(tl.where(g == g_max, i, NO_ID), axis=0))
     tl.store(values_ptr + m, g_max)
     least = tl.load(least_ptr + m * P + p, mask=p < P, other=float("inf"))
     tl.store(row_least_ptr + m, tl.min(least, axis=0))
