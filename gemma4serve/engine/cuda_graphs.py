@@ -119,6 +119,10 @@ class CudaGraphs:
         self.d_hidden = torch.zeros(B, H, dtype=state.dtype, device=dev)
         self.d_pos = torch.ones(B, **i64)
         self.d_rows = torch.full((B,), B, **i32)
+        # One logits output for every decode/verify graph (they never run at once): a graph's own
+        # [B x Q, V] would stay alive with it, gigabytes over the buckets of a 262k vocabulary.
+        V = state.target.cfg.vocab_size
+        self.logits = torch.empty(B * max(self.q_lens), V, dtype=state.dtype, device=dev)
         self.pool = torch.cuda.graph_pool_handle()
         self.target_graphs: dict = {}  # (B, Q, greedy) -> (graph, hidden, logits or greedy tokens)
         self.mixed_graphs: dict = {}  # (tokens, groups) -> (graph, hidden)
@@ -144,7 +148,9 @@ class CudaGraphs:
             )
             context = ForwardContext(meta, state.kv, state.attn)
             hidden = state.target(self.ids[:T], self.pos[:T], context)
-            return hidden, (state.target.greedy(hidden) if greedy else state.target.logits(hidden))
+            if greedy:
+                return hidden, state.target.greedy(hidden)
+            return hidden, state.target.logits(hidden, out=self.logits[:T])
 
         return run
 
@@ -192,6 +198,7 @@ class CudaGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
+        reserved = torch.cuda.memory_reserved(self.state.device)
         # Largest first, so smaller graphs reuse its memory pool. Captured with every group empty.
         for T in reversed(self.mixed_tokens):
             for G in reversed(self.mixed_groups):
@@ -208,12 +215,13 @@ class CudaGraphs:
         torch.cuda.synchronize()
         log.info(
             "captured %d CUDA graphs (batch buckets %s; mixed steps: token buckets %s x sequence "
-            "buckets %s) in %.1fs",
+            "buckets %s) in %.1fs, holding %.2f GiB more",
             len(self.target_graphs) + len(self.draft_graphs) + len(self.mixed_graphs),
             self.buckets,
             self.mixed_tokens,
             self.mixed_groups,
             time.monotonic() - t0,
+            (torch.cuda.memory_reserved(self.state.device) - reserved) / 2**30,
         )
 
     @torch.inference_mode()

@@ -283,19 +283,24 @@ class Gemma4Model(nn.Module):
             self.layers, x, self.rotary.cos_sin(positions, x.dtype), ctx, self.norm, ple
         )
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the
-        cap). Under tensor parallelism every rank gets the whole [T, V]."""
-        logits = self.shard_logits(hidden)
-        return logits if self.tp is None else vocab_parallel_logits(self.tp, logits)
+        cap), written into `out` where given. Under tensor parallelism every rank gets the whole
+        [T, V]."""
+        if self.tp is None:
+            return self.shard_logits(hidden, out)
+        logits = vocab_parallel_logits(self.tp, self.shard_logits(hidden))
+        return logits if out is None else out.copy_(logits)
 
-    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def shard_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of this rank's vocabulary shard (all of them on one device)."""
-        return self.softcap(self.ops.linear(hidden, self.embed_tokens.weight))
+        return self.softcap(self.ops.linear(hidden, self.embed_tokens.weight), out)
 
-    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+    def softcap(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         cap = self.cfg.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        if not cap:
+            return logits if out is None else out.copy_(logits)
+        return torch.mul(torch.tanh(logits / cap), cap, out=out)
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The first argmax of logits(hidden) per row, [T] int64. Few rows take the greedy head
