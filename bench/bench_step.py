@@ -217,15 +217,14 @@ def main() -> None:
         for k in args.ks:
             chunks = fake_decoding_sequences(engine, B, args.context, k)
             graphs = CudaGraphs(state, B, engine.max_model_len, k)
-            graphs.buckets = [B]
-            graphs.q_lens = [k + 1]
+            graphs.buckets, graphs.q_lens, graphs.draft_lengths = [B], [k + 1], [k]
             graphs.capture()
             tv = time_it(lambda: replay_target(graphs, chunks))
             tokens = torch.zeros(B, dtype=torch.int64, device=device)
             hidden = torch.zeros(B, cfg.hidden_size, dtype=state.dtype, device=device)
             P = torch.full((B,), args.context, dtype=torch.int64, device=device)
             rows = torch.arange(B, dtype=torch.int32, device=device)
-            td = time_it(lambda: graphs.run_draft(tokens, hidden, P, rows))
+            td = time_it(lambda: graphs.run_draft(tokens, hidden, P, rows, k))
             decode = decode_ms[B]
             print(
                 f"| {B} | {k} | {tv * 1e3:.2f} | {tv * 1e3 / decode:.2f}x | "

@@ -244,6 +244,7 @@ def main() -> None:
         chunks = fake_decoding_sequences(engine, args.batch, args.context, k)
         graphs = CudaGraphs(state, args.batch, engine.max_model_len, args.k)
         graphs.buckets, graphs.q_lens = [args.batch], [k + 1]
+        graphs.draft_lengths = [k] if k else []
         graphs.capture()
         for _ in range(3):
             replay_target(graphs, chunks)
@@ -261,7 +262,7 @@ def main() -> None:
             rows = torch.arange(B, dtype=torch.int32, device="cuda")
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    graphs.run_draft(tokens, hidden, P, rows)
+                    graphs.run_draft(tokens, hidden, P, rows, k)
                 torch.cuda.synchronize()
             report(prof, f"draft loop (k={args.k})", 5)
         for ch in chunks:

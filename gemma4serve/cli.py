@@ -321,9 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--adaptive-draft-length",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Stop drafting at batch sizes where a verify + draft step costs more than the "
-        "measured acceptance gains (step costs are measured on the CUDA graphs at start; "
-        "default: on).",
+        help="Per step, propose k drafts, half of k or none, whichever yields the most tokens "
+        "per second at the batch size from the measured acceptance rates (step costs are "
+        "measured on the CUDA graphs at start; default: on).",
     )
     spec.add_argument(
         "--forced-acceptance",

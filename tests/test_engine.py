@@ -25,7 +25,7 @@ from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.llm import LLM
 from gemma4serve.engine.output_processor import OutputProcessor
 from gemma4serve.engine.outputs import RequestOutput
-from gemma4serve.engine.spec import DraftLength, StepCost
+from gemma4serve.engine.spec import DraftLength, StepCost, draft_choices
 from gemma4serve.engine_process.client import EngineProcessClient
 from gemma4serve.sampling_params import SamplingParams
 
@@ -795,8 +795,13 @@ def test_abort_while_a_step_is_in_flight(engine):
 # ---- adaptive draft length ----------------------------------------------------------------------
 
 
+def full_length_cost(decode, verify, draft):
+    """A bucket's step costs with the full draft length (4) only."""
+    return StepCost(decode, {4: verify}, {4: draft})
+
+
 def test_draft_length_policy():
-    costs = {1: StepCost(10.0, 11.0, 2.0), 8: StepCost(12.0, 30.0, 6.0)}
+    costs = {1: full_length_cost(10.0, 11.0, 2.0), 8: full_length_cost(12.0, 30.0, 6.0)}
     dl = DraftLength(4, costs)
     assert dl.expected_tokens() == 5.0  # untried: assume every draft is accepted
     assert dl.choose(1) == 4 and dl.choose(8) == 4  # 5 x 12 > 30 + 6
@@ -819,11 +824,30 @@ def test_draft_length_policy():
     )  # no costs: k stays fixed
 
 
+def test_draft_length_chooses_among_lengths():
+    """With a shorter length measured too, the one with the most tokens per second wins: the later
+    drafts' rows are worth their cost only while they are accepted."""
+    assert draft_choices(4) == [2, 4] and draft_choices(3) == [2, 3] and draft_choices(1) == [1]
+    costs = {32: StepCost(17.4, {2: 19.3, 4: 20.6}, {2: 0.9, 4: 1.7})}
+    dl = DraftLength(4, costs, probe_every=8)
+    assert dl.choose(32) == 4  # every draft accepted: 5 / 22.3 > 3 / 20.2 > 1 / 17.4
+    for _ in range(400):
+        dl.observe(4, 2)  # two accepted, the third and fourth never: 3 tokens either way
+    assert dl.expected_tokens(2) == pytest.approx(3.0)
+    assert dl.expected_tokens() == pytest.approx(3.0, abs=1e-3)
+    picks = [dl.choose(32) for _ in range(16)]
+    assert picks.count(2) == 14 and picks.count(4) == 2  # every 8th drafts all four, to re-measure
+    for _ in range(400):
+        dl.observe(4, 0)
+    assert dl.choose(32) == 0  # nothing accepted: one token per decode step is cheapest
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_adaptive_draft_length_is_lossless(tiny_checkpoints, async_scheduling):
-    """Drafting on for a lone sequence and off for a batch (the step costs say so) is lossless.
+    """The full draft length for a lone sequence, the shorter one for 2-4 and none for more (the
+    step costs say so) is lossless.
 
-    It switches both ways as requests come and go: the same tokens as without a drafter, and pages
+    It switches every way as requests come and go: the same tokens as without a drafter, and pages
     all back."""
     kw = dict(
         kv_cache_tokens=4096,
@@ -837,22 +861,35 @@ def test_adaptive_draft_length_is_lossless(tiny_checkpoints, async_scheduling):
     args = engine_args(tiny_checkpoints, **kw)
     args.draft, args.num_draft_tokens = None, 0
     plain = LLMEngine(args)
-    eng.draft_length = DraftLength(K, {1: StepCost(1.0, 1.0, 0.1), 8: StepCost(1.0, 9.0, 1.0)})
-    drafting = []
+    assert draft_choices(K) == [2, 3]
+    eng.draft_length = DraftLength(
+        K,
+        {
+            1: StepCost(1.0, {2: 1.0, 3: 1.0}, {2: 0.1, 3: 0.1}),
+            4: StepCost(1.0, {2: 1.2, 3: 9.0}, {2: 0.2, 3: 1.0}),
+            8: StepCost(1.0, {2: 9.0, 3: 9.0}, {2: 1.0, 3: 1.0}),
+        },
+    )
+    steps = []
     reqs = {
-        f"adapt-{i}": (prompt_of(6 + 5 * i, 70 + i), greedy(10 + 30 * (i == 0))) for i in range(4)
+        f"adapt-{i}": (prompt_of(6 + 5 * i, 70 + i), greedy(60 if i == 0 else 8 + 6 * i))
+        for i in range(6)
     }
 
     def on_step(run, outs):
-        drafting.append((len(eng.scheduler.running), eng.snapshot().spec_num_steps))
+        stats = eng.snapshot()
+        steps.append((len(eng.scheduler.running), stats.draft_length, stats.spec_num_steps))
 
     got = run_requests(eng, reqs, on_step)
     want = run_requests(plain, reqs)
     for rid in reqs:
         assert choices(got.final[rid]) == choices(want.final[rid]), rid
-    grew_alone = [b - a for (n, a), (_, b) in zip(drafting, drafting[1:]) if n == 1]
-    grew_batched = [b - a for (n, a), (_, b) in zip(drafting, drafting[1:]) if n >= 3]
-    assert sum(grew_alone) > 0 and sum(grew_batched) == 0
+    lengths = {n: {length for m, length, _ in steps if m == n} for n in range(1, 7)}
+    assert 3 in lengths[1] and 2 in set().union(*(lengths[n] for n in (2, 3, 4)))
+    grew_batched = [b - a for (n, _, a), (_, _, b) in zip(steps, steps[1:]) if n >= 5]
+    assert sum(grew_batched) == 0
+    stats = eng.snapshot()  # both lengths verified: 2 or 3 drafts per sequence step
+    assert 2 * stats.spec_num_steps < stats.spec_drafted_tokens < 3 * stats.spec_num_steps
     assert eng.kv_pool_free() == all_free(eng)
 
 

@@ -1,5 +1,6 @@
 """CUDA graphs for the steady state: the target's decode/verify forward (with the logits of every
-row) and the whole k-step draft loop, each captured once per batch-size bucket. Where the target
+row) and the whole draft loop, each captured once per batch-size bucket and per draft length the
+engine may choose (`spec.draft_choices`: k and half of it). Where the target
 has a greedy head, every bucket also gets a greedy variant of the forward that ends in each row's
 greedy token instead of the logits (the greedy head's, or the first maximum of the softcapped
 logits in one read past its rows).
@@ -29,7 +30,7 @@ import torch
 
 from gemma4serve.attention.metadata import causal_metadata, copy_into, to_device
 from gemma4serve.config import FULL, SLIDING
-from gemma4serve.engine.spec import DraftLoop, StepCost
+from gemma4serve.engine.spec import DraftLoop, StepCost, draft_choices
 from gemma4serve.model.gemma4 import ForwardContext
 
 log = logging.getLogger("gemma4serve")
@@ -66,9 +67,13 @@ def capture_graphs(state, args, k: int) -> tuple[CudaGraphs | None, dict[int, St
     costs = graphs.measure() if args.adaptive_draft_length else None
     if costs:
         log.info(
-            "step costs per batch bucket (decode / verify / draft loop ms): %s",
+            "step costs per batch bucket (ms: decode, then verify + draft loop per draft length "
+            "d): %s",
             "; ".join(
-                f"{b}: {c.decode * 1e3:.2f} / {c.verify * 1e3:.2f} / {c.draft * 1e3:.2f}"
+                f"{b}: {c.decode * 1e3:.2f}"
+                + "".join(
+                    f", d={d} {c.verify[d] * 1e3:.2f} + {c.draft[d] * 1e3:.2f}" for d in c.verify
+                )
                 for b, c in costs.items()
             ),
         )
@@ -87,7 +92,8 @@ class CudaGraphs:
         self.state = state
         self.num_draft_tokens = num_draft_tokens
         self.buckets = batch_buckets(max_batch)
-        self.q_lens = sorted({1, num_draft_tokens + 1})
+        self.draft_lengths = draft_choices(num_draft_tokens) if state.draft is not None else []
+        self.q_lens = [1] + [d + 1 for d in self.draft_lengths]
         # No mixed graphs (max_mixed_tokens 0) where attention plans on the host (FlashInfer).
         self.mixed_tokens = mixed_token_buckets(max_mixed_tokens) if max_mixed_tokens else []
         self.mixed_groups = mixed_group_buckets(max_batch) if max_mixed_tokens else []
@@ -126,7 +132,7 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.target_graphs: dict = {}  # (B, Q, greedy) -> (graph, hidden, logits or greedy tokens)
         self.mixed_graphs: dict = {}  # (tokens, groups) -> (graph, hidden)
-        self.draft_graphs: dict = {}  # B -> (graph, drafts)
+        self.draft_graphs: dict = {}  # (B, draft length) -> (graph, drafts)
         self.draft_loop = (
             DraftLoop(state) if (state.draft is not None and num_draft_tokens) else None
         )
@@ -173,7 +179,7 @@ class CudaGraphs:
 
         return run
 
-    def _draft_fn(self, B: int):
+    def _draft_fn(self, B: int, draft_len: int):
         def run():
             return self.draft_loop.run(
                 self.d_token[:B],
@@ -181,7 +187,7 @@ class CudaGraphs:
                 self.d_pos[:B],
                 self.d_rows[:B],
                 self.tables,
-                self.num_draft_tokens,
+                draft_len,
             )
 
         return run
@@ -210,8 +216,8 @@ class CudaGraphs:
                     graph, (hidden, out) = self._capture(self._target_fn(B, Q, greedy))
                     self.target_graphs[(B, Q, greedy)] = (graph, hidden, out)
             if self.draft_loop is not None:
-                graph, drafts = self._capture(self._draft_fn(B))
-                self.draft_graphs[B] = (graph, drafts)
+                for d in self.draft_lengths:
+                    self.draft_graphs[(B, d)] = self._capture(self._draft_fn(B, d))
         torch.cuda.synchronize()
         log.info(
             "captured %d CUDA graphs (batch buckets %s; mixed steps: token buckets %s x sequence "
@@ -226,16 +232,18 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def measure(self) -> dict[int, StepCost]:
-        """Each bucket's decode, verify and draft-loop replay time, for choosing the draft
-        length. The static inputs still point every row at the null page, so this is the weights'
-        and launches' cost; the KV reads of real contexts come on top of decode and verify alike."""
+        """Each bucket's decode replay time, and its verify and draft-loop replay times per draft
+        length, for choosing the draft length. The static inputs still point every row at the null
+        page, so this is the weights' and launches' cost; the KV reads of real contexts come on top
+        of decode and verify alike."""
         if self.draft_loop is None:
             return {}
+        lengths = self.draft_lengths
         return {
             B: StepCost(
-                self._time(self.target_graphs[(B, 1, False)][0]),
-                self._time(self.target_graphs[(B, self.num_draft_tokens + 1, False)][0]),
-                self._time(self.draft_graphs[B][0]),
+                decode=self._time(self.target_graphs[(B, 1, False)][0]),
+                verify={d: self._time(self.target_graphs[(B, d + 1, False)][0]) for d in lengths},
+                draft={d: self._time(self.draft_graphs[(B, d)][0]) for d in lengths},
             )
             for B in self.buckets
         }
@@ -333,19 +341,22 @@ class CudaGraphs:
         graph.replay()
         return (hidden[:T], None, out[:T]) if greedy else (hidden[:T], out[:T], None)
 
-    def fits_draft(self, n: int, tables: dict) -> bool:
-        """Whether the draft loop of n sequences over an eager step's device page tables has a
-        graph (the tables are copied into the graph's own)."""
+    def fits_draft(self, n: int, draft_len: int, tables: dict | None = None) -> bool:
+        """Whether the draft loop of n sequences proposing draft_len drafts has a graph, over a
+        replayed target step's tables or an eager step's device page `tables` (copied into the
+        graph's own)."""
         return (
-            self.draft_loop is not None
+            draft_len in self.draft_lengths
             and self.bucket(n) is not None
             and all(
                 t.shape[0] <= self.dummy_row and t.shape[1] <= self.width[kind]
-                for kind, t in tables.items()
+                for kind, t in (tables or {}).items()
             )
         )
 
-    def run_draft(self, token, hidden, P, table_rows, tables: dict | None = None) -> torch.Tensor:
+    def run_draft(
+        self, token, hidden, P, table_rows, draft_len: int, tables: dict | None = None
+    ) -> torch.Tensor:
         """Replay the draft-loop graph. `tables`: an eager step's device page tables, copied in
         first (a replayed target step left its own there)."""
         if tables is not None:
@@ -360,6 +371,6 @@ class CudaGraphs:
         self.d_rows[:n].copy_(table_rows)
         self.d_rows[n:B].fill_(self.dummy_row)
         self.d_pos[n:B].fill_(1)
-        graph, drafts = self.draft_graphs[B]
+        graph, drafts = self.draft_graphs[(B, draft_len)]
         graph.replay()
         return drafts[:n]

@@ -404,9 +404,8 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
         draft_len = self.draft_length.choose(sum(chunk.samples for chunk in chunks))
         self.stats.draft_length = draft_len
-        if not draft_len:
-            for chunk in chunks:
-                chunk.drafts = []
+        for chunk in chunks:  # verify as many drafts as the step proposes: its rows stay uniform
+            chunk.drafts = chunk.drafts[:draft_len]
         handle = self.runner.launch(chunks, draft_len)
         for chunk in chunks:
             if not chunk.samples:

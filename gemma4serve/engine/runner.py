@@ -342,7 +342,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], draft_len: int) -> StepHandle:
-        """Queue a scheduled step that proposes `draft_len` (0 or k) drafts for the next one."""
+        """Queue a scheduled step that proposes `draft_len` (0 to k) drafts for the next one."""
         batch = scheduled_batch(chunks)
         prompt_rows = self._prompt_rows(chunks, batch)
         plan = ScheduledPlan(batch, sampling_plan(chunks, batch), prompt_rows, draft_len)
@@ -622,13 +622,13 @@ class ModelRunner:
         seed_token = outputs.tokens.gather(1, last).squeeze(1)
         P = inputs.first_position + outputs.num_emitted  # position of the newest token
         graphs = self.graphs
-        if target.graphed:
-            return graphs.run_draft(seed_token, seed_hidden, P, inputs.table_rows)
-        if graphs is not None and graphs.fits_draft(len(inputs.sequences), target.page_tables):
-            # Eager steps (prefill chunks) draft in the graph too: eagerly the loop's launches
-            # cost the host more than the GPU's work.
+        # Eager steps (prefill chunks) draft in the graph too, their page tables copied in: eagerly
+        # the loop's launches cost the host more than the GPU's work. A replayed step's tables are
+        # the graphs' own already.
+        tables = None if target.graphed else target.page_tables
+        if graphs is not None and graphs.fits_draft(len(inputs.sequences), draft_len, tables):
             return graphs.run_draft(
-                seed_token, seed_hidden, P, inputs.table_rows, target.page_tables
+                seed_token, seed_hidden, P, inputs.table_rows, draft_len, tables
             )
         return self.draft_loop.run(
             seed_token, seed_hidden, P, inputs.table_rows, target.page_tables, draft_len

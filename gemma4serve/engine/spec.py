@@ -50,26 +50,35 @@ class DraftLoop:
         return torch.stack(drafts, dim=1)
 
 
+def draft_choices(num_draft_tokens: int) -> list[int]:
+    """The draft lengths a step may choose besides 0, each with its own verify and draft-loop
+    graphs: k and half of it (rounded up). Acceptance falls along the drafts, so at large batches
+    the later drafts' verify rows cost more than they return; the half covers that at a third more
+    graphs than k alone (docs/performance.md)."""
+    return sorted({(num_draft_tokens + 1) // 2, num_draft_tokens} - {0})
+
+
 @dataclass
 class StepCost:
     """Seconds per step of one batch-size bucket, measured on its CUDA graphs."""
 
     decode: float  # one token per sequence, no drafting
-    verify: float  # num_draft_tokens + 1 tokens per sequence
-    draft: float  # the draft loop
+    verify: dict[int, float]  # drafts per sequence d -> a step of d + 1 tokens per sequence
+    draft: dict[int, float]  # d -> the draft loop proposing d drafts
 
 
 class DraftLength:
-    """How many drafts the next steps propose: `num_draft_tokens` while drafting pays for itself at
-    the batch size, else 0: MTP off under heavy load (docs/architecture.md, adaptive draft length).
+    """How many drafts the next steps propose: the length among `draft_choices` (or 0, MTP off
+    under heavy load) that yields the most tokens per second at the batch size
+    (docs/architecture.md, adaptive draft length).
 
-    Drafting pays when a verify + draft step costs less than the decode steps it replaces: the
-    expected tokens per verify step (1 + the sum of the per-position acceptance rates) times the
-    decode step's cost. The rates are moving averages over the sequences' recent verify steps; they
-    start at 1, so drafting is tried (and measured) first, and while drafting is off every
-    `probe_every`-th step drafts anyway, so that rates learnt on hard text recover when the text
-    gets easier. Costs are the captured graphs' own replay times, so without CUDA graphs the draft
-    length stays fixed.
+    d drafts yield 1 + the sum of the first d per-position acceptance rates tokens per verify step,
+    at the cost of that step and its draft loop; no drafting yields one token per decode step. The
+    rates are moving averages over the sequences' recent verify steps; they start at 1, so the full
+    length is tried (and measured) first, and while a shorter length is chosen every
+    `probe_every`-th step drafts the full length anyway, so that the rates of the later positions
+    stay measured and recover when the text gets easier. Costs are the captured graphs' own replay
+    times, so without CUDA graphs the draft length stays fixed.
     """
 
     def __init__(
@@ -84,26 +93,32 @@ class DraftLength:
         self.decay = decay
         self.probe_every = probe_every
         self.rates = [1.0] * num_draft_tokens
-        self._steps_off = 0  # steps since drafting last paid
+        self._steps_short = 0  # steps since the full length last paid
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One sequence's verify step: `accepted` of its `drafted` drafts were accepted."""
         for i in range(drafted):
             self.rates[i] += self.decay * (float(i < accepted) - self.rates[i])
 
-    def expected_tokens(self) -> float:
-        return 1.0 + sum(self.rates)
+    def expected_tokens(self, drafts: int | None = None) -> float:
+        """Tokens per verify step proposing `drafts` drafts (all of them by default)."""
+        return 1.0 + sum(self.rates[: self.num_draft_tokens if drafts is None else drafts])
 
     def choose(self, batch_size: int) -> int:
         bucket = next((size for size in sorted(self.costs) if size >= batch_size), None)
         if not self.num_draft_tokens or bucket is None:
             return self.num_draft_tokens
         cost = self.costs[bucket]
-        if self.expected_tokens() * cost.decode > cost.verify + cost.draft:
-            self._steps_off = 0
-            return self.num_draft_tokens
-        self._steps_off += 1
-        return self.num_draft_tokens if self._steps_off % self.probe_every == 0 else 0
+        best, best_rate = 0, 1.0 / cost.decode
+        for drafts, verify in sorted(cost.verify.items()):
+            rate = self.expected_tokens(drafts) / (verify + cost.draft[drafts])
+            if rate > best_rate:
+                best, best_rate = drafts, rate
+        if best == self.num_draft_tokens:
+            self._steps_short = 0
+            return best
+        self._steps_short += 1
+        return self.num_draft_tokens if self._steps_short % self.probe_every == 0 else best
 
 
 class ForcedAcceptance:

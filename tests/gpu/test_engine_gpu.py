@@ -210,10 +210,10 @@ def test_async_scheduling_equals_sync_under_a_grammar(ckpt):
 
 
 def test_adaptive_draft_length_switches_graphs(ckpt):
-    """Drafting off for a batch and on for a lone sequence (given step costs).
+    """Two drafts for a batch of four and three for a lone sequence (given step costs).
 
-    Graphed steps switch between the 1-token and the verify graphs both ways and emit the
-    synchronous, fixed-k engine's tokens.
+    Graphed steps switch between the verify graphs of both lengths (and their draft loops) and
+    emit the synchronous, fixed-k engine's tokens.
     """
     from gemma4serve.engine.spec import DraftLength, StepCost
 
@@ -225,8 +225,13 @@ def test_adaptive_draft_length_switches_graphs(ckpt):
         target, assistant, num_draft_tokens=3, adaptive_draft_length=False, async_scheduling=False
     )
     assert adaptive.engine.draft_length.costs  # measured on the graphs at start
-    adaptive.engine.draft_length = DraftLength(
-        3, {1: StepCost(1.0, 1.0, 0.1), 8: StepCost(1.0, 9.0, 1.0)}
+    adaptive.engine.draft_length = DraftLength(  # 3 drafts alone, 2 for 2-4 sequences
+        3,
+        {
+            1: StepCost(1.0, {2: 1.0, 3: 1.0}, {2: 0.1, 3: 0.1}),
+            4: StepCost(1.0, {2: 1.2, 3: 9.0}, {2: 0.2, 3: 1.0}),
+            8: StepCost(1.0, {2: 9.0, 3: 9.0}, {2: 1.0, 3: 1.0}),
+        },
     )
     judge = load_hf_target(target, dtype=torch.float32, device="cuda")
     noisy = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
@@ -236,6 +241,8 @@ def test_adaptive_draft_length_switches_graphs(ckpt):
         assert_same_or_near_tie(x, y, p, judge, noisy)
     stats = adaptive.engine.snapshot()
     assert 0 < stats.spec_num_steps < stats.seq_steps
+    # both lengths verified: 2 or 3 drafts per sequence step
+    assert 2 * stats.spec_num_steps < stats.spec_drafted_tokens < 3 * stats.spec_num_steps
 
 
 def _jit_functions():
