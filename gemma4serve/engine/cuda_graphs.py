@@ -1,9 +1,9 @@
 """CUDA graphs for the steady state: the target's decode/verify forward (with the logits of every
 row) and the whole draft loop, each captured once per batch-size bucket and per draft length the
-engine may choose (`spec.draft_choices`: k and half of it). Where the target
-has a greedy head, every bucket also gets a greedy variant of the forward that ends in each row's
-greedy token instead of the logits (the greedy head's, or the first maximum of the softcapped
-logits in one read past its rows).
+engine may choose (`spec.draft_choices`: k and half of it). Where the target has a greedy head,
+every bucket also gets a greedy variant of the forward that ends in each row's greedy token instead
+of the logits (the greedy head's, or the first maximum of the softcapped logits in one read past
+its rows).
 
 A decode step of B sequences with d drafts each is B groups of Q = d + 1 query tokens. Its token
 ids, positions and page tables are copied into static buffers; write slots and key ranges are

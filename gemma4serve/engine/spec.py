@@ -53,8 +53,8 @@ class DraftLoop:
 def draft_choices(num_draft_tokens: int) -> list[int]:
     """The draft lengths a step may choose besides 0, each with its own verify and draft-loop
     graphs: k and half of it (rounded up). Acceptance falls along the drafts, so at large batches
-    the later drafts' verify rows cost more than they return; the half covers that at a third more
-    graphs than k alone (docs/performance.md)."""
+    the later drafts' verify rows cost more than they return (docs/performance.md); the half costs
+    three more graphs a batch bucket (a verify graph, its greedy variant, a draft loop)."""
     return sorted({(num_draft_tokens + 1) // 2, num_draft_tokens} - {0})
 
 
