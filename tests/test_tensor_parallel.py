@@ -25,6 +25,7 @@ from fake_engine import ServerProcess
 from gemma4serve import LLM, SamplingParams
 from gemma4serve.cli import engine_args, parse_args
 from gemma4serve.config import ConfigError, load_config
+from gemma4serve.engine.spec import DraftLength, StepCost
 from gemma4serve.model.layers import TorchOps
 from gemma4serve.parallel.group import (
     FusedAllReduceNorm,
@@ -125,6 +126,37 @@ def test_four_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, varia
     assert got == expected
     ranks = [read_steps(log / f"rank{rank}.jsonl") for rank in range(4)]
     assert len(ranks[0]) > 5 and all(steps == ranks[0] for steps in ranks[1:])
+
+
+def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path):
+    """The adaptive draft length's shorter choice (2 of 3 drafts) runs on both ranks: the step plans
+    carry it, the ranks propose the same 2 drafts a sequence, and greedy output still equals one
+    device without MTP."""
+    target, assistant = tiny_checkpoints.get("dense"), tiny_checkpoints.get_assistant("dense")
+    (expected,), _ = generate(target, None, [GREEDY])
+    log = tmp_path / "steps"
+    llm = LLM(
+        str(target),
+        draft=str(assistant),
+        device="cpu",
+        tensor_parallel_size=2,
+        num_draft_tokens=3,
+        tensor_parallel_step_log=str(log),
+    )
+    try:  # two drafts pay far more than three at every batch size
+        llm.engine.draft_length = DraftLength(
+            3, {8: StepCost(1.0, {2: 0.5, 3: 5.0}, {2: 0.1, 3: 0.1})}
+        )
+        got = token_ids(llm.generate(PROMPTS, GREEDY))
+    finally:
+        llm.engine.shutdown()
+    assert got == expected
+    rank0, rank1 = read_steps(log / "rank0.jsonl"), read_steps(log / "rank1.jsonl")
+    assert rank0 == rank1
+    proposed = [
+        drafts for step in rank0 if step and step["next_drafts"] for drafts in step["next_drafts"]
+    ]
+    assert proposed and all(len(drafts) == 2 for drafts in proposed)
 
 
 def test_kv_heads_and_widths_split_per_rank(tiny_checkpoints):
