@@ -800,6 +800,15 @@ def full_length_cost(decode, verify, draft):
     return StepCost(decode, {4: verify}, {4: draft})
 
 
+def launch_steps(dl: DraftLength, batch_size: int, steps: int) -> list[int]:
+    """The draft lengths of `steps` steps launched one after another, as the engine counts them."""
+    lengths = []
+    for _ in range(steps):
+        lengths.append(dl.choose(batch_size))
+        dl.launched(lengths[-1])
+    return lengths
+
+
 def test_draft_length_policy():
     costs = {1: full_length_cost(10.0, 11.0, 2.0), 8: full_length_cost(12.0, 30.0, 6.0)}
     dl = DraftLength(4, costs)
@@ -814,8 +823,9 @@ def test_draft_length_policy():
     for _ in range(400):
         dl.observe(4, 0)
     assert dl.choose(1) == 0  # nothing accepted: 1 x 10 < 13
-    probes = [dl.choose(1) for _ in range(2 * dl.probe_every)]
-    assert probes.count(4) == 2  # but it drafts now and then, to see whether acceptance came back
+    probes = launch_steps(dl, 1, 2 * dl.probe_every)
+    # but now and then it proposes all four and verifies them, to see whether acceptance came back
+    assert probes.count(4) == 2 and probes.index(4) == dl.probe_every
     for _ in range(400):
         dl.observe(4, 4)
     assert dl.choose(8) == 4
@@ -835,8 +845,10 @@ def test_draft_length_chooses_among_lengths():
         dl.observe(4, 2)  # two accepted, the third and fourth never: 3 tokens either way
     assert dl.expected_tokens(2) == pytest.approx(3.0)
     assert dl.expected_tokens() == pytest.approx(3.0, abs=1e-3)
-    picks = [dl.choose(32) for _ in range(16)]
-    assert picks.count(2) == 14 and picks.count(4) == 2  # every 8th drafts all four, to re-measure
+    assert dl.choose(32) == dl.choose(32) == 2  # asking is not a step
+    picks = launch_steps(dl, 32, 16)
+    # After 8 steps of 2, a probe: one step proposes all four, the next verifies them.
+    assert picks == [2] * 8 + [4, 4] + [2] * 6
     for _ in range(400):
         dl.observe(4, 0)
     assert dl.choose(32) == 0  # nothing accepted: one token per decode step is cheapest
@@ -890,6 +902,30 @@ def test_adaptive_draft_length_is_lossless(tiny_checkpoints, async_scheduling):
     assert sum(grew_batched) == 0
     stats = eng.snapshot()  # both lengths verified: 2 or 3 drafts per sequence step
     assert 2 * stats.spec_num_steps < stats.spec_drafted_tokens < 3 * stats.spec_num_steps
+    assert eng.kv_pool_free() == all_free(eng)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_draft_length_probes_verify_the_full_length(tiny_checkpoints, async_scheduling):
+    """While the shorter length wins, the periodic probes still get the later drafts verified (their
+    acceptance rate is measured again), and the tokens stay those of decoding without a drafter."""
+    kw = dict(
+        kv_cache_tokens=1024, page_size=4, max_model_len=256, async_scheduling=async_scheduling
+    )
+    eng = LLMEngine(engine_args(tiny_checkpoints, **kw))
+    args = engine_args(tiny_checkpoints, **kw)
+    args.draft, args.num_draft_tokens = None, 0
+    plain = LLMEngine(args)
+    # 2 drafts always win, even if all 3 were accepted: 3 / 1.1 > 4 / 2.1 tokens per unit.
+    costs = {1: StepCost(1.0, {2: 1.0, 3: 2.0}, {2: 0.1, 3: 0.1})}
+    eng.draft_length = DraftLength(K, costs, probe_every=8)
+    reqs = {"probe": (prompt_of(9, 80), greedy(120))}
+    assert choices(run_requests(eng, reqs).final["probe"]) == choices(
+        run_requests(plain, reqs).final["probe"]
+    )
+    stats = eng.snapshot()
+    assert stats.spec_drafted_tokens > 2 * stats.spec_num_steps  # some steps verified 3 drafts
+    assert eng.draft_length.rates[K - 1] < 1.0  # the third position's rate was observed
     assert eng.kv_pool_free() == all_free(eng)
 
 

@@ -403,6 +403,7 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         draft_len = self.draft_length.choose(sum(chunk.samples for chunk in chunks))
+        self.draft_length.launched(draft_len)
         self.stats.draft_length = draft_len
         for chunk in chunks:  # verify as many drafts as the step proposes: its rows stay uniform
             chunk.drafts = chunk.drafts[:draft_len]
@@ -430,6 +431,7 @@ class LLMEngine:
         if not self.kv.grow_all(spans):
             return None
         self.num_continued_steps += 1
+        self.draft_length.launched(previous.draft_len)
         return self.runner.launch_continued(previous, [s.pages for s in seqs])
 
     def _commit_step(self, handle: StepHandle) -> list[RequestOutput]:

@@ -75,10 +75,11 @@ class DraftLength:
     d drafts yield 1 + the sum of the first d per-position acceptance rates tokens per verify step,
     at the cost of that step and its draft loop; no drafting yields one token per decode step. The
     rates are moving averages over the sequences' recent verify steps; they start at 1, so the full
-    length is tried (and measured) first, and while a shorter length is chosen every
-    `probe_every`-th step drafts the full length anyway, so that the rates of the later positions
-    stay measured and recover when the text gets easier. Costs are the captured graphs' own replay
-    times, so without CUDA graphs the draft length stays fixed.
+    length is tried (and measured) first. While a shorter length is chosen, every
+    `probe_every`-th step starts a probe of two full-length steps (the first proposes k drafts, the
+    second verifies them), so that the rates of the later positions stay measured and recover when
+    the text gets easier. Costs are the captured graphs' own replay times, so without CUDA graphs
+    the draft length stays fixed.
     """
 
     def __init__(
@@ -93,7 +94,8 @@ class DraftLength:
         self.decay = decay
         self.probe_every = probe_every
         self.rates = [1.0] * num_draft_tokens
-        self._steps_short = 0  # steps since the full length last paid
+        self._short_steps = 0  # launched steps in a row below the full length
+        self._probe_steps = 0  # full-length steps the current probe still takes
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One sequence's verify step: `accepted` of its `drafted` drafts were accepted."""
@@ -105,6 +107,11 @@ class DraftLength:
         return 1.0 + sum(self.rates[: self.num_draft_tokens if drafts is None else drafts])
 
     def choose(self, batch_size: int) -> int:
+        """The draft length of a step of this many sequences; asking changes nothing (`launched`
+        counts the steps)."""
+        return self.num_draft_tokens if self._probe_steps else self.fastest(batch_size)
+
+    def fastest(self, batch_size: int) -> int:
         bucket = next((size for size in sorted(self.costs) if size >= batch_size), None)
         if not self.num_draft_tokens or bucket is None:
             return self.num_draft_tokens
@@ -114,11 +121,17 @@ class DraftLength:
             rate = self.expected_tokens(drafts) / (verify + cost.draft[drafts])
             if rate > best_rate:
                 best, best_rate = drafts, rate
-        if best == self.num_draft_tokens:
-            self._steps_short = 0
-            return best
-        self._steps_short += 1
-        return self.num_draft_tokens if self._steps_short % self.probe_every == 0 else best
+        return best
+
+    def launched(self, draft_len: int) -> None:
+        """Count a step launched with `draft_len` drafts."""
+        if draft_len == self.num_draft_tokens:
+            self._short_steps = 0
+            self._probe_steps = max(0, self._probe_steps - 1)
+            return
+        self._short_steps += 1
+        if self._short_steps == self.probe_every:
+            self._short_steps, self._probe_steps = 0, 2
 
 
 class ForcedAcceptance:
