@@ -104,7 +104,7 @@ class DraftLength:
 
     def expected_tokens(self, drafts: int | None = None) -> float:
         """Tokens per verify step proposing `drafts` drafts (all of them by default)."""
-        return 1.0 + sum(self.rates[: self.num_draft_tokens if drafts is None else drafts])
+        return 1.0 + sum(self.rates[:drafts])
 
     def choose(self, batch_size: int) -> int:
         """The draft length of a step of this many sequences; asking changes nothing (`launched`
