@@ -90,7 +90,6 @@ class CudaGraphs:
         max_mixed_tokens: int = 0,
     ):
         self.state = state
-        self.num_draft_tokens = num_draft_tokens
         self.buckets = batch_buckets(max_batch)
         self.draft_lengths = draft_choices(num_draft_tokens) if state.draft is not None else []
         self.q_lens = [1] + [d + 1 for d in self.draft_lengths]
