@@ -289,8 +289,7 @@ class Gemma4Model(nn.Module):
         [T, V]."""
         if self.tp is None:
             return self.shard_logits(hidden, out)
-        logits = vocab_parallel_logits(self.tp, self.shard_logits(hidden))
-        return logits if out is None else out.copy_(logits)
+        return vocab_parallel_logits(self.tp, self.shard_logits(hidden), out)
 
     def shard_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of this rank's vocabulary shard (all of them on one device)."""

@@ -216,8 +216,14 @@ def key_tokens(keys: torch.Tensor) -> torch.Tensor:
     return _LOW - (keys & _LOW)
 
 
-def vocab_parallel_logits(tp: TensorParallel, local_logits: torch.Tensor) -> torch.Tensor:
-    """[T, V] from each rank's [T, V / size]: every rank gets the full logits (it samples them
-    with the same seeds, so the ranks draw the same tokens)."""
+def vocab_parallel_logits(
+    tp: TensorParallel, local_logits: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[T, V] from each rank's [T, V / size], written into `out` where given: every rank gets the
+    full logits (it samples them with the same seeds, so the ranks draw the same tokens)."""
     parts = tp.all_gather(local_logits)  # [size, T, V / size]
-    return parts.permute(1, 0, 2).reshape(local_logits.shape[0], -1)
+    rows, shard = local_logits.shape
+    if out is None:
+        out = local_logits.new_empty(rows, tp.size * shard)
+    out.view(rows, tp.size, shard).copy_(parts.permute(1, 0, 2))
+    return out
