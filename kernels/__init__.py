@@ -3,7 +3,7 @@
 All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
 """
 
-from .activation import gelu_tanh_mul
+from .activation import gelu_tanh_mul, gelu_tanh_times
 from .all_reduce_norm import PeerBuffers, all_reduce_residual_norm
 from .first_max import first_max
 from .gemv import MAX_ROWS as GEMV_MAX_ROWS
@@ -22,6 +22,7 @@ __all__ = [
     "first_max",
     "GEMV_MAX_ROWS",
     "gelu_tanh_mul",
+    "gelu_tanh_times",
     "gemv",
     "gemv_mlp",
     "greedy_head",

@@ -1,6 +1,5 @@
-"""GELU(tanh) of the gate times up, from one fused [T, 2I] gate/up projection output.
-
-The MLP of docs/gemma4.md §2.
+"""GELU(tanh) of the gate times up: the MLP's, from one fused [T, 2I] gate/up projection output
+(docs/gemma4.md §2), and PLE's gate times the layer's per-layer input.
 """
 
 from __future__ import annotations
@@ -27,15 +26,23 @@ def gelu_tanh_f32(x):
 
 @triton.jit
 def _gelu_mul_kernel(
-    gu_ptr, o_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr
+    gate_ptr,
+    up_ptr,
+    o_ptr,
+    inter,
+    stride_g,
+    stride_u,
+    stride_o,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     DT: tl.constexpr = o_ptr.dtype.element_ty
-    gate = tl.load(gu_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + row * stride_g + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
     # Rounding points of `gelu_tanh(gate) * up` on bf16 tensors: the GELU output, then the product.
     y = round_to(round_to(gelu_tanh_f32(gate), DT) * up, DT)
     tl.store(o_ptr + row * stride_o + offs, y.to(DT), mask=mask)
@@ -43,20 +50,30 @@ def _gelu_mul_kernel(
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate columns first, then up) -> [T, I]."""
-    assert gate_up.shape[-1] % 2 == 0 and gate_up.stride(-1) == 1
+    assert gate_up.shape[-1] % 2 == 0
     g2 = gate_up.reshape(-1, gate_up.shape[-1])
     inter = g2.shape[1] // 2
-    out = torch.empty(g2.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
-    if g2.shape[0]:
+    return gelu_tanh_times(g2[:, :inter], g2[:, inter:]).view(*gate_up.shape[:-1], inter)
+
+
+def gelu_tanh_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for [T, I] each (rows may be strided) -> [T, I]."""
+    assert gate.shape == up.shape and gate.dim() == 2
+    assert gate.stride(1) == 1 and up.stride(1) == 1
+    rows, inter = gate.shape
+    out = torch.empty(rows, inter, dtype=gate.dtype, device=gate.device)
+    if rows:
         block = min(1024, triton.next_power_of_2(inter))
-        _gelu_mul_kernel[(g2.shape[0], triton.cdiv(inter, block))](
-            g2,
+        _gelu_mul_kernel[(rows, triton.cdiv(inter, block))](
+            gate,
+            up,
             out,
             inter,
-            g2.stride(0),
+            gate.stride(0),
+            up.stride(0),
             out.stride(0),
             BLOCK=block,
             num_warps=4,
-            **pdl_args(gate_up.device),
+            **pdl_args(gate.device),
         )
-    return out.view(*gate_up.shape[:-1], inter)
+    return out

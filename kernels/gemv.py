@@ -3,7 +3,8 @@
 At M <= 16 a step is a read of the weights, so the kernel is built around that read: a column tile
 of W per program (narrow outputs also split K), the first K tile loaded *before* waiting on the
 previous kernel. A fused [gate; up] weight can apply GELU·up in the epilogue (`glu=True`), each
-program holding matching gate and up rows. `gemv_mlp` chains that GEMV and the down projection
+program holding matching gate and up rows; any weight can end in GELU times another tensor
+(`gelu_times`, PLE's gate). `gemv_mlp` chains that GEMV and the down projection
 without a kernel boundary: down's K splits start on flags the gate_up tiles raise as they store.
 
 Launched with programmatic dependent launch (PDL, Hopper), its programs start while the previous
@@ -61,11 +62,22 @@ def _await_columns(flag_ptr, split, k_lo, k_hi, cols_per_signal, PDL: tl.constex
         tl.atomic_xchg(flag_ptr + split, 0, sem="relaxed")
 
 
+@triton.jit
+def _output_tile(acc, times_ptr, m, n, ok, stride_tm, DT: tl.constexpr, GELU_TIMES: tl.constexpr):
+    """The fp32 sums as stored: as they are, or gelu_tanh(sums) * times with the rounding points of
+    those torch ops on DT tensors."""
+    if not GELU_TIMES:
+        return acc
+    times = tl.load(times_ptr + m[:, None] * stride_tm + n[None, :], mask=ok, other=0.0)
+    return round_to(round_to(gelu_tanh_f32(round_to(acc, DT)), DT) * times.to(tl.float32), DT)
+
+
 @triton.jit(do_not_specialize=["k_per_split", "flag_cols"])
 def _gemv_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
+    times_ptr,
     part_ptr,
     count_ptr,
     flag_ptr,
@@ -77,6 +89,7 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_tm,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -87,6 +100,7 @@ def _gemv_kernel(
     GLU: tl.constexpr,
     SIGNAL: tl.constexpr,
     AWAIT: tl.constexpr,
+    GELU_TIMES: tl.constexpr,
 ):
     """y = x @ w^T over one column tile and K split per program.
 
@@ -167,7 +181,8 @@ def _gemv_kernel(
     out = y_ptr + m[:, None] * stride_ym + n[None, :]
     out_ok = m_ok & (n < N)[None, :]
     if SPLIT == 1:
-        tl.store(out, acc.to(DT), mask=out_ok)
+        y = _output_tile(acc, times_ptr, m, n, out_ok, stride_tm, DT, GELU_TIMES)
+        tl.store(out, y.to(DT), mask=out_ok)
     else:
         # Split-K: each split leaves its fp32 partial [BM, BN]; the split that finishes last for
         # this tile sums them in split order (deterministic) and writes the output, so no second
@@ -184,7 +199,8 @@ def _gemv_kernel(
                     other=0.0,
                     cache_modifier=".cg",
                 )
-            tl.store(out, total.to(DT), mask=out_ok)
+            y = _output_tile(total, times_ptr, m, n, out_ok, stride_tm, DT, GELU_TIMES)
+            tl.store(out, y.to(DT), mask=out_ok)
             tl.store(count_ptr + tile, 0)  # re-armed for the next launch (and graph replay)
 
 
@@ -240,18 +256,28 @@ def mlp_down_config(N: int, K: int, device: torch.device) -> tuple | None:
 
 
 def gemv(
-    x: torch.Tensor, w: torch.Tensor, config: tuple | None = None, glu: bool = False
+    x: torch.Tensor,
+    w: torch.Tensor,
+    config: tuple | None = None,
+    glu: bool = False,
+    gelu_times: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS.
 
     glu: w is a fused [gate; up] projection and the result is gelu_tanh(gate) * up, [M, N / 2].
+    gelu_times [M, N]: the result is gelu_tanh(x @ w^T) * gelu_times.
     `config` overrides gemv_config (benchmarks, tests).
     """
     M, K = x.shape
     N = w.shape[0]
     _check(x, w)
+    assert gelu_times is None or (
+        not glu and gelu_times.shape == (M, N) and gelu_times.stride(1) == 1
+    )
     y = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
-    _launch_columns(x, w, y, config or gemv_config(N, K, x.device, glu), glu=glu)
+    _launch_columns(
+        x, w, y, config or gemv_config(N, K, x.device, glu), glu=glu, gelu_times=gelu_times
+    )
     return y
 
 
@@ -314,9 +340,10 @@ def _launch_columns(
     flag_cols: int = 0,
     signal: bool = False,
     wait_on_flags: bool = False,
+    gelu_times: torch.Tensor | None = None,
 ) -> None:
-    """_gemv_kernel over column tiles of w (and K splits): y = x @ w^T, or the GLU epilogue's
-    [M, N / 2]."""
+    """_gemv_kernel over column tiles of w (and K splits): y = x @ w^T, gelu_tanh(y) * gelu_times,
+    or the GLU epilogue's [M, N / 2]."""
     M, K = x.shape
     N = w.shape[0]
     bn, bk, warps, stages, split = config
@@ -337,6 +364,7 @@ def _launch_columns(
         x,
         w,
         y,
+        gelu_times if gelu_times is not None else y,
         part,
         counters,
         flags if flags is not None else y,
@@ -348,6 +376,7 @@ def _launch_columns(
         x.stride(0),
         w.stride(0),
         y.stride(0),
+        0 if gelu_times is None else gelu_times.stride(0),
         BM=MAX_ROWS,
         BN=bn,
         BK=bk,
@@ -357,6 +386,7 @@ def _launch_columns(
         GLU=glu,
         SIGNAL=signal,
         AWAIT=wait_on_flags,
+        GELU_TIMES=gelu_times is not None,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(x.device),

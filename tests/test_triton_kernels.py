@@ -39,6 +39,7 @@ from gemma4serve_kernels import (  # noqa: E402  # noqa: E402
     all_reduce_residual_norm,
     first_max,
     gelu_tanh_mul,
+    gelu_tanh_times,
     gemv,
     gemv_mlp,
     greedy_head,
@@ -587,6 +588,17 @@ def test_gelu_tanh_mul(dtype):
     _assert_rounding_close(gelu_tanh_mul(gu), on_cpu(_gelu_mul_ref, gu))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_times(dtype):
+    """PLE's gate: gelu_tanh(gate) * up from two tensors, up a strided slice of a wider tensor."""
+    generator = torch.Generator().manual_seed(5)
+    gate = (torch.randn(6, 40, generator=generator) * 3).to(dtype).to(DEV)
+    up = torch.randn(6, 3, 40, generator=generator).to(dtype).to(DEV)[:, 1]
+    _assert_rounding_close(
+        gelu_tanh_times(gate, up), on_cpu(lambda g, u: gelu_tanh(g) * u, gate, up)
+    )
+
+
 # -------------------------------------------------------------------------------------- skinny GEMM
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,K", [(1, 300), (5, 256), (16, 300)])
@@ -628,6 +640,23 @@ def test_gemv_glu_epilogue(M):
         y = gemv(x, w, config=cfg, glu=True)
         assert y.shape == (M, inter)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_gemv_gelu_times_epilogue(M):
+    """gemv(gelu_times=t) = gelu_tanh_times(x @ w^T, t) with whole sums and with K splits (the last
+    split applies it); t a strided slice, as PLE's per-layer inputs are. fp32, ragged width."""
+    generator = torch.Generator().manual_seed(10)
+    N, K = 37, 512
+    x = torch.randn(M, K, generator=generator).to(DEV)
+    w = (torch.randn(N, K, generator=generator) / 8).to(DEV)
+    times = torch.randn(M, 4, N, generator=generator).to(DEV)[:, 2]
+    ref = gelu_tanh_times(x @ w.T, times)
+    for cfg in (None, (32, 64, 4, 2, 1), (16, 128, 4, 3, 4)):
+        y = gemv(x, w, config=cfg, gelu_times=times)
+        assert y.shape == (M, N)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+        assert torch.equal(y, gemv(x, w, config=cfg, gelu_times=times))
 
 
 @pytest.mark.parametrize("M", [1, 5])

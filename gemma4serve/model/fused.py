@@ -166,6 +166,15 @@ class FusedOps(TorchOps):
             return self.kernels.gemv_mlp(x, mlp.gate_up, mlp.down_proj.weight)
         return F.linear(self.kernels.gelu_tanh_mul(F.linear(x, mlp.gate_up)), mlp.down_proj.weight)
 
+    def gelu_linear_times(
+        self, x: torch.Tensor, weight: torch.Tensor, times: torch.Tensor
+    ) -> torch.Tensor:
+        """Few rows: the GEMV with GELU·times in its epilogue. Else the GEMM and one activation
+        launch."""
+        if self.gemv_fits(x) and times.stride(1) == 1:
+            return self.kernels.gemv(x, weight, gelu_times=times)
+        return self.kernels.gelu_tanh_times(F.linear(x, weight), times)
+
     def moe_route(self, logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):
         return self.kernels.moe_route(logits, per_expert_scale, top_k)
 

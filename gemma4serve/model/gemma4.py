@@ -26,7 +26,6 @@ from gemma4serve.model.layers import (
     TorchOps,
     bind_ops,
     concat_weights,
-    gelu_tanh,
     rope_inv_freq,
 )
 from gemma4serve.parallel.group import (
@@ -169,10 +168,10 @@ class DecoderLayer(nn.Module):
                 residual, h, self.post_feedforward_layernorm, self.layer_scalar, next_norm, partial
             )
         x, _ = self._add_norm(residual, h, self.post_feedforward_layernorm, partial=partial)
-        gate = gelu_tanh(self.per_layer_input_gate(x)) * ple
+        gate = self.ops.gelu_linear_times(x, self.per_layer_input_gate.weight, ple)
         return self._add_norm(
             x,
-            self.per_layer_projection(gate),
+            self.ops.linear(gate, self.per_layer_projection.weight),
             self.post_per_layer_input_norm,
             self.layer_scalar,
             next_norm,

@@ -193,6 +193,12 @@ class TorchOps:
         """down(gelu_tanh(gate(x)) * up(x))."""
         return mlp.down_proj(gelu_tanh(mlp.gate_proj(x)) * mlp.up_proj(x))
 
+    def gelu_linear_times(
+        self, x: torch.Tensor, weight: torch.Tensor, times: torch.Tensor
+    ) -> torch.Tensor:
+        """gelu_tanh(x @ weight^T) * times (PLE's gate on the per-layer input)."""
+        return gelu_tanh(F.linear(x, weight)) * times
+
     def moe_route(self, logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int):
         return moe_route(logits, per_expert_scale, top_k)
 

@@ -42,6 +42,7 @@ from gemma4serve.config import RopeSpec  # noqa: E402
 from gemma4serve.model.layers import Experts, rms_norm, rope_cos_sin, rope_inv_freq  # noqa: E402
 from gemma4serve_kernels import (  # noqa: E402
     gelu_tanh_mul,
+    gelu_tanh_times,
     gemv,
     gemv_mlp,
     greedy_head,
@@ -314,6 +315,21 @@ def test_gemv_glu_epilogue_equals_activation_kernel(M, inter, H):
     x = torch.randn(M, H, generator=generator, device=DEV).to(BF16)
     w = (torch.randn(2 * inter, H, generator=generator, device=DEV) * 0.05).to(BF16)
     assert torch.equal(gemv(x, w, glu=True), gelu_tanh_mul(gemv(x, w)))
+
+
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("N,K", [(256, 2560), (256, 1536)])
+def test_gemv_gelu_times_equals_activation_kernel(M, N, K):
+    """PLE's gate GEMV (E4B, E2B shapes, split along K) with its GELU·times epilogue = gemv then
+    the activation kernel, bit for bit; the per-layer input a strided slice as in the model."""
+    generator = torch.Generator(DEV).manual_seed(M)
+    x = torch.randn(M, K, generator=generator, device=DEV).to(BF16)
+    w = (torch.randn(N, K, generator=generator, device=DEV) * 0.05).to(BF16)
+    times = torch.randn(M, 42, N, generator=generator, device=DEV).to(BF16)[:, 7]
+    want = gelu_tanh_times(gemv(x, w), times)
+    assert torch.equal(gemv(x, w, gelu_times=times), want)
+    ref = torch.nn.functional.gelu(x.float() @ w.float().T, approximate="tanh") * times.float()
+    assert ((want.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("M", [1, 5, 16])
