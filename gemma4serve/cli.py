@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
+        default=EngineArgs.max_num_batched_tokens,
         help="Token budget of one engine step (longer prompts are prefilled in chunks).",
     )
     engine.add_argument(
