@@ -1,8 +1,10 @@
 """Paged-attention bandwidth on the GPU at a model's shapes (the 31B's by default).
 
-Decode, 5-row verify and 1024-token prefill chunks; "mixed" is a served step's layout: `batch`
-5-row verifications and prompt chunks filling the 2048-token budget (one first chunk, or with
---prompt-len whole prompts of that length and the first piece of the next), padded as the mixed
+Decode, verify (--verify-rows a sequence, 3 by default: two drafts, what the draft length
+chooses at the forced acceptance of 3.1) and 1024-token prefill chunks; "mixed" is a served step's
+layout: `batch` verifications and prompt chunks filling the server's default token budget (one
+first chunk, or with --prompt-len whole prompts of that length and the first piece of the next),
+padded as the mixed
 CUDA graphs pad it (with empty groups to the server's sequence bucket); its row is followed by its
 parts alone. "prompts" is those prompt chunks alone (the prefill tiles' case for --sweep). Shapes
 are the --model's (the 31B by default).
@@ -31,6 +33,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+from gemma4serve.engine.args import EngineArgs
 from gemma4serve_kernels import attention_config, paged_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,12 +57,8 @@ def shapes_of(model: str) -> dict:
 
 PAGE = 16
 DT = torch.bfloat16
-PHASE_ROWS = {
-    "decode": 1,
-    "verify": 5,
-    "prefill": 1024,
-}  # query rows per sequence (prefill: one chunk)
-MIXED_TOKENS = 2048  # the server's default token budget
+PREFILL_ROWS = 1024  # query rows of one prefill chunk
+MIXED_TOKENS = EngineArgs.max_num_batched_tokens  # the server's default token budget
 
 
 def build_groups(shape: dict, groups: list[tuple[int, int]]):
@@ -100,24 +99,24 @@ def build(shape: dict, batch: int, ctx: int, rows: int):
     return args, nbytes
 
 
-def prompt_chunks(batch: int, prompt_len: int | None) -> list[tuple[int, int]]:
+def prompt_chunks(batch: int, verify_rows: int, prompt_len: int | None) -> list[tuple[int, int]]:
     """The prompt chunks that fill the token budget beside `batch` verifications: one first chunk,
     or whole prompts of `prompt_len` and the first piece of the next."""
-    budget = MIXED_TOKENS - batch * PHASE_ROWS["verify"]
+    budget = MIXED_TOKENS - batch * verify_rows
     if prompt_len is None:
         return [(budget, budget)]
     pieces = [prompt_len] * (budget // prompt_len) + [budget % prompt_len]
     return [(rows, rows) for rows in pieces if rows]
 
 
-def build_mixed(shape: dict, batch: int, ctx: int, prompt_len: int | None):
+def build_mixed(shape: dict, batch: int, ctx: int, verify_rows: int, prompt_len: int | None):
     """`batch` verifying sequences at `ctx` and the prompt chunks beside them, with empty groups
     up to the sequence bucket (of the server's default 256 sequences) as
     gemma4serve/engine/cuda_graphs.py's mixed graphs pad them."""
     from gemma4serve.engine.cuda_graphs import mixed_group_buckets
 
-    verify = [(ctx, PHASE_ROWS["verify"])] * batch
-    groups = verify + prompt_chunks(batch, prompt_len)
+    verify = [(ctx, verify_rows)] * batch
+    groups = verify + prompt_chunks(batch, verify_rows, prompt_len)
     args, nbytes, flops = build_groups(shape, groups)
     bucket = next(g for g in mixed_group_buckets(256) if g >= len(groups))
     cu = args[6]
@@ -230,6 +229,9 @@ def main():
     parser.add_argument(
         "--prompt-len", type=int, help="mixed and prompts: whole prompts of this length"
     )
+    parser.add_argument(
+        "--verify-rows", type=int, default=3, help="query rows of a verifying sequence"
+    )
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--layers", default="full,sliding")
@@ -249,6 +251,7 @@ def main():
         "--splits", help='split settings of the sweep, "num_splits:min_split_keys,..." or "default"'
     )
     cli = parser.parse_args()
+    phase_rows = {"decode": 1, "verify": cli.verify_rows, "prefill": PREFILL_ROWS}
     options = dict(block_n_opts=tuple(map(int, cli.block_n.split(","))))
     if not cli.splits_only:
         options.update(
@@ -277,16 +280,18 @@ def main():
                 for ctx in map(int, cli.contexts.split(",")):
                     parts, flops = {}, None
                     if phase == "mixed":
-                        args, nbytes, flops = build_mixed(shape, batch, ctx, cli.prompt_len)
-                        parts["verify"] = build(shape, batch, ctx, PHASE_ROWS["verify"])[0]
+                        args, nbytes, flops = build_mixed(
+                            shape, batch, ctx, cli.verify_rows, cli.prompt_len
+                        )
+                        parts["verify"] = build(shape, batch, ctx, cli.verify_rows)[0]
                         parts["prompts"] = build_groups(
-                            shape, prompt_chunks(batch, cli.prompt_len)
+                            shape, prompt_chunks(batch, cli.verify_rows, cli.prompt_len)
                         )[0]
                     elif phase == "prompts":
-                        groups = prompt_chunks(batch, cli.prompt_len)
+                        groups = prompt_chunks(batch, cli.verify_rows, cli.prompt_len)
                         args, nbytes, flops = build_groups(shape, groups)
                     else:
-                        args, nbytes = build(shape, batch, ctx, PHASE_ROWS[phase])
+                        args, nbytes = build(shape, batch, ctx, phase_rows[phase])
                     ms, graph_ms = time_case(args)
                     gbs = nbytes / (ms * 1e-3) / 1e9
                     line = (
