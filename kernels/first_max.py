@@ -22,6 +22,14 @@ NO_ID = tl.constexpr(2**62)  # above every id: the minimum over no maximum's ids
 
 
 @triton.jit
+def first_of_max(values, ids, none):
+    """The largest of 1-D values and the lowest of ids holding it (torch's argmax rule); `none`,
+    above every id, stands for the ids that cannot hold it."""
+    best = tl.max(values, axis=0)
+    return best, tl.min(tl.where(values == best, ids, none), axis=0)
+
+
+@triton.jit
 def _chunk_kernel(
     values_ptr,
     ids_ptr,
@@ -54,9 +62,9 @@ def _chunk_kernel(
         ids = tl.load(ids_ptr + m * stride_i + n, mask=inside, other=0).to(tl.int64)
     else:
         ids = n.to(tl.int64)
-    g_max = tl.max(g, axis=0)
+    g_max, first = first_of_max(g, tl.where(inside, ids, NO_ID), NO_ID)
     tl.store(best_ptr + m * P + p, g_max)
-    tl.store(best_id_ptr + m * P + p, tl.min(tl.where(inside & (g == g_max), ids, NO_ID), axis=0))
+    tl.store(best_id_ptr + m * P + p, first)
     least = tl.where(inside, raw.to(tl.float32), float("inf"))
     tl.store(least_ptr + m * P + p, tl.min(least, axis=0))
 
@@ -79,8 +87,8 @@ def _combine_kernel(
     p = tl.arange(0, BLOCK)
     g = tl.load(best_ptr + m * P + p, mask=p < P, other=float("-inf"))
     i = tl.load(best_id_ptr + m * P + p, mask=p < P, other=NO_ID)
-    g_max = tl.max(g, axis=0)
-    tl.store(tokens_ptr + m, tl.min(tl.where(g == g_max, i, NO_ID), axis=0))
+    g_max, first = first_of_max(g, i, NO_ID)
+    tl.store(tokens_ptr + m, first)
     tl.store(values_ptr + m, g_max)
     least = tl.load(least_ptr + m * P + p, mask=p < P, other=float("inf"))
     tl.store(row_least_ptr + m, tl.min(least, axis=0))

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_in_fp32, pdl_args, round_to, wait_for_producer
+from .first_max import first_of_max
 from .gemv import MAX_ROWS, _dot, _in_split, _k_splits, gemv_config
 
 # interval half-width per unit of scale * |x|_1, besides rho's (see above)
@@ -290,8 +291,8 @@ def _pick_kernel(
     p = tl.arange(0, BLOCK)
     g = tl.load(best_g_ptr + mi * P + p, mask=p < P, other=float("-inf"))
     i = tl.load(best_i_ptr + mi * P + p, mask=p < P, other=N)
-    g_max = tl.max(g, axis=0)
-    tl.store(out_ptr + mi, tl.min(tl.where(g == g_max, i, N), axis=0).to(tl.int64))
+    g_max, first = first_of_max(g, i, N)
+    tl.store(out_ptr + mi, first.to(tl.int64))
     tl.store(value_ptr + mi, g_max)
 
 
