@@ -4,6 +4,7 @@
       --draft configs/gemma-4-31B-it-assistant
   python bench/profile_step.py --engine-loop --draft ''   # the served decode loop, graphs and all
   python bench/profile_step.py --mixed 2048 --batch 32   # a prefill chunk beside 32 decodes
+  python bench/profile_step.py --mixed 4000 --prompt-len 1024 --batch 32 --k 2   # as served
   python bench/profile_step.py --engine-loop --draft '' -tp 2   # rank 0 of tensor parallelism
 
 --engine-loop profiles the engine's own step loop (one greedy request, async scheduling) instead of
@@ -12,9 +13,10 @@ charged time (the graph's too; the only per-kernel view under TP), and the kerne
 the graph (continuation inputs, acceptance, the copy to the host), which is what
 TPOT pays on top of a step.
 
---mixed N times the steps that carry an N-token prompt beside `--batch` decoding sequences (what
-every arriving request costs the running ones): wall time per step against the GPU's busy time,
-and where that busy time goes.
+--mixed N times the steps that carry N prompt tokens beside `--batch` decoding sequences (what
+every arriving request costs the running ones): one prompt, or with --prompt-len prompts of that
+length and a shorter last one (the serving benchmark's 1024-token prompts fill a step's budget
+four at a time); wall time per step against the GPU's busy time, and where that busy time goes.
 
 With programmatic dependent launch a kernel starts while its predecessor drains, so its profiled
 time includes that wait; the "charged" column (see `report`) is what each kernel adds to the step
@@ -143,7 +145,7 @@ def engine_loop(args) -> None:
 
 
 def mixed_step(args) -> None:
-    """Wall time against GPU busy time of steps carrying an `args.mixed`-token prompt.
+    """Wall time against GPU busy time of steps carrying `args.mixed` prompt tokens.
 
     The server's default sequence cap and token budget (the budget grown only where the prompt and
     the verifications would not fit it), so the step replays the mixed graph bucket serving
@@ -173,12 +175,16 @@ def mixed_step(args) -> None:
     for _ in range(40):  # prefill, graph warm-up
         engine.step()
     one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    length = args.prompt_len or args.mixed
+    lengths = [length] * (args.mixed // length)
+    if args.mixed % length:
+        lengths.append(args.mixed % length)
     probes, walls = 5, []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(probes):
-            engine.add_request(
-                f"p{i}", [(11 * i + j) % 1000 + 10 for j in range(args.mixed)], one_token
-            )
+            for n, tokens in enumerate(lengths):
+                prompt = [(11 * i + 13 * n + j) % 1000 + 10 for j in range(tokens)]
+                engine.add_request(f"p{i}.{n}", prompt, one_token)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             # Under async scheduling the prompt may join the step after the one already queued:
@@ -189,7 +195,7 @@ def mixed_step(args) -> None:
             walls.append(time.perf_counter() - t0)
     wall = sorted(walls)[probes // 2]
     print(
-        f"\n## steps with a {args.mixed}-token prompt beside {args.batch} decodes (k={k}): "
+        f"\n## steps with prompts of {lengths} tokens beside {args.batch} decodes (k={k}): "
         f"{wall * 1e3:.2f} ms wall for the probe's two steps (median of {probes})"
     )
     report(prof, "each probe and the decode step after it", probes)
@@ -220,6 +226,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--mixed", type=int, default=0, help="time steps carrying a prompt this long (see above)"
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, help="with --mixed: prompts of this length (default: one prompt)"
     )
     args = parser.parse_args()
     if args.mixed:
