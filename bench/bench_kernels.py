@@ -4,10 +4,9 @@ Decode, verify (--verify-rows a sequence, 3 by default: two drafts, what the dra
 chooses at the forced acceptance of 3.1) and 1024-token prefill chunks; "mixed" is a served step's
 layout: `batch` verifications and prompt chunks filling the server's default token budget (one
 first chunk, or with --prompt-len whole prompts of that length and the first piece of the next),
-padded as the mixed
-CUDA graphs pad it (with empty groups to the server's sequence bucket); its row is followed by its
-parts alone. "prompts" is those prompt chunks alone (the prefill tiles' case for --sweep). Shapes
-are the --model's (the 31B by default).
+padded as the mixed CUDA graphs pad it (with empty groups to the server's sequence bucket); its
+row is followed by its parts alone. "prompts" is those prompt chunks alone (the prefill tiles'
+case for --sweep). Shapes are the --model's (the 31B by default).
 
     python bench/bench_kernels.py            # the table
     # Also search configs (slow: limit it).

@@ -225,7 +225,7 @@ def main() -> None:
         "no drafts, so the adaptive draft length would stop drafting)",
     )
     parser.add_argument(
-        "--mixed", type=int, default=0, help="time steps carrying a prompt this long (see above)"
+        "--mixed", type=int, default=0, help="time steps carrying this many prompt tokens (above)"
     )
     parser.add_argument(
         "--prompt-len", type=int, help="with --mixed: prompts of this length (default: one prompt)"
