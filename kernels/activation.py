@@ -25,6 +25,13 @@ def gelu_tanh_f32(x):
 
 
 @triton.jit
+def gelu_times(gate, up, DT: tl.constexpr):
+    """gelu_tanh(gate) * up for fp32 gate and up that hold DT values, rounded where those torch
+    ops round on DT tensors: the GELU output, then the product."""
+    return round_to(round_to(gelu_tanh_f32(gate), DT) * up, DT)
+
+
+@triton.jit
 def _gelu_mul_kernel(
     gate_ptr,
     up_ptr,
@@ -43,8 +50,7 @@ def _gelu_mul_kernel(
     DT: tl.constexpr = o_ptr.dtype.element_ty
     gate = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
-    # Rounding points of `gelu_tanh(gate) * up` on bf16 tensors: the GELU output, then the product.
-    y = round_to(round_to(gelu_tanh_f32(gate), DT) * up, DT)
+    y = gelu_times(gate, up, DT)
     tl.store(o_ptr + row * stride_o + offs, y.to(DT), mask=mask)
 
 

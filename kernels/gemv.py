@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from ._common import dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
-from .activation import gelu_tanh_f32
+from .activation import gelu_times
 
 MAX_ROWS = 16  # the dot's row tile; larger M goes to cuBLAS
 
@@ -69,7 +69,7 @@ def _output_tile(acc, times_ptr, m, n, ok, stride_tm, DT: tl.constexpr, GELU_TIM
     if not GELU_TIMES:
         return acc
     times = tl.load(times_ptr + m[:, None] * stride_tm + n[None, :], mask=ok, other=0.0)
-    return round_to(round_to(gelu_tanh_f32(round_to(acc, DT)), DT) * times.to(tl.float32), DT)
+    return gelu_times(round_to(acc, DT), times.to(tl.float32), DT)
 
 
 @triton.jit(do_not_specialize=["k_per_split", "flag_cols"])
@@ -170,7 +170,7 @@ def _gemv_kernel(
     if GLU:
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, HALF]), (0, 2, 1)))
         col = tile * HALF + tl.arange(0, HALF)
-        y = round_to(round_to(gelu_tanh_f32(round_to(gate, DT)), DT) * round_to(up, DT), DT)
+        y = gelu_times(round_to(gate, DT), round_to(up, DT), DT)
         tl.store(
             y_ptr + m[:, None] * stride_ym + col[None, :], y.to(DT), mask=m_ok & (col < N)[None, :]
         )

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_in_fp32, next_pow2, round_to
-from .activation import gelu_tanh_f32
+from .activation import gelu_times
 
 
 # ------------------------------------------------------------------------------------------ routing
@@ -260,7 +260,7 @@ def _moe_gemm_kernel(
     DT: tl.constexpr = c_ptr.dtype.element_ty
     y = round_to(acc, DT)  # the projection output in the model dtype
     if GATED:
-        y = round_to(round_to(gelu_tanh_f32(y), DT) * round_to(acc_up, DT), DT)
+        y = gelu_times(y, round_to(acc_up, DT), DT)
     c = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + n[None, :]
     tl.store(c, y.to(DT), mask=row_ok[:, None] & n_ok[None, :])
 
