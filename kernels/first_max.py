@@ -6,7 +6,8 @@ from cuBLAS, and torch would softcap them in three elementwise passes before its
 same read. For the drafter's centroid head the columns carry their token `ids`, and the row's
 smallest raw value comes along (its fill is derived from it).
 
-Ties go to the lowest id, as torch's argmax; the values and ids are exactly torch's.
+Ties go to the lowest id and NaN is the largest value, as in torch's argmax; the values and ids
+are exactly torch's (on a row holding a NaN, `least` is not defined).
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ NO_ID = tl.constexpr(2**62)  # above every id: the minimum over no maximum's ids
 
 @triton.jit
 def first_of_max(values, ids, none):
-    """The largest of 1-D values and the lowest of ids holding it (torch's argmax rule); `none`,
-    above every id, stands for the ids that cannot hold it."""
-    best = tl.max(values, axis=0)
-    return best, tl.min(tl.where(values == best, ids, none), axis=0)
+    """The largest of 1-D values and the lowest of ids holding it; `none`, above every id, stands
+    for the ids that cannot hold it. NaN is larger than every number, as in torch's argmax: a NaN
+    logit must still give a valid token (tl.max alone skips NaN, and an all-NaN row would give
+    `none`)."""
+    nan = values != values
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    best = tl.max(tl.where(nan, float("-inf"), values), axis=0)
+    hit = tl.where(any_nan, nan, values == best)
+    return tl.where(any_nan, float("nan"), best), tl.min(tl.where(hit, ids, none), axis=0)
 
 
 @triton.jit

@@ -21,7 +21,8 @@ as an int8 copy (half the bytes):
 3. pick: the first maximum over the programs.
 
 Every token that ties for the maximum is a candidate, so ties go to the lowest id as `torch.argmax`
-does: the tokens equal the argmax of the full head's softcapped logits, whatever the weights. Only
+does: the tokens equal the argmax of the full head's softcapped logits, whatever the weights (for
+a finite hidden state; a row that is not finite gets token 0, see the pick kernel). Only
 the speed depends on them, through the number of candidates (docs/performance.md).
 """
 
@@ -175,13 +176,17 @@ def _screen_kernel(
 
 
 @triton.jit
-def _threshold_kernel(lo_ptr, lut_ptr, gt_ptr, tiles, TILES_P: tl.constexpr, PDL: tl.constexpr):
-    """G(T) per row: T = the largest lower end of all the screen's tiles."""
+def _threshold_kernel(
+    lo_ptr, mass_ptr, lut_ptr, gt_ptr, tiles, TILES_P: tl.constexpr, PDL: tl.constexpr
+):
+    """G(T) per row: T = the largest lower end of all the screen's tiles. NaN for a row whose
+    mass is not finite (x is not): no token passes it, so the pick gives that row token 0."""
     wait_for_producer(PDL)
     m = tl.program_id(0)
     t = tl.arange(0, TILES_P)
     lo = tl.max(tl.load(lo_ptr + m * tiles + t, mask=t < tiles, other=float("-inf")), axis=0)
-    tl.store(gt_ptr + m, _lookup(lut_ptr, lo, True))
+    finite = tl.abs(tl.load(mass_ptr + m)) < float("inf")
+    tl.store(gt_ptr + m, tl.where(finite, _lookup(lut_ptr, lo, True), float("nan")))
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split"])
@@ -284,7 +289,15 @@ def _exact_kernel(
 
 @triton.jit
 def _pick_kernel(
-    best_g_ptr, best_i_ptr, out_ptr, value_ptr, N, P, BLOCK: tl.constexpr, PDL: tl.constexpr
+    best_g_ptr,
+    best_i_ptr,
+    gt_ptr,
+    out_ptr,
+    value_ptr,
+    N,
+    P,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     mi = tl.program_id(0)
@@ -292,8 +305,12 @@ def _pick_kernel(
     g = tl.load(best_g_ptr + mi * P + p, mask=p < P, other=float("-inf"))
     i = tl.load(best_i_ptr + mi * P + p, mask=p < P, other=N)
     g_max, first = first_of_max(g, i, N)
-    tl.store(out_ptr + mi, first.to(tl.int64))
-    tl.store(value_ptr + mi, g_max)
+    # A row whose hidden state is not finite (its threshold is NaN; other rows' candidates may
+    # still give it values): token 0 and a NaN value, torch's argmax where every logit is NaN.
+    g_t = tl.load(gt_ptr + mi)
+    finite = (g_t == g_t) & (first < N)
+    tl.store(out_ptr + mi, tl.where(finite, first, 0).to(tl.int64))
+    tl.store(value_ptr + mi, tl.where(finite, g_max, float("nan")))
 
 
 @torch.no_grad()
@@ -404,8 +421,9 @@ def greedy_head(
     best_i = torch.empty(M, P, dtype=torch.int32, device=dev)
     g_t = torch.empty(M, dtype=torch.float32, device=dev)
     _threshold_kernel[(M,)](
-        lo, lut, g_t, tiles, TILES_P=triton.next_power_of_2(tiles), num_warps=8, **pdl_args(dev)
-    )
+        lo, mass, lut, g_t, tiles, TILES_P=triton.next_power_of_2(tiles), num_warps=8,
+        **pdl_args(dev),
+    )  # fmt: skip
     _exact_kernel[(P,)](
         x,
         w,
@@ -436,6 +454,7 @@ def greedy_head(
     tokens = torch.empty(M, dtype=torch.int64, device=dev)
     values = torch.empty(M, dtype=torch.float32, device=dev)
     _pick_kernel[(M,)](
-        best_g, best_i, tokens, values, N, P, BLOCK=triton.next_power_of_2(P), **pdl_args(dev)
-    )
+        best_g, best_i, g_t, tokens, values, N, P, BLOCK=triton.next_power_of_2(P),
+        **pdl_args(dev),
+    )  # fmt: skip
     return tokens, values

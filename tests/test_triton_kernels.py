@@ -761,6 +761,49 @@ def test_first_max_equals_torch_argmax(N):
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got, ref)), values.dtype
 
 
+@pytest.mark.parametrize("N", [5000, 300])
+def test_first_max_takes_nan_as_torch_argmax_does(N):
+    """NaN is the largest value: a row holding NaNs gives its first NaN (torch's argmax), never
+    an id outside the row (a token past the vocabulary would stop the server at its next step).
+    NaNs in the last chunk only, in two chunks, everywhere; one finite row beside them."""
+    from gemma4serve.model.layers import TorchOps
+
+    generator = torch.Generator().manual_seed(6)
+    logits = (torch.randn(4, N, generator=generator) * 4).to(torch.bfloat16)
+    logits[0, N - 2] = float("nan")
+    logits[1, [N - 1, N // 2, 9]] = float("nan")
+    logits[2] = float("nan")
+    table = value_table(_softcap, DEV)
+    tokens, best, _ = first_max(logits.to(DEV), table=table)
+    capped = _softcap(logits)
+    assert tokens.tolist() == capped.argmax(-1).tolist() == [N - 2, 9, 0, tokens[3].item()]
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(best.cpu(), capped.max(-1).values.float(), **exact)
+    ids = torch.stack([torch.randperm(N, generator=generator) for _ in range(4)])
+    got, values, _ = first_max(logits.to(DEV), ids=ids.to(DEV))
+    want, want_values, _ = TorchOps().first_max(logits, ids=ids)
+    assert got.tolist() == want.tolist()
+    assert want[:3].tolist() == [ids[0, N - 2], ids[1, [N - 1, N // 2, 9]].min(), ids[2].min()]
+    torch.testing.assert_close(values.cpu(), want_values, **exact)
+
+
+def test_greedy_head_gives_a_valid_token_for_a_row_that_is_not_finite():
+    """A hidden state that is not finite gets token 0 and a NaN value: torch's argmax where x holds
+    a NaN (every logit NaN), and a valid token where it holds an infinity. Finite rows are exact."""
+    generator = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 256, generator=generator)
+    w = (torch.randn(1000, 256, generator=generator) / 8).to(DEV)
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    x = x.to(DEV)
+    q, scale = quantize_rows(w)
+    lut = value_table(_softcap, x.device)
+    got, values = greedy_head(x, w, q, scale, lut)
+    logits = _softcap(gemv(x, w).to(torch.bfloat16))
+    assert got.tolist()[1:] == [0, 0] and values[1:].isnan().all()
+    assert got[0] == logits[0].argmax() and values[0] == logits[0].max().float()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_limbs_hold_x(dtype):
     """The screen's x: each row = unit * (16384 a + 128 b + c) + rho, int8 limbs of at most 64.

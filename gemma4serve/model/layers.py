@@ -224,11 +224,13 @@ class TorchOps:
 
     def first_max(self, values: torch.Tensor, ids: torch.Tensor | None = None):
         """Per row of values [M, N]: the lowest id holding its largest value (from ids [M, N], or
-        the column index), that value and the row's smallest value, both as fp32."""
-        best = values.max(-1, keepdim=True).values
+        the column index), that value and the row's smallest value, both as fp32. NaN is the
+        largest value (torch's argmax rule), so a row holding one gives its first NaN's id."""
+        best = values.max(-1, keepdim=True).values  # NaN where the row holds one
         if ids is None:
             ids = torch.arange(values.shape[-1], device=values.device).expand_as(values)
-        tokens = torch.where(values == best, ids, torch.iinfo(torch.int64).max).min(-1).values
+        hit = torch.where(best.isnan(), values.isnan(), values == best)
+        tokens = torch.where(hit, ids, torch.iinfo(torch.int64).max).min(-1).values
         return tokens, best.squeeze(-1).float(), values.min(-1).values.float()
 
 

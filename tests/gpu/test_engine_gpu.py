@@ -145,6 +145,27 @@ def test_greedy_head_equals_full_logits(ckpt, monkeypatch):
             assert a == b, f"draft={draft is not None} batch={batch}"
 
 
+def test_nan_hidden_states_give_token_zero_and_the_engine_lives_on(ckpt):
+    """A hidden state gone NaN (a broken checkpoint, an overflow) gives token 0, torch's argmax of
+    all-NaN logits, on each greedy path: the greedy head (one sequence, 4 rows), the first maximum
+    past its 16 rows (8 sequences x 4 rows), the drafter's head. An id outside the vocabulary would
+    reach the next step's embedding, and its device assert would end the process."""
+    variant, target, assistant = ckpt
+    llm = gpu_llm(target, assistant, num_draft_tokens=3, adaptive_draft_length=False)
+    prompts = [prompt_of(n, seed=n) for n in (3, 17, 29, 41, 5, 8, 13, 21)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free0 = llm.engine.kv_pool_free()
+    before = [o.token_ids for o in llm.generate(prompts, sp)]
+    norm = llm.engine.state.target.norm.weight  # the graphs read it in place
+    saved = norm.clone()
+    norm.fill_(float("nan"))
+    for batch in (1, 8):
+        assert [o.token_ids for o in llm.generate(prompts[:batch], sp)] == [[0] * 12] * batch
+    norm.copy_(saved)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == before
+    assert llm.engine.kv_pool_free() == free0
+
+
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_mtp_greedy_equals_plain_bf16(ckpt, k):
     variant, target, assistant = ckpt
