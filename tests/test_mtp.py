@@ -351,3 +351,20 @@ def test_the_centroid_heads_best_tokens_are_the_first_argmax_of_its_logits(dtype
     assert (selected != 0).all()
     lowest = selected.min(-1).values
     assert torch.equal(best.tokens, torch.zeros_like(lowest) if dtype == torch.bfloat16 else lowest)
+
+
+def test_nan_hidden_states_give_token_zero_and_the_engine_lives_on(tiny_checkpoints):
+    """A target gone NaN (a broken checkpoint, an overflow) emits token 0, torch's argmax of NaN
+    logits, with the E2B/E4B drafter too: its centroid head's first maximum gave a token past the
+    vocabulary, and the next step's embedding raised. Restored, the engine emits what it did."""
+    target, assistant = tiny_checkpoints.get("ple"), tiny_checkpoints.get_assistant("ple")
+    llm = LLM(str(target), draft=str(assistant), device="cpu", dtype="float32", num_draft_tokens=3)
+    prompts = [prompt_of(n, seed=n) for n in (3, 11, 29)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    before = [o.token_ids for o in llm.generate(prompts, sp)]
+    norm = llm.engine.state.target.norm.weight
+    saved = norm.clone()
+    norm.fill_(float("nan"))
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == [[0] * 8] * 3
+    norm.copy_(saved)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == before
