@@ -5,9 +5,11 @@ CUDA-graph replays with PDL, as the engine runs them; the roofline of the full h
 bytes, of the greedy head its int8 copy's bytes (the few candidate rows it re-reads in bf16 are
 left out), over the measured copy bandwidth. Then each kernel of the greedy head alone (PDL off,
 torch profiler), and a sweep of the screen's tiles and of the exact kernel's rows per program and
-pipeline stages.
+pipeline stages. Past the GEMV's 16 rows (`--many-rows`), the served path: cuBLAS's bf16 logits,
+then `first_max` softcapping them through the same table in its read, against torch's softcap and
+argmax; the roofline of `first_max` alone is the logits' bytes.
 
-  python bench/bench_greedy_head.py [--rows 1 5 16] [--sweep]
+  python bench/bench_greedy_head.py [--rows 1 5 16] [--many-rows 32 96 160] [--sweep]
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from gemma4serve_kernels import _common, gemv, greedy_head, quantize_rows, value_table
+from gemma4serve_kernels import _common, first_max, gemv, greedy_head, quantize_rows, value_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv import replay_ms  # noqa: E402
@@ -71,6 +74,7 @@ def per_kernel_us(fn) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16])
+    parser.add_argument("--many-rows", type=int, nargs="*", default=[32, 96, 160])
     parser.add_argument(
         "--sweep",
         action="store_true",
@@ -105,6 +109,8 @@ def main() -> None:
                 f"{fast / full:.2f} | {kernels} |",
                 flush=True,
             )
+    if args.many_rows:
+        many_rows_table(weights, args.many_rows, bw)
     if not args.sweep:
         return
     w, q, scale, lut = weights["31B"]
@@ -129,6 +135,29 @@ def main() -> None:
                 times.append(type(e).__name__)
         print(f"| {screen} | {rows}, {stages} | {' | '.join(times)} |", flush=True)
     head_module.ROWS_PER_PROGRAM, head_module.EXACT_STAGES = default
+
+
+def many_rows_table(weights: dict, rows: list[int], bw: float) -> None:
+    """The head past the GEMV's rows: cuBLAS's logits, then first_max (as served) or torch."""
+    print(
+        "\n| head | M | cuBLAS + first_max | cuBLAS + torch softcap, argmax | first_max alone | "
+        "its roofline | kernels alone (PDL off) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, (w, _, _, lut) in weights.items():
+        for M in rows:
+            x = torch.randn(M, w.shape[1], device=w.device).to(torch.bfloat16)
+            logits = F.linear(x, w)
+            assert torch.equal(first_max(logits, table=lut)[0], softcap(logits).argmax(-1))
+            served = replay_ms(lambda: first_max(F.linear(x, w), table=lut)) * 1e3
+            reference = replay_ms(lambda: softcap(F.linear(x, w)).argmax(-1)) * 1e3
+            alone = replay_ms(lambda: first_max(logits, table=lut)) * 1e3
+            kernels = per_kernel_us(lambda: first_max(logits, table=lut))
+            print(
+                f"| {name} | {M} | {served:.1f} | {reference:.1f} | {alone:.1f} | "
+                f"{logits.numel() * 2 / bw * 1e6:.1f} | {kernels} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
