@@ -180,7 +180,7 @@ def _threshold_kernel(
     lo_ptr, mass_ptr, lut_ptr, gt_ptr, tiles, TILES_P: tl.constexpr, PDL: tl.constexpr
 ):
     """G(T) per row: T = the largest lower end of all the screen's tiles. NaN for a row whose
-    mass is not finite (x is not): no token passes it, so the pick gives that row token 0."""
+    mass is not finite (x is not), which the pick then gives token 0."""
     wait_for_producer(PDL)
     m = tl.program_id(0)
     t = tl.arange(0, TILES_P)
@@ -308,9 +308,9 @@ def _pick_kernel(
     # A row whose hidden state is not finite (its threshold is NaN; other rows' candidates may
     # still give it values): token 0 and a NaN value, torch's argmax where every logit is NaN.
     g_t = tl.load(gt_ptr + mi)
-    finite = (g_t == g_t) & (first < N)
-    tl.store(out_ptr + mi, tl.where(finite, first, 0).to(tl.int64))
-    tl.store(value_ptr + mi, tl.where(finite, g_max, float("nan")))
+    found = (g_t == g_t) & (first < N)  # (a finite row always has a candidate)
+    tl.store(out_ptr + mi, tl.where(found, first, 0).to(tl.int64))
+    tl.store(value_ptr + mi, tl.where(found, g_max, float("nan")))
 
 
 @torch.no_grad()
