@@ -23,7 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from gemma4serve_kernels import _common, first_max, gemv, greedy_head, quantize_rows, value_table
+from gemma4serve_kernels import (
+    _common,
+    first_max,
+    floor_table,
+    gemv,
+    greedy_head,
+    quantize_rows,
+    value_table,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv import replay_ms  # noqa: E402
@@ -96,7 +104,7 @@ def main() -> None:
         w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
         q, scale = quantize_rows(w)
         lut = value_table(softcap, torch.device("cuda"))
-        weights[name] = (w, q, scale, lut)
+        weights[name] = (w, q, scale, lut, floor_table(lut))
         for M in args.rows:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             full = replay_ms(lambda: softcap(gemv(x, w)).argmax(-1)) * 1e3
@@ -113,7 +121,7 @@ def main() -> None:
         many_rows_table(weights, args.many_rows, bw)
     if not args.sweep:
         return
-    w, q, scale, lut = weights["31B"]
+    w, q, scale, lut, _ = weights["31B"]
     print(
         "\n31B head, greedy head us by screen tile (BN, BK, warps, stages) "
         "and exact kernel (rows per program, stages):"
@@ -144,15 +152,16 @@ def many_rows_table(weights: dict, rows: list[int], bw: float) -> None:
         "its roofline | kernels alone (PDL off) |"
     )
     print("|---|---|---|---|---|---|---|")
-    for name, (w, _, _, lut) in weights.items():
+    for name, (w, _, _, lut, floor) in weights.items():
         for M in rows:
             x = torch.randn(M, w.shape[1], device=w.device).to(torch.bfloat16)
             logits = F.linear(x, w)
-            assert torch.equal(first_max(logits, table=lut)[0], softcap(logits).argmax(-1))
-            served = replay_ms(lambda: first_max(F.linear(x, w), table=lut)) * 1e3
+            tables = dict(table=lut, floor=floor)
+            assert torch.equal(first_max(logits, **tables)[0], softcap(logits).argmax(-1))
+            served = replay_ms(lambda: first_max(F.linear(x, w), **tables)) * 1e3
             reference = replay_ms(lambda: softcap(F.linear(x, w)).argmax(-1)) * 1e3
-            alone = replay_ms(lambda: first_max(logits, table=lut)) * 1e3
-            kernels = per_kernel_us(lambda: first_max(logits, table=lut))
+            alone = replay_ms(lambda: first_max(logits, **tables)) * 1e3
+            kernels = per_kernel_us(lambda: first_max(logits, **tables))
             print(
                 f"| {name} | {M} | {served:.1f} | {reference:.1f} | {alone:.1f} | "
                 f"{logits.numel() * 2 / bw * 1e6:.1f} | {kernels} |",

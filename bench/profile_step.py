@@ -11,7 +11,8 @@
 bare graph replays: it prints the wall time per step next to the graph replay alone, every kernel's
 charged time (the graph's too; the only per-kernel view under TP), and the kernels launched outside
 the graph (continuation inputs, acceptance, the copy to the host), which is what
-TPOT pays on top of a step.
+TPOT pays on top of a step; then the GPU's idle gaps and the host's time per step (waiting for the
+GPU, working, and where the work goes under cProfile).
 
 --mixed N times the steps that carry N prompt tokens beside `--batch` decoding sequences (what
 every arriving request costs the running ones): one prompt, or with --prompt-len prompts of that
@@ -81,6 +82,58 @@ def report(prof, title: str, steps: int) -> None:
         print(f"{c / steps / 1e3:8.3f} ms {t / steps / 1e3:8.3f} ms x{k // steps:<5} {name[:100]}")
 
 
+def idle_gaps(prof, steps: int, top: int = 8) -> None:
+    """The GPU's idle time per step and the kernel pairs around the longest gaps (a gap is time
+    with no kernel resident: the host had queued nothing)."""
+    spans = sorted(
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    gaps, last_end, last_name = {}, spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > last_end:
+            key = f"{last_name[:50]} -> {name[:50]}"
+            gaps[key] = gaps.get(key, 0.0) + start - last_end
+        if end > last_end:
+            last_end, last_name = end, name
+    print(f"\nGPU idle: {sum(gaps.values()) / steps / 1e3:.3f} ms per step; the longest, per step:")
+    for key, t in sorted(gaps.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{t / steps:9.1f} us  {key}")
+
+
+def host_time(engine, steps: int) -> None:
+    """Per step: the host's time waiting for the GPU (the step handles' event synchronize) and the
+    rest, then where the rest goes under cProfile (which slows the host)."""
+    import cProfile
+    import pstats
+
+    waited = [0.0]
+    synchronize = torch.cuda.Event.synchronize
+
+    def timed(event):
+        t = time.perf_counter()
+        synchronize(event)
+        waited[0] += time.perf_counter() - t
+
+    torch.cuda.Event.synchronize = timed
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    finally:
+        torch.cuda.Event.synchronize = synchronize
+    print(
+        f"\n## host: {wall / steps * 1e3:.3f} ms per step, {waited[0] / steps * 1e3:.3f} ms of it "
+        f"waiting for the GPU, {(wall - waited[0]) / steps * 1e3:.3f} ms working"
+    )
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [engine.step() for _ in range(steps)])
+    print(f"cProfile, {steps} steps (cumulative seconds; the profiler slows the host):")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+
+
 def engine_loop(args) -> None:
     """Time the served decode loop per step against its graph replay; list the kernels around it."""
     from gemma4serve.sampling_params import SamplingParams
@@ -99,7 +152,7 @@ def engine_loop(args) -> None:
             forced_acceptance=args.forced_acceptance,
         )
     )
-    # Long enough for every measured step at 3+ tokens a step (forced acceptance): 160 steps.
+    # Long enough for every measured step at 3+ tokens a step (forced acceptance): 240 steps.
     params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 10 for j in range(args.context)], params)
@@ -131,6 +184,7 @@ def engine_loop(args) -> None:
     # Under PDL kernel times overlap (a kernel waits while resident): the charged column counts
     # each microsecond of the step once.
     report(prof, "the engine loop's kernels, the graph's too", 20)
+    idle_gaps(prof, 20)
     rows = {}
     for event in prof.key_averages():
         # Keep what runs outside the layers: the graph's kernels run once per layer (x60 a step).
@@ -142,6 +196,7 @@ def engine_loop(args) -> None:
     )
     for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
         print(f"{t:9.1f} us x{c:<4.1f} {name[:110]}")
+    host_time(engine, 40)
     engine.shutdown()  # tensor-parallel workers leave (nothing to do on one device)
 
 

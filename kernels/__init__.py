@@ -8,7 +8,7 @@ from .all_reduce_norm import PeerBuffers, all_reduce_residual_norm
 from .first_max import first_max
 from .gemv import MAX_ROWS as GEMV_MAX_ROWS
 from .gemv import gemv, gemv_mlp
-from .greedy_head import greedy_head, quantize_rows, value_table
+from .greedy_head import floor_table, greedy_head, quantize_rows, value_table
 from .kv_write import kv_write
 from .moe import moe_align, moe_experts, moe_route
 from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_rope
@@ -20,6 +20,7 @@ __all__ = [
     "all_reduce_residual_norm",
     "attention_config",
     "first_max",
+    "floor_table",
     "GEMV_MAX_ROWS",
     "gelu_tanh_mul",
     "gelu_tanh_times",

@@ -327,11 +327,32 @@ def quantize_rows(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, tor
     return q, scale
 
 
+def every_bf16(device: torch.device) -> torch.Tensor:
+    """Every bf16 bit pattern, [65536] in the order of the patterns."""
+    bits = torch.arange(65536, dtype=torch.int32, device=device)
+    return torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
+
+
 def value_table(fn, device: torch.device) -> torch.Tensor:
     """fn (elementwise, bf16 -> bf16) at every bf16 bit pattern, as fp32 [65536]: the table of G."""
-    bits = torch.arange(65536, dtype=torch.int32, device=device)
-    every = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
-    return fn(every).float()
+    return fn(every_bf16(device)).float()
+
+
+def floor_table(table: torch.Tensor) -> torch.Tensor:
+    """For each bf16 bit pattern b, the smallest bf16 value that `table` takes to table[b] (NaN
+    where b is NaN), as fp32 [65536]: a value x has table[x] == table[b] exactly when floor[b] <= x
+    <= b. Raises if the table is not non-decreasing, which the greedy head and first_max rely on."""
+    every = every_bf16(table.device).float()
+    order = every.argsort()  # NaN patterns last
+    x, g = every[order], table[order]
+    numbers = ~x.isnan()
+    if not bool((g[numbers][1:] >= g[numbers][:-1]).all()):
+        raise ValueError("the value table is not non-decreasing: its function is not monotone")
+    starts = torch.ones_like(numbers)
+    starts[1:] = g[1:] != g[:-1]  # a new value (every NaN starts its own)
+    floors = torch.empty_like(table)
+    floors[order] = x[starts][starts.cumsum(0) - 1]
+    return floors
 
 
 def int8_limbs(x: torch.Tensor, KP: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -34,10 +34,11 @@ from gemma4serve.model.layers import (  # noqa: E402
     rope_cos_sin,
     rope_inv_freq,
 )
-from gemma4serve_kernels import (  # noqa: E402  # noqa: E402
+from gemma4serve_kernels import (  # noqa: E402
     PeerBuffers,
     all_reduce_residual_norm,
     first_max,
+    floor_table,
     gelu_tanh_mul,
     gelu_tanh_times,
     gemv,
@@ -747,10 +748,11 @@ def test_first_max_equals_torch_argmax(N):
     logits[0, N - 1] = logits[0, 7] = logits[0].max() + 1  # a tie: the lower column wins
     logits[1] *= 40  # saturated: hundreds tie after the softcap
     logits[2] = 3.0
+    logits[3, [11, 12]] = torch.tensor([float("inf"), float("-inf")]).to(torch.bfloat16)
     table = value_table(_softcap, DEV)
-    tokens, best, least = first_max(logits.to(DEV), table=table)
+    tokens, best, least = first_max(logits.to(DEV), table=table, floor=floor_table(table))
     want, want_tokens = _softcap(logits).max(-1)
-    assert tokens[0].item() == 7
+    assert tokens[0].item() == 7 and tokens[3].item() == 11
     assert torch.equal(tokens.cpu(), want_tokens) and torch.equal(best.cpu(), want.float())
     assert torch.equal(least.cpu(), logits.min(-1).values.float())
     ids = torch.stack([torch.randperm(N, generator=generator) for _ in range(M)])
@@ -759,6 +761,28 @@ def test_first_max_equals_torch_argmax(N):
         got = first_max(values.to(DEV), ids=ids.to(DEV))
         ref = TorchOps().first_max(values, ids=ids)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got, ref)), values.dtype
+
+
+def test_floor_table_gives_the_smallest_value_of_each_table_value():
+    """floor[b] is the smallest bf16 value the table takes to table[b] (checked on every finite
+    pattern of the softcap, and the identity); a table that decreases is refused."""
+    every = torch.arange(65536, dtype=torch.int32)
+    every = torch.where(every >= 32768, every - 65536, every).to(torch.int16).view(torch.bfloat16)
+    numbers = ~every.float().isnan()
+    table = value_table(_softcap, DEV).cpu()
+    floors = floor_table(table)
+    x, order = every.float()[numbers].sort()
+    g, f = table[numbers][order], floors[numbers][order]
+    at = torch.searchsorted(x, f)  # the floor's place among the values, its first occurrence
+    assert torch.equal(x[at], f) and torch.equal(g[at], g) and bool((f <= x).all())
+    below = at > 0
+    assert bool((g[at[below] - 1] < g[below]).all())  # the value below the floor maps lower
+    assert (f != x).sum() > 1000  # the softcap takes many values to one
+    identity = floor_table(every.float())
+    assert torch.equal(identity[numbers], every.float()[numbers])
+    assert floors[~numbers].isnan().all()
+    with pytest.raises(ValueError, match="not non-decreasing"):
+        floor_table(-every.float())
 
 
 @pytest.mark.parametrize("N", [5000, 300])
@@ -774,7 +798,7 @@ def test_first_max_takes_nan_as_torch_argmax_does(N):
     logits[1, [N - 1, N // 2, 9]] = float("nan")
     logits[2] = float("nan")
     table = value_table(_softcap, DEV)
-    tokens, best, _ = first_max(logits.to(DEV), table=table)
+    tokens, best, _ = first_max(logits.to(DEV), table=table, floor=floor_table(table))
     capped = _softcap(logits)
     assert tokens.tolist() == capped.argmax(-1).tolist() == [N - 2, 9, 0, tokens[3].item()]
     exact = dict(rtol=0, atol=0, equal_nan=True)

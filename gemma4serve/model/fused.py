@@ -62,14 +62,15 @@ def select_ops(device) -> TorchOps:
 class GreedyHead:
     """Greedy tokens of a bf16 LM head and its softcap for few-row inputs, exactly the argmax of the
     full logits, reading the head mostly as an int8 copy (kernels/greedy_head.py). The copy costs
-    half the head's memory. Its `table` (the softcap at every bf16 value) also serves
-    FusedOps.best_tokens past those rows."""
+    half the head's memory. Its `table` (the softcap at every bf16 value) and the table's `floor`
+    also serve FusedOps.best_tokens past those rows."""
 
     def __init__(self, weight: torch.Tensor, softcap):
         self.kernels = kernels()
         self.weight = weight
         self.q, self.scale = self.kernels.quantize_rows(weight)
         self.table = self.kernels.value_table(softcap, weight.device)
+        self.floor = self.kernels.floor_table(self.table)
 
     def __call__(self, hidden: torch.Tensor) -> BestTokens:
         return BestTokens(
@@ -200,13 +201,14 @@ class FusedOps(TorchOps):
 
     def best_tokens(self, head, hidden: torch.Tensor, logits) -> BestTokens:
         """Through the greedy head where it takes these rows; more rows read the head's bf16 logits
-        once, softcapped by its table in the argmax's read (the same tokens and values)."""
+        once, the softcap read from its table at each chunk's largest logit (the same tokens and
+        values)."""
         if head is None:
             return super().best_tokens(head, hidden, logits)
         if self.gemv_fits(hidden):
             return head(hidden)
         tokens, values, _ = self.kernels.first_max(
-            self.linear(hidden, head.weight), table=head.table
+            self.linear(hidden, head.weight), table=head.table, floor=head.floor
         )
         return BestTokens(tokens, values)
 
