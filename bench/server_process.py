@@ -10,8 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
+
+# The tree this benchmark belongs to: its server runs that tree's package, not the one `-m` would
+# find first in the working directory (a copy of an older tree benchmarks the older server).
+TREE = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -30,8 +35,10 @@ def start_server(model: str, draft: str | None, load_format: str, extra: list[st
     if draft:
         cmd += ["--draft", draft]
     print("server command:", " ".join(cmd[1:]), flush=True)
+    path = os.pathsep.join(p for p in (str(TREE), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, PYTHONSAFEPATH="1")  # no working directory first
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     ready, started = threading.Event(), []
 

@@ -5,6 +5,7 @@ All of them run on CUDA and, for tests, on CPU under TRITON_INTERPRET=1.
 
 from .activation import gelu_tanh_mul, gelu_tanh_times
 from .all_reduce_norm import PeerBuffers, all_reduce_residual_norm
+from .counter_random import random_row_keys, random_uniform
 from .first_max import first_max
 from .gemv import MAX_ROWS as GEMV_MAX_ROWS
 from .gemv import gemv, gemv_mlp
@@ -34,6 +35,8 @@ __all__ = [
     "paged_attention",
     "PeerBuffers",
     "qkv_epilogue",
+    "random_row_keys",
+    "random_uniform",
     "quantize_rows",
     "rms_norm",
     "rmsnorm_residual_add",

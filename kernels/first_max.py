@@ -150,7 +150,7 @@ def first_max(
         CHUNK=chunk,
         HAS_IDS=ids is not None,
         HAS_TABLE=table is not None,
-        num_warps=8 if chunk >= 2048 else 4,
+        num_warps=4,
         **pdl_args(dev),
     )
     tokens = torch.empty(M, dtype=torch.int64, device=dev)

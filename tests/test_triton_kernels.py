@@ -932,3 +932,23 @@ def test_moe_experts_match_reference(dtype, T):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     else:  # same rounding points; fp32 accumulation order differs inside the GEMMs
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_counter_random_kernel_equals_the_torch_streams():
+    """The keys and uniforms of one launch are bit for bit random_streams' torch arithmetic: seeds
+    of both signs and past 32 bits, positions past 2^32, both streams, 1 and 8 columns."""
+    from gemma4serve.engine import random_streams
+    from gemma4serve_kernels import random_row_keys, random_uniform
+
+    generator = torch.Generator().manual_seed(3)
+    seed = torch.randint(-(2**62), 2**62, (300,), generator=generator)
+    seed[:4] = torch.tensor([0, -1, 2**32, 2**63 - 1])
+    position = torch.randint(0, 2**40, (300,), generator=generator)
+    for stream in random_streams.Stream:
+        want = random_streams.row_keys(seed, position, stream)
+        got = random_row_keys(seed.to(DEV), position.to(DEV), stream)
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), stream
+        for cols in (1, 8):
+            want_u = random_streams.uniform(seed, position, stream, cols)
+            got_u = random_uniform(seed.to(DEV), position.to(DEV), stream, cols)
+            assert torch.equal(got_u.cpu(), want_u), (stream, cols)

@@ -3,7 +3,8 @@
 No generator state: a request's randomness at a position does not depend on the batch around it,
 on earlier steps, or on whether speculation ran, which is what makes seeded sampling reproducible
 with and without drafts. Every function is tensor arithmetic with static shapes (no host
-synchronisation), so it can run inside a captured CUDA graph.
+synchronisation), so it can run inside a captured CUDA graph. On CUDA the keys (and `uniform`
+over its first columns) are one kernel launch (kernels/counter_random.py, bit for bit these).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import enum
 
 import torch
+
+from gemma4serve.model.fused import on
 
 _M32 = 0xFFFFFFFF
 
@@ -43,6 +46,9 @@ def row_keys(
     seed: torch.Tensor, position: torch.Tensor, stream: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two 32-bit keys per row from (seed, position, stream), chained through the finaliser."""
+    kernels = on(seed)
+    if kernels is not None:
+        return kernels.random_row_keys(seed, position, stream)
     key = _fmix32((seed & _M32) ^ 0x9E3779B9)
     key = _fmix32(key ^ ((seed >> 32) & _M32))  # arithmetic shift + mask = the seed's high word
     key = _fmix32(key ^ (position & _M32))
@@ -70,5 +76,8 @@ def uniform(
     [C] or [N, C]. Returns [N, C] f32. Values lie on the grid (i + 0.5) / 2^23, so never 0 or 1
     (-log stays finite).
     """
+    kernels = on(seed)
+    if kernels is not None and isinstance(cols, int) and cols & (cols - 1) == 0:
+        return kernels.random_uniform(seed, position, stream, cols)
     col = torch.arange(cols, device=seed.device) if isinstance(cols, int) else cols
     return uniform_from_keys(*row_keys(seed, position, stream), col)
