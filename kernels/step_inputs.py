@@ -55,7 +55,8 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
     cos = torch.empty(T, 2 * half, dtype=dtype, device=positions.device)
     sin = torch.empty_like(cos)
     if T:
-        block_t = max(1, 4096 // (2 * half))
+        # 1024 values a program: a verify step's ~100 rows spread over SMs (sin/cos bind it).
+        block_t = max(1, 1024 // (2 * half))
         _rope_tables_kernel[(triton.cdiv(T, block_t),)](
             positions,
             inv_freq,
