@@ -108,3 +108,34 @@ def test_reservation_follows_what_requests_use():
     pessimist = make_scheduler(150)
     pessimist.expected_end = lambda seq: seq.max_len
     assert done["peak_running"] > 2 * run(pessimist, early, concurrency=16)["peak_running"]
+
+
+def test_sliding_pages_behind_every_reader_go_back_to_the_arena():
+    """Growing a sequence a verify step at a time keeps exactly the sliding pages some reader can
+    still reach (every entry below them 0, none of them 0), draws its full pages once, and `free`
+    returns every page; with a prefix cache, a hit's sequence does the same from the hit on."""
+    for cache_salt in (None, "test"):
+        plan = KVPlan(400, PAGE_TOKENS, 1, KEEP, 1024, peak_sliding_rows=PEAK_ROWS)
+        kv = KVManager.for_plan(plan, cache_salt)
+        seqs = [
+            Sequence(name, 0, list(range(10, 40)), 30, SamplingParams(), 0, i, 200)
+            for i, name in enumerate("ab")
+        ]
+        hits = []
+        for seq in seqs:
+            hit = kv.lookup(seq)
+            hits.append(hit)
+            start = 0 if hit is None else hit.tokens
+            if hit is not None:
+                kv.adopt(seq, hit)
+            kv.grow(seq, start, seq.num_tokens)
+            for position in range(seq.num_tokens, seq.num_tokens + 150, K + 1):
+                seq.token_ids.extend(range(K + 1))
+                kv.grow(seq, position, position + K + 1)
+                first = kv._first_sliding_page(position)
+                live = seq.pages.sliding[first:]
+                assert not any(seq.pages.sliding[:first]) and all(live), position
+                assert len(seq.pages.full) == kv.pages_for(position + K + 1, FULL)
+            kv.free(seq, seq.num_tokens)
+        assert kv.pool.num_free == kv.pool.capacity
+        assert hits[0] is None and (cache_salt is None) == (hits[1] is None)  # "b" from "a"'s

@@ -30,6 +30,7 @@ PREFIX_WINDOW_INTERVAL = 2048
 class SeqPages:
     full: list[int] = field(default_factory=list)
     sliding: list[int] = field(default_factory=list)  # 0 = released (or never needed)
+    sliding_released: int = 0  # every sliding entry below this is 0: releases scan from here
     hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain hashes of full pages
     num_cached_full: int = 0  # full pages offered to the prefix cache
     windows_done: int = 0  # positions whose cache windows were offered
@@ -143,10 +144,14 @@ class KVManager:
 
     def _release_unreachable(self, pages: SeqPages, start: int) -> None:
         dead = self._first_sliding_page(start)  # pages wholly below the lowest row anyone reads
-        released = [page for page in reversed(pages.sliding[:dead]) if page]
+        done = pages.sliding_released
+        if dead <= done:
+            return
+        released = [page for page in reversed(pages.sliding[done:dead]) if page]
         if released:
             self.pool.release(released)
-            pages.sliding[:dead] = [0] * dead
+        pages.sliding[done:dead] = [0] * (dead - done)
+        pages.sliding_released = dead
 
     def free(self, seq: PagedSequence, committed: int) -> None:
         """Release every page of the sequence; rows below `committed` are final and offered to the
@@ -192,6 +197,7 @@ class KVManager:
         seq.pages = SeqPages(
             full=list(hit.full_pages),
             sliding=[0] * hit.sliding_first + list(hit.sliding_pages),
+            sliding_released=hit.sliding_first,
             hashes=list(hit.hashes),
             num_cached_full=len(hit.full_pages),
             windows_done=hit.tokens,

@@ -68,21 +68,21 @@ class PrefixCache:
 
     # ---- lookup -----------------------------------------------------------------------------
 
-    def chain(self, token_ids: list[int], num_pages: int, known: list[bytes]) -> list[bytes]:
-        """The chain hashes of the first `num_pages` full pages; `known` holds those computed
-        already (extended in place)."""
+    def chain(self, token_ids: list[int], num_pages: int, known: list[bytes]) -> None:
+        """Extend `known` (the chain hashes computed already) to at least the first `num_pages`
+        full pages' (in place: a copy each step would cost a long sequence's whole chain)."""
         size = self.full_page_tokens
         while len(known) < num_pages:
             i = len(known)
             parent = known[-1] if known else self.root
             page = array("q", token_ids[i * size : (i + 1) * size]).tobytes()
             known.append(hashlib.blake2b(parent + page, digest_size=16).digest())
-        return known[:num_pages]
 
     def lookup(self, token_ids: list[int], limit: int, known: list[bytes]) -> CacheHit | None:
         """The longest cached prefix of at most `limit` tokens, or None. `known`: the chain
         hashes computed already (extended in place, so a waiting prompt is hashed once)."""
-        hashes = self.chain(token_ids, limit // self.full_page_tokens, known)
+        self.chain(token_ids, limit // self.full_page_tokens, known)
+        hashes = known[: limit // self.full_page_tokens]
         matched = 0
         while matched < len(hashes) and hashes[matched] in self.full:
             matched += 1
@@ -103,7 +103,8 @@ class PrefixCache:
         windows at `boundaries` (each <= committed) while their sliding pages are mapped.
         `pages` is the sequence's SeqPages (its chain hashes and cached count are kept there)."""
         num_full = min(committed // self.full_page_tokens, len(pages.full))
-        hashes = self.chain(token_ids, num_full, pages.hashes)
+        self.chain(token_ids, num_full, pages.hashes)
+        hashes = pages.hashes  # read below num_full only (a lookup may have hashed further)
         for i in range(pages.num_cached_full, num_full):
             page, key = pages.full[i], hashes[i]
             if key not in self.full and page not in self.hash_of_page:
