@@ -138,4 +138,5 @@ def test_sliding_pages_behind_every_reader_go_back_to_the_arena():
                 assert len(seq.pages.full) == kv.pages_for(position + K + 1, FULL)
             kv.free(seq, seq.num_tokens)
         assert kv.pool.num_free == kv.pool.capacity
-        assert hits[0] is None and (cache_salt is None) == (hits[1] is None)  # "b" from "a"'s
+        # "b" (the same prompt) starts from "a"'s cached prefix where there is a cache
+        assert hits[0] is None and (cache_salt is None) == (hits[1] is None)
