@@ -6,8 +6,8 @@ bytes, of the greedy head its int8 copy's bytes (the few candidate rows it re-re
 left out), over the measured copy bandwidth. Then each kernel of the greedy head alone (PDL off,
 torch profiler), and a sweep of the screen's tiles and of the exact kernel's rows per program and
 pipeline stages. Past the GEMV's 16 rows (`--many-rows`), the served path: cuBLAS's bf16 logits,
-then `first_max` softcapping them through the same table in its read, against torch's softcap and
-argmax; the roofline of `first_max` alone is the logits' bytes.
+then `first_max` (the same softcap table, read at each chunk's largest logit), against torch's
+softcap and argmax; the roofline of `first_max` alone is the logits' bytes.
 
   python bench/bench_greedy_head.py [--rows 1 5 16] [--many-rows 32 96 160] [--sweep]
 """

@@ -34,6 +34,7 @@ def _counter_kernel(
     N,
     STREAM_MIX: tl.constexpr,
     COLS: tl.constexpr,
+    COLS_P: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Per row: the two keys of (seed, position, stream), and the uniforms of columns 0..COLS-1."""
@@ -49,12 +50,12 @@ def _counter_kernel(
     tl.store(key1_ptr + i, key1.to(tl.int64), mask=inside)
     tl.store(key2_ptr + i, key2.to(tl.int64), mask=inside)
     if COLS > 0:
-        col = tl.arange(0, COLS).to(tl.uint32) * 0x9E3779B1
-        h = _fmix32((col[None, :] + key1[:, None]) ^ key2[:, None])
+        c = tl.arange(0, COLS_P)
+        h = _fmix32((c.to(tl.uint32)[None, :] * 0x9E3779B1 + key1[:, None]) ^ key2[:, None])
         # 23 random bits + 0.5 are exact in fp32, so u is never 0 or 1.
         u = ((h >> 9).to(tl.float32) + 0.5) * (2.0**-23)
-        out = i[:, None] * COLS + tl.arange(0, COLS)[None, :]
-        tl.store(uniform_ptr + out, u, mask=inside[:, None])
+        out = i[:, None] * COLS + c[None, :]
+        tl.store(uniform_ptr + out, u, mask=inside[:, None] & (c < COLS)[None, :])
 
 
 def stream_mix(stream: int) -> int:
@@ -64,15 +65,14 @@ def stream_mix(stream: int) -> int:
 
 def _launch(seed: torch.Tensor, position: torch.Tensor, stream: int, cols: int):
     N = seed.shape[0]
-    assert position.shape == (N,)
-    assert cols == 0 or cols & (cols - 1) == 0, "a power-of-two column count"
+    assert position.shape == (N,) and cols >= 0
     key1 = torch.empty(N, dtype=torch.int64, device=seed.device)
     key2 = torch.empty_like(key1)
     u = torch.empty(N, cols, dtype=torch.float32, device=seed.device)
     block = 128
     _counter_kernel[(triton.cdiv(N, block),)](
         seed.to(torch.int64).contiguous(), position.to(torch.int64).contiguous(), key1, key2, u, N,
-        STREAM_MIX=stream_mix(stream), COLS=cols, BLOCK=block,
+        STREAM_MIX=stream_mix(stream), COLS=cols, COLS_P=triton.next_power_of_2(cols), BLOCK=block,
     )  # fmt: skip
     return key1, key2, u
 
@@ -86,5 +86,5 @@ def random_row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int):
 def random_uniform(
     seed: torch.Tensor, position: torch.Tensor, stream: int, cols: int
 ) -> torch.Tensor:
-    """random_streams.uniform over columns 0..cols-1 (a power of two): [N, cols] fp32."""
+    """random_streams.uniform over columns 0..cols-1: [N, cols] fp32."""
     return _launch(seed, position, stream, cols)[2]

@@ -937,7 +937,7 @@ def test_moe_experts_match_reference(dtype, T):
 
 def test_counter_random_kernel_equals_the_torch_streams():
     """The keys and uniforms of one launch are bit for bit random_streams' torch arithmetic: seeds
-    of both signs and past 32 bits, positions past 2^32, both streams, 1 and 8 columns."""
+    of both signs and past 32 bits, positions past 2^32, both streams, 1, 5 and 8 columns."""
     from gemma4serve.engine import random_streams
     from gemma4serve_kernels import random_row_keys, random_uniform
 
@@ -949,7 +949,7 @@ def test_counter_random_kernel_equals_the_torch_streams():
         want = random_streams.row_keys(seed, position, stream)
         got = random_row_keys(seed.to(DEV), position.to(DEV), stream)
         assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), stream
-        for cols in (1, 8):
+        for cols in (1, 5, 8):
             want_u = random_streams.uniform(seed, position, stream, cols)
             got_u = random_uniform(seed.to(DEV), position.to(DEV), stream, cols)
             assert torch.equal(got_u.cpu(), want_u), (stream, cols)

@@ -77,7 +77,7 @@ def uniform(
     (-log stays finite).
     """
     kernels = on(seed)
-    if kernels is not None and isinstance(cols, int) and cols & (cols - 1) == 0:
+    if kernels is not None and isinstance(cols, int):
         return kernels.random_uniform(seed, position, stream, cols)
     col = torch.arange(cols, device=seed.device) if isinstance(cols, int) else cols
     return uniform_from_keys(*row_keys(seed, position, stream), col)
