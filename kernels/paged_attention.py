@@ -430,6 +430,15 @@ def choose_splits(programs: int, device: torch.device, max_splits: int = 64, wav
     return min(max_splits, next_pow2(triton.cdiv(target, programs)))
 
 
+def splits_within_waves(programs: int, sms: int, max_splits: int) -> int:
+    """The most KV splits (up to max_splits) that keep the grid within 1.5 waves of the SMs.
+
+    For sliding-window verification, whose tiles take an SM's shared memory alone: a grid a third
+    of a wave past a whole one pays for the whole second wave (docs/performance.md).
+    """
+    return max(1, min(max_splits, 3 * sms // (2 * programs)))
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, nh, hd]
     k_cache: torch.Tensor,  # [num_pages, page_size, nkv, hd]
@@ -479,12 +488,14 @@ def paged_attention(
     max_splits, default_min_keys = split_limits(window, max_q_len)
     min_split_keys = min_split_keys or default_min_keys
     if num_splits is None:
-        # Full-layer verification tiles (up to 32 rows of 512 dims, 4-8 warps) fill an SM alone:
-        # a second wave of splits only adds partials to merge (docs/performance.md).
-        waves = 1 if window == 0 and 1 < max_q_len <= 8 else 2
-        num_splits = choose_splits(
-            grid_blocks[0] * grid_blocks[1] * nkv, q.device, max_splits, waves
-        )
+        programs = grid_blocks[0] * grid_blocks[1] * nkv
+        if window > 0 and 1 < max_q_len <= 8:
+            num_splits = splits_within_waves(programs, sm_count(q.device), max_splits)
+        else:
+            # Full-layer verification tiles (up to 32 rows of 512 dims, 4-8 warps) fill an SM
+            # alone: a second wave of splits only adds partials to merge (docs/performance.md).
+            waves = 1 if window == 0 and 1 < max_q_len <= 8 else 2
+            num_splits = choose_splits(programs, q.device, max_splits, waves)
     if not config:
         # Short decode splits want their few tiles in flight at once: a sliding split of at most 64
         # keys as 32-key tiles, all in flight; a full layer's 32-key split as two 16-key tiles,

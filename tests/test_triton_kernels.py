@@ -216,6 +216,14 @@ def test_attention_splits_and_query_blocks(num_splits, block_t, table_entries, m
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+def test_sliding_verification_splits_keep_the_grid_within_one_and_a_half_waves():
+    """The E4B's sliding layers (2 KV heads, at most 5 splits of its 514 keys) on 132 SMs: batch 32
+    gets 3 splits (192 programs; 5 made 320, two and a half waves), smaller batches the most, and
+    a batch whose grid already fills the GPU none."""
+    splits = importlib.import_module("gemma4serve_kernels.paged_attention").splits_within_waves
+    assert [splits(batch * 2, 132, 5) for batch in (1, 8, 16, 32, 64, 128)] == [5, 5, 5, 3, 1, 1]
+
+
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("block_t", [4, 16])
 def test_attention_prefill_tiles_seen_whole(window, block_t):
