@@ -425,9 +425,10 @@ class LLMEngine:
             return None
         if self.draft_length.choose(len(seqs)) != previous.draft_len:
             return None
-        # `previous` may emit rows_before tokens, then the next step writes rows_next rows (past a
-        # sequence's end too: the rows of a sequence that ends in `previous` are dropped).
-        spans = [(s, s.num_computed, s.num_computed + rows_before + rows_next) for s in seqs]
+        # `previous` writes from num_computed on and may emit rows_before tokens after a sequence's
+        # last token, then the next step writes rows_next rows (past a sequence's end too: the
+        # rows of a sequence that ends in `previous` are dropped).
+        spans = [(s, s.num_computed, s.num_tokens - 1 + rows_before + rows_next) for s in seqs]
         if not self.kv.grow_all(spans):
             return None
         self.num_continued_steps += 1

@@ -361,9 +361,11 @@ class ModelRunner:
         which never reads its results)."""
         batch, sampling = plan.batch, plan.sampling
         inputs = self._sampling_inputs(sampling, sequences) if sampling is not None else None
+        # A step every sequence of which samples (decodes, and prompts' last chunks) is followed
+        # by the verify step of the same sequences, which `launch_continued` can queue.
         continuable = (
-            batch.decode_query_len is not None
-            and inputs is not None
+            inputs is not None
+            and len(sampling.rows) == batch.num_groups
             and not inputs.sampling.reads_history
         )
         return self._run(
