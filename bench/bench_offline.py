@@ -239,7 +239,8 @@ def run_level(
     start = time.perf_counter()
     step_times = []
     engine.runner.launch_records = []
-    prefill_tokens = []  # prompt tokens of the step each step() call launched (0: decode only)
+    engine.runner.prefill_tokens = 0
+    prefill_tokens = []  # prompt tokens of the steps each step() call launched (0: decode only)
     while pending or inflight:
         while pending and len(inflight) < concurrency:
             i, prompt = pending.pop()
@@ -250,7 +251,8 @@ def run_level(
         outs = engine.step()  # returns after the step's device -> host copy: the tokens exist now
         now = time.perf_counter()
         step_times.append((now - t0, engine.runner.last_launch, bool(outs)))
-        prefill_tokens.append(engine.runner.last_prefill_tokens)
+        prefill_tokens.append(engine.runner.prefill_tokens)
+        engine.runner.prefill_tokens = 0
         for out in outs:
             req = inflight[out.request_id]
             n = len(out.outputs[0].new_token_ids)
@@ -646,12 +648,13 @@ class LaunchRecord:
 
 def trace_launches(runner) -> None:
     """Remember the shape of the last scheduled step (continued steps keep their predecessor's)
-    and the prompt tokens of the last launch (a continued step carries none); on CUDA, record
-    every launch in `runner.launch_records` for `gpu_timeline`."""
+    and count the prompt tokens launched (`runner.prefill_tokens`: the reader resets it; a
+    continued step carries none); on CUDA, record every launch in `runner.launch_records` for
+    `gpu_timeline`."""
     launch, launch_continued = runner.launch, runner.launch_continued
     sample_continued = runner.sample_continued
     runner.last_launch = ""
-    runner.last_prefill_tokens = 0
+    runner.prefill_tokens = 0
     runner.launch_records = []
     cuda = runner.state.device.type == "cuda"
 
@@ -670,7 +673,6 @@ def trace_launches(runner) -> None:
         return handle
 
     def traced_continued(previous, pages):
-        runner.last_prefill_tokens = 0
         return recorded("continued", launch_continued, previous, pages)
 
     def traced(chunks, draft_len):
@@ -679,7 +681,7 @@ def trace_launches(runner) -> None:
             f"{len(chunks)} sequences, {sum(ch.num_query for ch in chunks)} tokens, "
             f"prefill chunks {prefill}"
         )
-        runner.last_prefill_tokens = sum(prefill)
+        runner.prefill_tokens += sum(prefill)
         return recorded("prefill" if prefill else "decode", launch, chunks, draft_len)
 
     runner.launch = traced
