@@ -640,7 +640,7 @@ class LaunchRecord:
     """One launch call: what it queued, how long the host took to queue it, and CUDA events
     around it (on the GPU's timeline: the idle time before it and the span it covered)."""
 
-    kind: str  # "continued", "decode" (scheduled, no prompt tokens) or "prefill"
+    kind: str  # "continued" (with prompts or not), "decode" (scheduled, no prompts) or "prefill"
     host_s: float
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
@@ -672,8 +672,11 @@ def trace_launches(runner) -> None:
         runner.launch_records.append(LaunchRecord(kind, host_s, start, end))
         return handle
 
-    def traced_continued(previous, pages):
-        return recorded("continued", launch_continued, previous, pages)
+    def traced_continued(previous, pages, keep=None, admitted=()):
+        prefill = [chunk.length for chunk in admitted]
+        runner.prefill_tokens += sum(prefill)
+        kind = "continued with prompts" if prefill else "continued"
+        return recorded(kind, launch_continued, previous, pages, keep, admitted)
 
     def traced(chunks, draft_len):
         prefill = [ch.length for ch in chunks if ch.length > 1 or not ch.samples]

@@ -28,7 +28,7 @@ from gemma4serve.engine.outputs import (
     TokenLogprob,
 )
 from gemma4serve.engine.runner import ModelRunner, StepHandle
-from gemma4serve.engine.sampler import TokenRules
+from gemma4serve.engine.sampler import TokenRules, needs_host_between_steps
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
@@ -397,11 +397,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
-        now = time.monotonic()
-        for chunk in chunks:
-            metrics = self.requests[chunk.seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+        self._mark_scheduled(chunks)
         draft_len = self.draft_length.choose(sum(chunk.samples for chunk in chunks))
         self.draft_length.launched(draft_len)
         self.stats.draft_length = draft_len
@@ -414,15 +410,24 @@ class LLMEngine:
         return handle
 
     def _launch_continued(self, previous: StepHandle) -> StepHandle | None:
-        """Queue the step after `previous` (the same sequences, one more verify each, as many
-        drafts) if the scheduler would pick exactly that and its KV fits; None otherwise."""
-        seqs, scheduler = previous.sequences, self.scheduler
+        """Queue the step after `previous` before reading it: its sequences verify once more with
+        as many drafts, less those that ended in the step before it, beside the first chunks of
+        the requests the scheduler admits into the rest of the budget. None where the scheduler
+        would run something else (a sequence mid-prompt, another draft length) or the KV does not
+        fit."""
+        scheduler = self.scheduler
+        keep = [i for i, s in enumerate(previous.sequences) if s.status is Status.RUNNING]
+        seqs = [previous.sequences[i] for i in keep]
         rows_before, rows_next = previous.outputs.tokens.shape[1], previous.draft_len + 1
         budget = scheduler.max_num_batched_tokens - len(seqs) * rows_next
-        if scheduler.running != seqs or budget < 0 or scheduler.would_admit(budget):
+        if not seqs or scheduler.running != seqs or budget < 0:
             return None
-        if any(s.status is not Status.RUNNING for s in seqs):
+        dropped = len(seqs) < len(previous.sequences)
+        admits = scheduler.would_admit(budget)
+        if (dropped or admits) and not self.runner.can_change_continued(previous):
             return None
+        if admits and not _joins_continued_steps(scheduler.waiting[0]):
+            return None  # the scheduled step admits it
         if self.draft_length.choose(len(seqs)) != previous.draft_len:
             return None
         # `previous` writes from num_computed on and may emit rows_before tokens after a sequence's
@@ -431,9 +436,27 @@ class LLMEngine:
         spans = [(s, s.num_computed, s.num_tokens - 1 + rows_before + rows_next) for s in seqs]
         if not self.kv.grow_all(spans):
             return None
+        admitted = scheduler.admit(budget, _joins_continued_steps) if admits else []
+        self._mark_scheduled(admitted)
         self.num_continued_steps += 1
         self.draft_length.launched(previous.draft_len)
-        return self.runner.launch_continued(previous, [s.pages for s in seqs])
+        handle = self.runner.launch_continued(
+            previous,
+            [s.pages for s in seqs] + [chunk.seq.pages for chunk in admitted],
+            keep if dropped else None,
+            admitted,
+        )
+        for chunk in admitted:
+            if not chunk.samples:
+                chunk.seq.num_computed += chunk.length
+        return handle
+
+    def _mark_scheduled(self, chunks: list[ScheduledChunk]) -> None:
+        now = time.monotonic()
+        for chunk in chunks:
+            metrics = self.requests[chunk.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
 
     def _commit_step(self, handle: StepHandle) -> list[RequestOutput]:
         """Read a step's results, commit them to their sequences, and build the outputs."""
@@ -560,3 +583,11 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         if self.kv.cache is not None:
             self.kv.cache.clear()
+
+
+def _joins_continued_steps(seq: Sequence) -> bool:
+    """A waiting sequence can be admitted into a step continued on the device: nothing of its
+    sampling needs the host between steps, and it scores no prompt tokens."""
+    return seq.params.prompt_logprobs is None and not needs_host_between_steps(
+        seq.params, seq.token_rules
+    )

@@ -377,27 +377,55 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch_continued(self, previous: StepHandle, pages: list[SeqPages]) -> StepHandle:
-        """Queue the decode step after `previous` for the same sequences, from its device outputs.
-        `pages` must already map every position that step can write."""
+    def launch_continued(
+        self,
+        previous: StepHandle,
+        pages: list[SeqPages],
+        keep: list[int] | None = None,
+        admitted: list[ScheduledChunk] = (),
+    ) -> StepHandle:
+        """Queue the decode step after `previous` for its sequences, from its device outputs: all
+        of them, or those at `keep` (the others ended in the step before it), beside the first
+        chunks of `admitted` sequences. `pages`, in that order, must already map every position
+        the step can write. With `keep` or `admitted`, no sequence needs the host between steps
+        and there are no tensor-parallel workers (`can_change_continued`)."""
         tables = page_tables(pages)
         if self.followers is not None:
+            assert keep is None and not admitted
             self.followers.send(ContinuedPlan(tables))
         # A grammar's mask needs `previous` committed on the host: its sampling is queued later.
         sample = not previous.inputs.sampling.constrained
-        handle = self.run_continued(previous, tables, sample=sample)
+        handle = self.run_continued(previous, tables, sample=sample, keep=keep, admitted=admitted)
         if self.followers is not None and sample:
             self.followers.launched(handle)
         return handle
 
+    def can_change_continued(self, previous: StepHandle) -> bool:
+        """Whether the step after `previous` can drop sequences or take in new ones while it is
+        continued on the device: its sampling settings are then rebuilt on the host, which needs
+        nothing of `previous` (no grammar, penalty or bad-word tail), and the tensor-parallel
+        workers only know how to follow an unchanged batch."""
+        sampling = previous.inputs.sampling
+        return self.followers is None and not sampling.constrained and not sampling.reads_history
+
     def run_continued(
-        self, previous: StepHandle, tables: dict[str, torch.Tensor], *, sample: bool = True
+        self,
+        previous: StepHandle,
+        tables: dict[str, torch.Tensor],
+        *,
+        sample: bool = True,
+        keep: list[int] | None = None,
+        admitted: list[ScheduledChunk] = (),
     ) -> StepHandle:
         """`sample` False: stop after the forward (`sample_continued` queues the rest). A
         tensor-parallel worker samples at once: it waits on its pipe for rank 0's bitmask."""
-        batch, inputs = self._continued_inputs(previous, tables)
+        batch, inputs = self._continued_inputs(previous, tables, keep, admitted)
         return self._run(
-            batch, inputs, draft_len=previous.draft_len, continuable=True, sample=sample
+            batch,
+            inputs,
+            draft_len=previous.draft_len,
+            continuable=all(chunk.samples for chunk in admitted),
+            sample=sample,
         )
 
     @torch.inference_mode()
@@ -698,40 +726,125 @@ class ModelRunner:
         )
 
     def _continued_inputs(
-        self, previous: StepHandle, tables: dict[str, torch.Tensor]
+        self,
+        previous: StepHandle,
+        tables: dict[str, torch.Tensor],
+        keep: list[int] | None = None,
+        admitted: list[ScheduledChunk] = (),
     ) -> tuple[TargetBatch, SamplingInputs]:
-        """Each sequence's newest token and next drafts, at the positions after its outputs."""
+        """Each sequence's newest token and next drafts, at the positions after its outputs (the
+        sequences at `keep`, or all), then the admitted chunks' rows."""
         assert previous.pending is None, "a step is continued after its sampling is queued"
-        outputs = previous.outputs
-        B, Q = outputs.tokens.shape[0], previous.draft_len + 1
-        index = self._continuation(B, Q)
+        outputs, device = previous.outputs, self.state.device
+        Q = previous.draft_len + 1
         P = previous.inputs.first_position + outputs.num_emitted  # position of each newest token
         if previous.draft_len:
             newest = outputs.tokens.gather(1, (outputs.num_emitted - 1)[:, None])
             token_ids = torch.cat([newest, outputs.next_drafts], dim=1)
-            positions = P[:, None] + index.offsets
+            positions = P[:, None] + self._continuation(P.shape[0], Q).offsets
         else:
             # One token a step, the newest (it may be the last replay's graph output: it is copied
             # into the graph's inputs before the next replay).
             token_ids, positions = outputs.tokens, P[:, None]
-        batch = TargetBatch(
-            token_ids=token_ids.view(-1),
-            positions=positions.view(-1),
-            page_tables=tables,
-            decode_query_len=Q,
+        sequences = previous.inputs.sequences
+        if keep is not None:
+            kept = to_device(torch.tensor(keep, dtype=torch.int64), device)
+            token_ids, positions, P = token_ids[kept], positions[kept], P[kept]
+            sequences = [sequences[i] for i in keep]
+        B = len(sequences)
+        index = self._continuation(B, Q)
+        if keep is None and not admitted:
+            batch = TargetBatch(
+                token_ids=token_ids.view(-1),
+                positions=positions.view(-1),
+                page_tables=tables,
+                decode_query_len=Q,
+            )
+            # The drafts as copied into `token_ids`: `next_drafts` may be a graph output, which
+            # the target replay can overwrite (graphs share one memory pool).
+            inputs = SamplingInputs(
+                sequences=sequences,
+                rows=index.rows,
+                first_position=P,
+                drafts=token_ids[:, 1:],
+                num_drafts=index.num_drafts,
+                table_rows=index.table_rows,
+                sampling=previous.inputs.sampling,
+                drafted=[Q - 1] * B,
+                rows_are_all=True,
+            )
+            return batch, inputs
+        return self._changed_continued_inputs(
+            token_ids, positions, P, sequences, index, tables, admitted
         )
-        # The drafts as copied into `token_ids`: `next_drafts` may be a graph output, which the
-        # target replay can overwrite (graphs share one memory pool).
+
+    def _changed_continued_inputs(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        newest_position: torch.Tensor,
+        sequences: list[Sequence],
+        index: _ContinuationRows,
+        tables: dict[str, torch.Tensor],
+        admitted: list[ScheduledChunk],
+    ) -> tuple[TargetBatch, SamplingInputs]:
+        """A continued step whose sequences changed: the continued rows [B, Q] (device) packed
+        before the admitted chunks' rows (host), and sampling settings rebuilt for them all."""
+        device = self.state.device
+        B, Q = token_ids.shape
+        assert not any(chunk.drafts for chunk in admitted), "an admitted sequence has no drafts"
+        prompts = scheduled_batch(admitted) if admitted else None
+        if prompts is None:
+            batch = TargetBatch(
+                token_ids.reshape(-1), positions.reshape(-1), tables, decode_query_len=Q
+            )
+        else:
+            starts = prompts.group_starts[1:] + B * Q
+            batch = TargetBatch(
+                token_ids=torch.cat([token_ids.reshape(-1), to_device(prompts.token_ids, device)]),
+                positions=torch.cat([positions.reshape(-1), to_device(prompts.positions, device)]),
+                page_tables=tables,
+                decode_query_len=None,
+                group_starts=torch.cat(
+                    [torch.arange(0, B * Q + 1, Q, dtype=torch.int32), starts.to(torch.int32)]
+                ),
+            )
+        # Admitted chunks that sample: one row each (their last), repeated as a verify's Q rows.
+        ends = batch.group_starts[1:].tolist() if prompts is not None else []
+        last_rows, first_positions, table_rows = [], [], []
+        for j, chunk in enumerate(admitted):
+            if chunk.samples:
+                last_rows.append(ends[B + j] - 1)
+                first_positions.append(chunk.start + chunk.length - 1)
+                table_rows.append(B + j)
+        A = len(last_rows)
+        new_seqs = [chunk.seq for chunk in admitted if chunk.samples]
+        every = sequences + new_seqs
+
+        def int64(values):
+            return to_device(torch.tensor(values, dtype=torch.int64), device)
+
         inputs = SamplingInputs(
-            sequences=previous.inputs.sequences,
-            rows=index.rows,
-            first_position=P,
-            drafts=token_ids[:, 1:],
-            num_drafts=index.num_drafts,
-            table_rows=index.table_rows,
-            sampling=previous.inputs.sampling,
-            drafted=[Q - 1] * B,
-            rows_are_all=True,
+            sequences=every,
+            rows=torch.cat([index.rows, int64(last_rows)[:, None].expand(A, Q)]),
+            first_position=torch.cat([newest_position, int64(first_positions)]),
+            drafts=torch.cat(
+                [token_ids[:, 1:], torch.full((A, Q - 1), -1, dtype=torch.int64, device=device)]
+            ),
+            num_drafts=torch.cat([index.num_drafts, int64([0] * A)]),
+            table_rows=torch.cat(
+                [index.table_rows, to_device(torch.tensor(table_rows, dtype=torch.int32), device)]
+            ),
+            sampling=SamplingBatch.build(
+                [seq.params for seq in every],
+                [seq.seed for seq in every],
+                [[] for _ in every],  # nothing reads the history (can_change_continued)
+                [[] for _ in every],
+                device,
+                [seq.token_rules for seq in every],
+            ),
+            drafted=[Q - 1] * B + [0] * A,
+            rows_are_all=not admitted,
         )
         return batch, inputs
 

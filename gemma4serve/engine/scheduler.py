@@ -97,14 +97,21 @@ class Scheduler:
             self.kv.grow(seq, chunk.start, chunk.start + chunk.num_query)
             chunks.append(chunk)
             budget -= chunk.num_query
+        return chunks + self.admit(budget)
 
+    def admit(self, budget: int, admissible=lambda seq: True) -> list[ScheduledChunk]:
+        """Admit waiting sequences, in order, into `budget` tokens beside the running ones: each
+        one's first chunk. Stops at the first that does not fit or that `admissible` refuses."""
+        chunks: list[ScheduledChunk] = []
         reserved = None  # the running sequences' expected pages, summed once a request is tried
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not admissible(seq):
+                break
             hit = self._lookup(seq)
             if reserved is None:
                 reserved = self.reserved_pages()
-            alone = not self.running and not chunks
+            alone = not self.running
             chunk = self._admissible_chunk(seq, budget, hit, alone, reserved)
             if chunk is None:
                 break
