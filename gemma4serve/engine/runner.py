@@ -12,6 +12,7 @@ so the host queues it before it has read them. `StepHandle.results()` waits for 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import ModelState
 from gemma4serve.engine.outputs import TokenLogprob
-from gemma4serve.engine.sampler import AcceptResult, SamplingBatch, accept
+from gemma4serve.engine.sampler import AcceptResult, SamplingBatch, TokenRuleTensors, accept
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
 from gemma4serve.engine.step_plan import ContinuedPlan, SamplingPlan, ScheduledPlan
@@ -302,6 +303,20 @@ def _without_sequences(rows: PromptRows | None) -> PromptRows | None:
     if rows is None:
         return None
     return PromptRows([], [], rows.rows, rows.targets, rows.width)
+
+
+def _queued_to(settings, device: torch.device):
+    """A SamplingBatch (or its TokenRuleTensors) built on the host, its tensors copied to `device`
+    without waiting: built there directly, each would first drain the stream, that is wait for the
+    step in flight."""
+    moved = {}
+    for name in (f.name for f in dataclasses.fields(settings)):
+        value = getattr(settings, name)
+        if isinstance(value, torch.Tensor):
+            moved[name] = to_device(value, device)
+        elif isinstance(value, TokenRuleTensors):
+            moved[name] = _queued_to(value, device)
+    return dataclasses.replace(settings, **moved)
 
 
 @dataclass
@@ -835,13 +850,16 @@ class ModelRunner:
             table_rows=torch.cat(
                 [index.table_rows, to_device(torch.tensor(table_rows, dtype=torch.int32), device)]
             ),
-            sampling=SamplingBatch.build(
-                [seq.params for seq in every],
-                [seq.seed for seq in every],
-                [[] for _ in every],  # nothing reads the history (can_change_continued)
-                [[] for _ in every],
+            sampling=_queued_to(
+                SamplingBatch.build(
+                    [seq.params for seq in every],
+                    [seq.seed for seq in every],
+                    [[] for _ in every],  # nothing reads the history (can_change_continued)
+                    [[] for _ in every],
+                    "cpu",
+                    [seq.token_rules for seq in every],
+                ),
                 device,
-                [seq.token_rules for seq in every],
             ),
             drafted=[Q - 1] * B + [0] * A,
             rows_are_all=not admitted,
