@@ -55,7 +55,8 @@ class TargetBatch:
     # a CUDA graph can run it; None for steps that carry prefill chunks.
     decode_query_len: int | None
     group_starts: torch.Tensor | None = None  # host [G+1] int32; None: groups of decode_query_len
-    key_lengths: torch.Tensor | None = None  # host [G] int32: each group's last position + 1
+    # host [G] int32: each group's last position + 1; None where those are on the device only
+    key_lengths: torch.Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -588,7 +589,12 @@ class ModelRunner:
                 to_device(sizes, device),
                 output_size=positions.shape[0],
             )
-            host = HostBatch(batch.group_starts, batch.key_lengths, batch.page_tables)
+            # No host layout where the keys' lengths are on the device only (a continued step).
+            host = (
+                HostBatch(batch.group_starts, batch.key_lengths, batch.page_tables)
+                if batch.key_lengths is not None
+                else None
+            )
             return causal_metadata(
                 token_group,
                 positions,
