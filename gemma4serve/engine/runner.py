@@ -195,7 +195,7 @@ class StepHandle:
     inputs: SamplingInputs | None  # None: the step only prefilled, nothing to read
     outputs: StepOutputs | None = None
     draft_len: int = 0  # drafts this step proposes for the next one
-    continuable: bool = False  # a decode step that `launch_continued` can follow
+    continuable: bool = False  # every sequence samples: `launch_continued` can follow it
     pending: PendingSampling | None = None  # set: `ModelRunner.sample_continued` must finish it
     _ints: _PinnedColumns | None = None
     _logprobs: _PinnedLogprobs | None = None
