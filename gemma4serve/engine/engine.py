@@ -424,7 +424,7 @@ class LLMEngine:
             return None
         dropped = len(seqs) < len(previous.sequences)
         admits = scheduler.would_admit(budget)
-        if (dropped or admits) and not self.runner.can_change_continued(previous):
+        if (dropped or admits) and not self.runner.can_change_continued(previous, admits):
             return None
         if admits and not _joins_continued_steps(scheduler.waiting[0]):
             return None  # the scheduled step admits it

@@ -416,13 +416,20 @@ class ModelRunner:
             self.followers.launched(handle)
         return handle
 
-    def can_change_continued(self, previous: StepHandle) -> bool:
-        """Whether the step after `previous` can drop sequences or take in new ones while it is
-        continued on the device: its sampling settings are then rebuilt on the host, which needs
-        nothing of `previous` (no grammar, penalty or bad-word tail), and the tensor-parallel
-        workers only know how to follow an unchanged batch."""
+    def can_change_continued(self, previous: StepHandle, admitting: bool) -> bool:
+        """Whether the step after `previous` can drop sequences or (`admitting`) take in new ones
+        while it is continued on the device: its sampling settings are then rebuilt on the host,
+        which needs nothing of `previous` (no grammar, penalty or bad-word tail); the
+        tensor-parallel workers only know how to follow an unchanged batch; and prompts beside
+        continued rows have no host layout, which FlashInfer's prefill plans from (it would run
+        them on Triton, eagerly)."""
         sampling = previous.inputs.sampling
-        return self.followers is None and not sampling.constrained and not sampling.reads_history
+        return (
+            self.followers is None
+            and not sampling.constrained
+            and not sampling.reads_history
+            and not (admitting and self.state.attn.name == "flashinfer")
+        )
 
     def run_continued(
         self,
