@@ -410,24 +410,27 @@ class LLMEngine:
         return handle
 
     def _launch_continued(self, previous: StepHandle) -> StepHandle | None:
-        """Queue the step after `previous` before reading it: its sequences verify once more with
-        as many drafts, less those that ended in the step before it, beside the first chunks of
-        the requests the scheduler admits into the rest of the budget. None where the scheduler
-        would run something else (a sequence mid-prompt, another draft length) or the KV does not
-        fit."""
+        """Queue the step after `previous` before reading it: the sequences that sampled in it
+        verify once more with as many drafts (less those that ended in the step before it),
+        beside the next chunks of the prompts part-way through and the first chunks of the
+        requests the scheduler admits into the rest of the budget. None where the scheduler would
+        run something else (another draft length, a preemption) or the KV does not fit."""
         scheduler = self.scheduler
         keep = [i for i, s in enumerate(previous.sequences) if s.status is Status.RUNNING]
         seqs = [previous.sequences[i] for i in keep]
         rows_before, rows_next = previous.outputs.tokens.shape[1], previous.draft_len + 1
         budget = scheduler.max_num_batched_tokens - len(seqs) * rows_next
-        if not seqs or scheduler.running != seqs or budget < 0:
+        prompts = [s for s in scheduler.running if s not in seqs]  # part-way through their prompt
+        if not seqs or budget < 0 or not all(_joins_continued_steps(s) for s in prompts):
             return None
-        dropped = len(seqs) < len(previous.sequences)
-        admits = scheduler.would_admit(budget)
-        if (dropped or admits) and not self.runner.can_change_continued(previous, admits):
-            return None
+        changed = len(seqs) < len(previous.sequences) or bool(prompts)
+        admits = scheduler.would_admit(budget)  # an upper bound: the prompts' chunks come first
         if admits and not _joins_continued_steps(scheduler.waiting[0]):
             return None  # the scheduled step admits it
+        if (changed or admits) and not self.runner.can_change_continued(
+            previous, with_prompts=admits or bool(prompts)
+        ):
+            return None
         if self.draft_length.choose(len(seqs)) != previous.draft_len:
             return None
         # `previous` writes from num_computed on and may emit rows_before tokens after a sequence's
@@ -436,17 +439,22 @@ class LLMEngine:
         spans = [(s, s.num_computed, s.num_tokens - 1 + rows_before + rows_next) for s in seqs]
         if not self.kv.grow_all(spans):
             return None
-        admitted = scheduler.admit(budget, _joins_continued_steps) if admits else []
-        self._mark_scheduled(admitted)
+        chunks = scheduler.continue_prompts(seqs, budget) if prompts else []
+        if chunks is None:
+            return None
+        budget -= sum(chunk.num_query for chunk in chunks)
+        if admits:
+            chunks += scheduler.admit(budget, _joins_continued_steps)
+        self._mark_scheduled(chunks)
         self.num_continued_steps += 1
         self.draft_length.launched(previous.draft_len)
         handle = self.runner.launch_continued(
             previous,
-            [s.pages for s in seqs] + [chunk.seq.pages for chunk in admitted],
-            keep if dropped else None,
-            admitted,
+            [s.pages for s in seqs] + [chunk.seq.pages for chunk in chunks],
+            keep if len(seqs) < len(previous.sequences) else None,
+            chunks,
         )
-        for chunk in admitted:
+        for chunk in chunks:
             if not chunk.samples:
                 chunk.seq.num_computed += chunk.length
         return handle

@@ -195,7 +195,7 @@ class StepHandle:
     inputs: SamplingInputs | None  # None: the step only prefilled, nothing to read
     outputs: StepOutputs | None = None
     draft_len: int = 0  # drafts this step proposes for the next one
-    continuable: bool = False  # every sequence samples: `launch_continued` can follow it
+    continuable: bool = False  # some sequences sample: `launch_continued` can follow it
     pending: PendingSampling | None = None  # set: `ModelRunner.sample_continued` must finish it
     _ints: _PinnedColumns | None = None
     _logprobs: _PinnedLogprobs | None = None
@@ -377,13 +377,9 @@ class ModelRunner:
         which never reads its results)."""
         batch, sampling = plan.batch, plan.sampling
         inputs = self._sampling_inputs(sampling, sequences) if sampling is not None else None
-        # A step every sequence of which samples (decodes, and prompts' last chunks) is followed
-        # by the verify step of the same sequences, which `launch_continued` can queue.
-        continuable = (
-            inputs is not None
-            and len(sampling.rows) == batch.num_groups
-            and not inputs.sampling.reads_history
-        )
+        # A step some sequences of which sample is followed by their verify step, which
+        # `launch_continued` can queue (beside the next chunks of the prompts part-way through).
+        continuable = inputs is not None and not inputs.sampling.reads_history
         return self._run(
             batch,
             inputs,
@@ -398,26 +394,29 @@ class ModelRunner:
         previous: StepHandle,
         pages: list[SeqPages],
         keep: list[int] | None = None,
-        admitted: list[ScheduledChunk] = (),
+        prompt_chunks: list[ScheduledChunk] = (),
     ) -> StepHandle:
-        """Queue the decode step after `previous` for its sequences, from its device outputs: all
-        of them, or those at `keep` (the others ended in the step before it), beside the first
-        chunks of `admitted` sequences. `pages`, in that order, must already map every position
-        the step can write. With `keep` or `admitted`, no sequence needs the host between steps
-        and there are no tensor-parallel workers (`can_change_continued`)."""
+        """Queue the verify step after `previous` for the sequences that sampled in it, from its
+        device outputs: all of them, or those at `keep` (the others ended in the step before
+        it), beside `prompt_chunks` (prompts' next or first chunks, laid out on the host).
+        `pages`, in that order, must already map every position the step can write. With `keep`
+        or `prompt_chunks`, no sequence needs the host between steps and there are no
+        tensor-parallel workers (`can_change_continued`)."""
         tables = page_tables(pages)
         if self.followers is not None:
-            assert keep is None and not admitted
+            assert keep is None and not prompt_chunks
             self.followers.send(ContinuedPlan(tables))
         # A grammar's mask needs `previous` committed on the host: its sampling is queued later.
         sample = not previous.inputs.sampling.constrained
-        handle = self.run_continued(previous, tables, sample=sample, keep=keep, admitted=admitted)
+        handle = self.run_continued(
+            previous, tables, sample=sample, keep=keep, prompt_chunks=prompt_chunks
+        )
         if self.followers is not None and sample:
             self.followers.launched(handle)
         return handle
 
-    def can_change_continued(self, previous: StepHandle, admitting: bool) -> bool:
-        """Whether the step after `previous` can drop sequences or (`admitting`) take in new ones
+    def can_change_continued(self, previous: StepHandle, with_prompts: bool) -> bool:
+        """Whether the step after `previous` can drop sequences or (`with_prompts`) take in prompt chunks
         while it is continued on the device: its sampling settings are then rebuilt on the host,
         which needs nothing of `previous` (no grammar, penalty or bad-word tail); the
         tensor-parallel workers only know how to follow an unchanged batch; and prompts beside
@@ -428,7 +427,7 @@ class ModelRunner:
             self.followers is None
             and not sampling.constrained
             and not sampling.reads_history
-            and not (admitting and self.state.attn.name == "flashinfer")
+            and not (with_prompts and self.state.attn.name == "flashinfer")
         )
 
     def run_continued(
@@ -438,16 +437,16 @@ class ModelRunner:
         *,
         sample: bool = True,
         keep: list[int] | None = None,
-        admitted: list[ScheduledChunk] = (),
+        prompt_chunks: list[ScheduledChunk] = (),
     ) -> StepHandle:
         """`sample` False: stop after the forward (`sample_continued` queues the rest). A
         tensor-parallel worker samples at once: it waits on its pipe for rank 0's bitmask."""
-        batch, inputs = self._continued_inputs(previous, tables, keep, admitted)
+        batch, inputs = self._continued_inputs(previous, tables, keep, prompt_chunks)
         return self._run(
             batch,
             inputs,
             draft_len=previous.draft_len,
-            continuable=all(chunk.samples for chunk in admitted),
+            continuable=True,
             sample=sample,
         )
 
@@ -758,10 +757,10 @@ class ModelRunner:
         previous: StepHandle,
         tables: dict[str, torch.Tensor],
         keep: list[int] | None = None,
-        admitted: list[ScheduledChunk] = (),
+        prompt_chunks: list[ScheduledChunk] = (),
     ) -> tuple[TargetBatch, SamplingInputs]:
         """Each sequence's newest token and next drafts, at the positions after its outputs (the
-        sequences at `keep`, or all), then the admitted chunks' rows."""
+        sequences at `keep`, or all), then the prompt chunks' rows."""
         assert previous.pending is None, "a step is continued after its sampling is queued"
         outputs, device = previous.outputs, self.state.device
         Q = previous.draft_len + 1
@@ -781,7 +780,7 @@ class ModelRunner:
             sequences = [sequences[i] for i in keep]
         B = len(sequences)
         index = self._continuation(B, Q)
-        if keep is None and not admitted:
+        if keep is None and not prompt_chunks:
             batch = TargetBatch(
                 token_ids=token_ids.view(-1),
                 positions=positions.view(-1),
@@ -803,7 +802,7 @@ class ModelRunner:
             )
             return batch, inputs
         return self._changed_continued_inputs(
-            token_ids, positions, P, sequences, index, tables, admitted
+            token_ids, positions, P, sequences, index, tables, prompt_chunks
         )
 
     def _changed_continued_inputs(
@@ -814,39 +813,39 @@ class ModelRunner:
         sequences: list[Sequence],
         index: _ContinuationRows,
         tables: dict[str, torch.Tensor],
-        admitted: list[ScheduledChunk],
+        prompt_chunks: list[ScheduledChunk],
     ) -> tuple[TargetBatch, SamplingInputs]:
         """A continued step whose sequences changed: the continued rows [B, Q] (device) packed
-        before the admitted chunks' rows (host), and sampling settings rebuilt for them all."""
+        before the prompt chunks' rows (host), and sampling settings rebuilt for them all."""
         device = self.state.device
         B, Q = token_ids.shape
-        assert not any(chunk.drafts for chunk in admitted), "an admitted sequence has no drafts"
-        prompts = scheduled_batch(admitted) if admitted else None
-        if prompts is None:
+        assert not any(chunk.drafts for chunk in prompt_chunks), "a prompt chunk has no drafts"
+        packed = scheduled_batch(prompt_chunks) if prompt_chunks else None
+        if packed is None:
             batch = TargetBatch(
                 token_ids.reshape(-1), positions.reshape(-1), tables, decode_query_len=Q
             )
         else:
-            starts = prompts.group_starts[1:] + B * Q
+            starts = packed.group_starts[1:] + B * Q
             batch = TargetBatch(
-                token_ids=torch.cat([token_ids.reshape(-1), to_device(prompts.token_ids, device)]),
-                positions=torch.cat([positions.reshape(-1), to_device(prompts.positions, device)]),
+                token_ids=torch.cat([token_ids.reshape(-1), to_device(packed.token_ids, device)]),
+                positions=torch.cat([positions.reshape(-1), to_device(packed.positions, device)]),
                 page_tables=tables,
                 decode_query_len=None,
                 group_starts=torch.cat(
                     [torch.arange(0, B * Q + 1, Q, dtype=torch.int32), starts.to(torch.int32)]
                 ),
             )
-        # Admitted chunks that sample: one row each (their last), repeated as a verify's Q rows.
-        ends = batch.group_starts[1:].tolist() if prompts is not None else []
+        # Prompt chunks that sample (their prompts' last): one row each (their last), repeated as a verify's Q rows.
+        ends = batch.group_starts[1:].tolist() if packed is not None else []
         last_rows, first_positions, table_rows = [], [], []
-        for j, chunk in enumerate(admitted):
+        for j, chunk in enumerate(prompt_chunks):
             if chunk.samples:
                 last_rows.append(ends[B + j] - 1)
                 first_positions.append(chunk.start + chunk.length - 1)
                 table_rows.append(B + j)
         A = len(last_rows)
-        new_seqs = [chunk.seq for chunk in admitted if chunk.samples]
+        new_seqs = [chunk.seq for chunk in prompt_chunks if chunk.samples]
         every = sequences + new_seqs
 
         def int64(values):
@@ -875,7 +874,7 @@ class ModelRunner:
                 device,
             ),
             drafted=[Q - 1] * B + [0] * A,
-            rows_are_all=not admitted,
+            rows_are_all=not prompt_chunks,
         )
         return batch, inputs
 
