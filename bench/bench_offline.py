@@ -647,10 +647,11 @@ class LaunchRecord:
 
 def trace_launches(runner) -> None:
     """Remember the shape of the last scheduled step, or continued step with prompts (other
-    continued steps keep their predecessor's), and count the prompt tokens of the steps that the next `step()` call waits for
-    (`runner.prefill_tokens`, which the reader takes with `take_prefill_tokens`): a scheduled step
-    is read in the call that queues it, a continued one in the call after. On CUDA, record every
-    launch in `runner.launch_records` for `gpu_timeline`."""
+    continued steps keep their predecessor's), and count the prompt tokens of the steps that the
+    next `step()` call waits for (`runner.prefill_tokens`, which the reader takes with
+    `take_prefill_tokens`): a scheduled step is read in the call that queues it, a continued one
+    in the call after. On CUDA, record every launch in `runner.launch_records` for
+    `gpu_timeline`."""
     launch, launch_continued = runner.launch, runner.launch_continued
     sample_continued = runner.sample_continued
     runner.last_launch = ""
@@ -673,20 +674,20 @@ def trace_launches(runner) -> None:
         runner.launch_records.append(LaunchRecord(kind, host_s, start, end))
         return handle
 
-    def prompt_chunks(chunks) -> list[int]:
+    def prefill_lengths(chunks) -> list[int]:
         """Lengths of the chunks that prefill (a whole-prompt cache hit computes one row)."""
         return [ch.length for ch in chunks if ch.length > 1 or not ch.samples]
 
-    def traced_continued(previous, pages, keep=None, admitted=()):
-        prefill = prompt_chunks(admitted)
+    def traced_continued(previous, pages, keep=None, prompt_chunks=()):
+        prefill = prefill_lengths(prompt_chunks)
         if prefill:
             runner.last_launch = f"continued beside prefill chunks {prefill}"
         runner.queued_prefill_tokens += sum(prefill)
         kind = "continued with prompts" if prefill else "continued"
-        return recorded(kind, launch_continued, previous, pages, keep, admitted)
+        return recorded(kind, launch_continued, previous, pages, keep, prompt_chunks)
 
     def traced(chunks, draft_len):
-        prefill = prompt_chunks(chunks)
+        prefill = prefill_lengths(chunks)
         runner.last_launch = (
             f"{len(chunks)} sequences, {sum(ch.num_query for ch in chunks)} tokens, "
             f"prefill chunks {prefill}"

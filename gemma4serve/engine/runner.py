@@ -416,9 +416,9 @@ class ModelRunner:
         return handle
 
     def can_change_continued(self, previous: StepHandle, with_prompts: bool) -> bool:
-        """Whether the step after `previous` can drop sequences or (`with_prompts`) take in prompt chunks
-        while it is continued on the device: its sampling settings are then rebuilt on the host,
-        which needs nothing of `previous` (no grammar, penalty or bad-word tail); the
+        """Whether the step after `previous` can drop sequences or (`with_prompts`) take in prompt
+        chunks while it is continued on the device: its sampling settings are then rebuilt on the
+        host, which needs nothing of `previous` (no grammar, penalty or bad-word tail); the
         tensor-parallel workers only know how to follow an unchanged batch; and prompts beside
         continued rows have no host layout, which FlashInfer's prefill plans from (it would run
         them on Triton, eagerly)."""
@@ -836,7 +836,8 @@ class ModelRunner:
                     [torch.arange(0, B * Q + 1, Q, dtype=torch.int32), starts.to(torch.int32)]
                 ),
             )
-        # Prompt chunks that sample (their prompts' last): one row each (their last), repeated as a verify's Q rows.
+        # Prompt chunks that sample (their prompts' last): their last row, repeated as a verify's
+        # Q rows.
         ends = batch.group_starts[1:].tolist() if packed is not None else []
         last_rows, first_positions, table_rows = [], [], []
         for j, chunk in enumerate(prompt_chunks):
