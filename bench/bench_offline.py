@@ -239,7 +239,8 @@ def run_level(
     start = time.perf_counter()
     step_times = []
     engine.runner.launch_records = []
-    prefill_tokens = []  # prompt tokens of the step each step() call launched (0: decode only)
+    take_prefill_tokens(engine.runner)
+    prefill_tokens = []  # prompt tokens of the steps each step() call read (0: decode only)
     while pending or inflight:
         while pending and len(inflight) < concurrency:
             i, prompt = pending.pop()
@@ -250,7 +251,7 @@ def run_level(
         outs = engine.step()  # returns after the step's device -> host copy: the tokens exist now
         now = time.perf_counter()
         step_times.append((now - t0, engine.runner.last_launch, bool(outs)))
-        prefill_tokens.append(engine.runner.last_prefill_tokens)
+        prefill_tokens.append(take_prefill_tokens(engine.runner))
         for out in outs:
             req = inflight[out.request_id]
             n = len(out.outputs[0].new_token_ids)
@@ -638,20 +639,24 @@ class LaunchRecord:
     """One launch call: what it queued, how long the host took to queue it, and CUDA events
     around it (on the GPU's timeline: the idle time before it and the span it covered)."""
 
-    kind: str  # "continued", "decode" (scheduled, no prompt tokens) or "prefill"
+    kind: str  # "continued" (with prompts or not), "decode" (scheduled, no prompts) or "prefill"
     host_s: float
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
 
 
 def trace_launches(runner) -> None:
-    """Remember the shape of the last scheduled step (continued steps keep their predecessor's)
-    and the prompt tokens of the last launch (a continued step carries none); on CUDA, record
-    every launch in `runner.launch_records` for `gpu_timeline`."""
+    """Remember the shape of the last scheduled step, or continued step with prompts (other
+    continued steps keep their predecessor's), and count the prompt tokens of the steps that the
+    next `step()` call waits for (`runner.prefill_tokens`, which the reader takes with
+    `take_prefill_tokens`): a scheduled step is read in the call that queues it, a continued one
+    in the call after. On CUDA, record every launch in `runner.launch_records` for
+    `gpu_timeline`."""
     launch, launch_continued = runner.launch, runner.launch_continued
     sample_continued = runner.sample_continued
     runner.last_launch = ""
-    runner.last_prefill_tokens = 0
+    runner.prefill_tokens = 0  # of the steps the current step() call reads
+    runner.queued_prefill_tokens = 0  # of a continued step, which the next call reads
     runner.launch_records = []
     cuda = runner.state.device.type == "cuda"
 
@@ -669,22 +674,38 @@ def trace_launches(runner) -> None:
         runner.launch_records.append(LaunchRecord(kind, host_s, start, end))
         return handle
 
-    def traced_continued(previous, pages):
-        runner.last_prefill_tokens = 0
-        return recorded("continued", launch_continued, previous, pages)
+    def prefill_lengths(chunks) -> list[int]:
+        """Lengths of the chunks that prefill (a whole-prompt cache hit computes one row)."""
+        return [ch.length for ch in chunks if ch.length > 1 or not ch.samples]
+
+    def traced_continued(previous, pages, keep=None, prompt_chunks=()):
+        prefill = prefill_lengths(prompt_chunks)
+        if prefill:
+            runner.last_launch = f"continued beside prefill chunks {prefill}"
+        runner.queued_prefill_tokens += sum(prefill)
+        kind = "continued with prompts" if prefill else "continued"
+        return recorded(kind, launch_continued, previous, pages, keep, prompt_chunks)
 
     def traced(chunks, draft_len):
-        prefill = [ch.length for ch in chunks if ch.length > 1 or not ch.samples]
+        prefill = prefill_lengths(chunks)
         runner.last_launch = (
             f"{len(chunks)} sequences, {sum(ch.num_query for ch in chunks)} tokens, "
             f"prefill chunks {prefill}"
         )
-        runner.last_prefill_tokens = sum(prefill)
+        runner.prefill_tokens += sum(prefill)
         return recorded("prefill" if prefill else "decode", launch, chunks, draft_len)
 
     runner.launch = traced
     runner.launch_continued = traced_continued
     runner.sample_continued = lambda handle: recorded("continued", sample_continued, handle)
+
+
+def take_prefill_tokens(runner) -> int:
+    """The prompt tokens of the steps the last step() call read; the continued step it queued
+    becomes the next call's."""
+    taken = runner.prefill_tokens
+    runner.prefill_tokens, runner.queued_prefill_tokens = runner.queued_prefill_tokens, 0
+    return taken
 
 
 def gpu_timeline(records: list[LaunchRecord], elapsed: float) -> str:

@@ -774,6 +774,66 @@ def test_text_made_one_step_late_outside_the_engine_changes_no_output(tiny_check
     assert engine.kv_pool_free() == all_free(engine) and not engine.scheduler.has_work()
 
 
+def test_steps_go_on_on_the_device_through_arrivals_and_finishes(tiny_checkpoints):
+    """The step after a prompt, a step that takes in an arriving request's prompt, and a step
+    after a sequence ended are all queued before the step before them is read: only the very
+    first step is scheduled on the host. Same tokens as the synchronous engine, every page back."""
+    args = engine_args(tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4)
+    reqs = {"first": (prompt_of(21, 71), greedy(30)), "second": (prompt_of(13, 72), greedy(50))}
+    want = run_requests(LLMEngine(EngineArgs(**{**args.__dict__, "async_scheduling": False})), reqs)
+    engine = LLMEngine(args)
+    scheduled = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda *a: scheduled.append(1) or launch(*a)
+    run = Run()
+    engine.add_request("first", *reqs["first"])
+    step(engine, run)  # the prompt alone: its first token and drafts; the next step is queued
+    assert engine._inflight is not None and engine.num_continued_steps == 1
+    while engine.num_continued_steps < 3:
+        step(engine, run)
+    engine.add_request("second", *reqs["second"])
+    while engine.has_unfinished():
+        step(engine, run)
+    assert len(scheduled) == 1 and engine.num_continued_steps > 10
+    run.check_streams()
+    for rid in reqs:
+        assert choices(run.final[rid]) == choices(want.final[rid]), rid
+    assert engine.kv_pool_free() == all_free(engine) and not engine.scheduler.has_work()
+
+
+def test_a_prompt_in_chunks_goes_on_on_the_device(tiny_checkpoints):
+    """A prompt longer than the token budget arrives beside a running request: every chunk of
+    it after the first step is queued before the step before it is read, and so is the step
+    after its last chunk. Same tokens as the synchronous engine, every page back."""
+    args = engine_args(
+        tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4, max_num_batched_tokens=16
+    )
+    reqs = {"first": (prompt_of(9, 73), greedy(40)), "long": (prompt_of(45, 74), greedy(20))}
+    want = run_requests(LLMEngine(EngineArgs(**{**args.__dict__, "async_scheduling": False})), reqs)
+    engine = LLMEngine(args)
+    scheduled, chunked = [], []
+    launch, launch_continued = engine.runner.launch, engine.runner.launch_continued
+
+    def continued(previous, pages, keep=None, prompt_chunks=()):
+        chunked.extend(chunk for chunk in prompt_chunks if not chunk.samples)
+        return launch_continued(previous, pages, keep, prompt_chunks)
+
+    engine.runner.launch = lambda *a: scheduled.append(1) or launch(*a)
+    engine.runner.launch_continued = continued
+    run = Run()
+    engine.add_request("first", *reqs["first"])
+    while engine.num_continued_steps < 2:
+        step(engine, run)
+    engine.add_request("long", *reqs["long"])
+    while engine.has_unfinished():
+        step(engine, run)
+    assert len(scheduled) == 1 and len(chunked) >= 2  # 45 tokens beside 5 rows: 4 chunks
+    run.check_streams()
+    for rid in reqs:
+        assert choices(run.final[rid]) == choices(want.final[rid]), rid
+    assert engine.kv_pool_free() == all_free(engine) and not engine.scheduler.has_work()
+
+
 def test_abort_while_a_step_is_in_flight(engine):
     """Aborting a request whose next step is already queued returns its pages at once.
 

@@ -28,7 +28,7 @@ from gemma4serve.engine.outputs import (
     TokenLogprob,
 )
 from gemma4serve.engine.runner import ModelRunner, StepHandle
-from gemma4serve.engine.sampler import TokenRules
+from gemma4serve.engine.sampler import TokenRules, needs_host_between_steps
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
@@ -369,9 +369,9 @@ class LLMEngine:
         """Run one step and return the outputs it produced.
 
         Two paths. A scheduled step runs what the scheduler picks. A continued step follows a
-        decode step on the device (async scheduling): the engine queues it from the previous
-        step's device outputs before it reads them, then reads and commits the previous step
-        while the GPU runs on. A constrained batch's continued step is queued in two launches:
+        step in which sequences sampled, on the device (async scheduling): the engine queues it
+        from the previous step's device outputs (and the next prompt chunks, known on the host)
+        before it reads them, then reads and commits the previous step while the GPU runs on. A constrained batch's continued step is queued in two launches:
         its target forward first; then, once the previous step is committed (its tokens advanced
         every grammar, its `next_drafts` became each sequence's `drafts`), the grammars' bitmask
         is filled along those drafts and `sample_continued` queues accept, draft loop and copy.
@@ -397,11 +397,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
-        now = time.monotonic()
-        for chunk in chunks:
-            metrics = self.requests[chunk.seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+        self._mark_scheduled(chunks)
         draft_len = self.draft_length.choose(sum(chunk.samples for chunk in chunks))
         self.draft_length.launched(draft_len)
         self.stats.draft_length = draft_len
@@ -414,25 +410,61 @@ class LLMEngine:
         return handle
 
     def _launch_continued(self, previous: StepHandle) -> StepHandle | None:
-        """Queue the step after `previous` (the same sequences, one more verify each, as many
-        drafts) if the scheduler would pick exactly that and its KV fits; None otherwise."""
-        seqs, scheduler = previous.sequences, self.scheduler
+        """Queue the step after `previous` before reading it: the sequences that sampled in it
+        verify once more with as many drafts (less those that ended in the step before it),
+        beside the next chunks of the prompts part-way through and the first chunks of the
+        requests the scheduler admits into the rest of the budget. None where the scheduler would
+        run something else (another draft length, a preemption) or the KV does not fit."""
+        scheduler = self.scheduler
+        keep = [i for i, s in enumerate(previous.sequences) if s.status is Status.RUNNING]
+        seqs = [previous.sequences[i] for i in keep]
         rows_before, rows_next = previous.outputs.tokens.shape[1], previous.draft_len + 1
         budget = scheduler.max_num_batched_tokens - len(seqs) * rows_next
-        if scheduler.running != seqs or budget < 0 or scheduler.would_admit(budget):
+        prompts = [s for s in scheduler.running if s not in seqs]  # part-way through their prompt
+        if not seqs or budget < 0 or not all(_joins_continued_steps(s) for s in prompts):
             return None
-        if any(s.status is not Status.RUNNING for s in seqs):
+        changed = len(seqs) < len(previous.sequences) or bool(prompts)
+        admits = scheduler.would_admit(budget)  # an upper bound: the prompts' chunks come first
+        if admits and not _joins_continued_steps(scheduler.waiting[0]):
+            return None  # the scheduled step admits it
+        if (changed or admits) and not self.runner.can_change_continued(
+            previous, with_prompts=admits or bool(prompts)
+        ):
             return None
         if self.draft_length.choose(len(seqs)) != previous.draft_len:
             return None
-        # `previous` may emit rows_before tokens, then the next step writes rows_next rows (past a
-        # sequence's end too: the rows of a sequence that ends in `previous` are dropped).
-        spans = [(s, s.num_computed, s.num_computed + rows_before + rows_next) for s in seqs]
+        # `previous` writes from num_computed on and may emit rows_before tokens after a sequence's
+        # last token, then the next step writes rows_next rows (past a sequence's end too: the
+        # rows of a sequence that ends in `previous` are dropped).
+        spans = [(s, s.num_computed, s.num_tokens - 1 + rows_before + rows_next) for s in seqs]
         if not self.kv.grow_all(spans):
             return None
+        chunks = scheduler.continue_prompts(seqs, budget) if prompts else []
+        if chunks is None:
+            return None
+        budget -= sum(chunk.num_query for chunk in chunks)
+        if admits:
+            chunks += scheduler.admit(budget, _joins_continued_steps)
+        self._mark_scheduled(chunks)
         self.num_continued_steps += 1
         self.draft_length.launched(previous.draft_len)
-        return self.runner.launch_continued(previous, [s.pages for s in seqs])
+        handle = self.runner.launch_continued(
+            previous,
+            [s.pages for s in seqs] + [chunk.seq.pages for chunk in chunks],
+            keep if len(seqs) < len(previous.sequences) else None,
+            chunks,
+        )
+        for chunk in chunks:
+            if not chunk.samples:
+                chunk.seq.num_computed += chunk.length
+        return handle
+
+    def _mark_scheduled(self, chunks: list[ScheduledChunk]) -> None:
+        now = time.monotonic()
+        for chunk in chunks:
+            metrics = self.requests[chunk.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
 
     def _commit_step(self, handle: StepHandle) -> list[RequestOutput]:
         """Read a step's results, commit them to their sequences, and build the outputs."""
@@ -559,3 +591,11 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         if self.kv.cache is not None:
             self.kv.cache.clear()
+
+
+def _joins_continued_steps(seq: Sequence) -> bool:
+    """A waiting sequence can be admitted into a step continued on the device: nothing of its
+    sampling needs the host between steps, and it scores no prompt tokens."""
+    return seq.params.prompt_logprobs is None and not needs_host_between_steps(
+        seq.params, seq.token_rules
+    )

@@ -12,6 +12,7 @@ so the host queues it before it has read them. `StepHandle.results()` waits for 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.cuda_graphs import CudaGraphs
 from gemma4serve.engine.models import ModelState
 from gemma4serve.engine.outputs import TokenLogprob
-from gemma4serve.engine.sampler import AcceptResult, SamplingBatch, accept
+from gemma4serve.engine.sampler import AcceptResult, SamplingBatch, TokenRuleTensors, accept
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
 from gemma4serve.engine.step_plan import ContinuedPlan, SamplingPlan, ScheduledPlan
@@ -54,7 +55,8 @@ class TargetBatch:
     # a CUDA graph can run it; None for steps that carry prefill chunks.
     decode_query_len: int | None
     group_starts: torch.Tensor | None = None  # host [G+1] int32; None: groups of decode_query_len
-    key_lengths: torch.Tensor | None = None  # host [G] int32: each group's last position + 1
+    # host [G] int32: each group's last position + 1; None where those are on the device only
+    key_lengths: torch.Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -193,7 +195,7 @@ class StepHandle:
     inputs: SamplingInputs | None  # None: the step only prefilled, nothing to read
     outputs: StepOutputs | None = None
     draft_len: int = 0  # drafts this step proposes for the next one
-    continuable: bool = False  # a decode step that `launch_continued` can follow
+    continuable: bool = False  # some sequences sample: `launch_continued` can follow it
     pending: PendingSampling | None = None  # set: `ModelRunner.sample_continued` must finish it
     _ints: _PinnedColumns | None = None
     _logprobs: _PinnedLogprobs | None = None
@@ -304,6 +306,20 @@ def _without_sequences(rows: PromptRows | None) -> PromptRows | None:
     return PromptRows([], [], rows.rows, rows.targets, rows.width)
 
 
+def _queued_to(settings, device: torch.device):
+    """A SamplingBatch (or its TokenRuleTensors) built on the host, its tensors copied to `device`
+    without waiting: built there directly, each would first drain the stream, that is wait for the
+    step in flight."""
+    moved = {}
+    for name in (f.name for f in dataclasses.fields(settings)):
+        value = getattr(settings, name)
+        if isinstance(value, torch.Tensor):
+            moved[name] = to_device(value, device)
+        elif isinstance(value, TokenRuleTensors):
+            moved[name] = _queued_to(value, device)
+    return dataclasses.replace(settings, **moved)
+
+
 @dataclass
 class _ContinuationRows:
     """Index tensors of every continued step of B sequences x Q rows, made once (each would be a
@@ -361,11 +377,9 @@ class ModelRunner:
         which never reads its results)."""
         batch, sampling = plan.batch, plan.sampling
         inputs = self._sampling_inputs(sampling, sequences) if sampling is not None else None
-        continuable = (
-            batch.decode_query_len is not None
-            and inputs is not None
-            and not inputs.sampling.reads_history
-        )
+        # A step some sequences of which sample is followed by their verify step, which
+        # `launch_continued` can queue (beside the next chunks of the prompts part-way through).
+        continuable = inputs is not None and not inputs.sampling.reads_history
         return self._run(
             batch,
             inputs,
@@ -375,27 +389,65 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch_continued(self, previous: StepHandle, pages: list[SeqPages]) -> StepHandle:
-        """Queue the decode step after `previous` for the same sequences, from its device outputs.
-        `pages` must already map every position that step can write."""
+    def launch_continued(
+        self,
+        previous: StepHandle,
+        pages: list[SeqPages],
+        keep: list[int] | None = None,
+        prompt_chunks: list[ScheduledChunk] = (),
+    ) -> StepHandle:
+        """Queue the verify step after `previous` for the sequences that sampled in it, from its
+        device outputs: all of them, or those at `keep` (the others ended in the step before
+        it), beside `prompt_chunks` (prompts' next or first chunks, laid out on the host).
+        `pages`, in that order, must already map every position the step can write. With `keep`
+        or `prompt_chunks`, no sequence needs the host between steps and there are no
+        tensor-parallel workers (`can_change_continued`)."""
         tables = page_tables(pages)
         if self.followers is not None:
+            assert keep is None and not prompt_chunks
             self.followers.send(ContinuedPlan(tables))
         # A grammar's mask needs `previous` committed on the host: its sampling is queued later.
         sample = not previous.inputs.sampling.constrained
-        handle = self.run_continued(previous, tables, sample=sample)
+        handle = self.run_continued(
+            previous, tables, sample=sample, keep=keep, prompt_chunks=prompt_chunks
+        )
         if self.followers is not None and sample:
             self.followers.launched(handle)
         return handle
 
+    def can_change_continued(self, previous: StepHandle, with_prompts: bool) -> bool:
+        """Whether the step after `previous` can drop sequences or (`with_prompts`) take in prompt
+        chunks while it is continued on the device: its sampling settings are then rebuilt on the
+        host, which needs nothing of `previous` (no grammar, penalty or bad-word tail); the
+        tensor-parallel workers only know how to follow an unchanged batch; and prompts beside
+        continued rows have no host layout, which FlashInfer's prefill plans from (it would run
+        them on Triton, eagerly)."""
+        sampling = previous.inputs.sampling
+        return (
+            self.followers is None
+            and not sampling.constrained
+            and not sampling.reads_history
+            and not (with_prompts and self.state.attn.name == "flashinfer")
+        )
+
     def run_continued(
-        self, previous: StepHandle, tables: dict[str, torch.Tensor], *, sample: bool = True
+        self,
+        previous: StepHandle,
+        tables: dict[str, torch.Tensor],
+        *,
+        sample: bool = True,
+        keep: list[int] | None = None,
+        prompt_chunks: list[ScheduledChunk] = (),
     ) -> StepHandle:
         """`sample` False: stop after the forward (`sample_continued` queues the rest). A
         tensor-parallel worker samples at once: it waits on its pipe for rank 0's bitmask."""
-        batch, inputs = self._continued_inputs(previous, tables)
+        batch, inputs = self._continued_inputs(previous, tables, keep, prompt_chunks)
         return self._run(
-            batch, inputs, draft_len=previous.draft_len, continuable=True, sample=sample
+            batch,
+            inputs,
+            draft_len=previous.draft_len,
+            continuable=True,
+            sample=sample,
         )
 
     @torch.inference_mode()
@@ -543,7 +595,12 @@ class ModelRunner:
                 to_device(sizes, device),
                 output_size=positions.shape[0],
             )
-            host = HostBatch(batch.group_starts, batch.key_lengths, batch.page_tables)
+            # No host layout where the keys' lengths are on the device only (a continued step).
+            host = (
+                HostBatch(batch.group_starts, batch.key_lengths, batch.page_tables)
+                if batch.key_lengths is not None
+                else None
+            )
             return causal_metadata(
                 token_group,
                 positions,
@@ -696,40 +753,129 @@ class ModelRunner:
         )
 
     def _continued_inputs(
-        self, previous: StepHandle, tables: dict[str, torch.Tensor]
+        self,
+        previous: StepHandle,
+        tables: dict[str, torch.Tensor],
+        keep: list[int] | None = None,
+        prompt_chunks: list[ScheduledChunk] = (),
     ) -> tuple[TargetBatch, SamplingInputs]:
-        """Each sequence's newest token and next drafts, at the positions after its outputs."""
+        """Each sequence's newest token and next drafts, at the positions after its outputs (the
+        sequences at `keep`, or all), then the prompt chunks' rows."""
         assert previous.pending is None, "a step is continued after its sampling is queued"
-        outputs = previous.outputs
-        B, Q = outputs.tokens.shape[0], previous.draft_len + 1
-        index = self._continuation(B, Q)
+        outputs, device = previous.outputs, self.state.device
+        Q = previous.draft_len + 1
         P = previous.inputs.first_position + outputs.num_emitted  # position of each newest token
         if previous.draft_len:
             newest = outputs.tokens.gather(1, (outputs.num_emitted - 1)[:, None])
             token_ids = torch.cat([newest, outputs.next_drafts], dim=1)
-            positions = P[:, None] + index.offsets
+            positions = P[:, None] + self._continuation(P.shape[0], Q).offsets
         else:
             # One token a step, the newest (it may be the last replay's graph output: it is copied
             # into the graph's inputs before the next replay).
             token_ids, positions = outputs.tokens, P[:, None]
-        batch = TargetBatch(
-            token_ids=token_ids.view(-1),
-            positions=positions.view(-1),
-            page_tables=tables,
-            decode_query_len=Q,
+        sequences = previous.inputs.sequences
+        if keep is not None:
+            kept = to_device(torch.tensor(keep, dtype=torch.int64), device)
+            token_ids, positions, P = token_ids[kept], positions[kept], P[kept]
+            sequences = [sequences[i] for i in keep]
+        B = len(sequences)
+        index = self._continuation(B, Q)
+        if keep is None and not prompt_chunks:
+            batch = TargetBatch(
+                token_ids=token_ids.view(-1),
+                positions=positions.view(-1),
+                page_tables=tables,
+                decode_query_len=Q,
+            )
+            # The drafts as copied into `token_ids`: `next_drafts` may be a graph output, which
+            # the target replay can overwrite (graphs share one memory pool).
+            inputs = SamplingInputs(
+                sequences=sequences,
+                rows=index.rows,
+                first_position=P,
+                drafts=token_ids[:, 1:],
+                num_drafts=index.num_drafts,
+                table_rows=index.table_rows,
+                sampling=previous.inputs.sampling,
+                drafted=[Q - 1] * B,
+                rows_are_all=True,
+            )
+            return batch, inputs
+        return self._changed_continued_inputs(
+            token_ids, positions, P, sequences, index, tables, prompt_chunks
         )
-        # The drafts as copied into `token_ids`: `next_drafts` may be a graph output, which the
-        # target replay can overwrite (graphs share one memory pool).
+
+    def _changed_continued_inputs(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        newest_position: torch.Tensor,
+        sequences: list[Sequence],
+        index: _ContinuationRows,
+        tables: dict[str, torch.Tensor],
+        prompt_chunks: list[ScheduledChunk],
+    ) -> tuple[TargetBatch, SamplingInputs]:
+        """A continued step whose sequences changed: the continued rows [B, Q] (device) packed
+        before the prompt chunks' rows (host), and sampling settings rebuilt for them all."""
+        device = self.state.device
+        B, Q = token_ids.shape
+        assert not any(chunk.drafts for chunk in prompt_chunks), "a prompt chunk has no drafts"
+        packed = scheduled_batch(prompt_chunks) if prompt_chunks else None
+        if packed is None:
+            batch = TargetBatch(
+                token_ids.reshape(-1), positions.reshape(-1), tables, decode_query_len=Q
+            )
+        else:
+            starts = packed.group_starts[1:] + B * Q
+            batch = TargetBatch(
+                token_ids=torch.cat([token_ids.reshape(-1), to_device(packed.token_ids, device)]),
+                positions=torch.cat([positions.reshape(-1), to_device(packed.positions, device)]),
+                page_tables=tables,
+                decode_query_len=None,
+                group_starts=torch.cat(
+                    [torch.arange(0, B * Q + 1, Q, dtype=torch.int32), starts.to(torch.int32)]
+                ),
+            )
+        # Prompt chunks that sample (their prompts' last): their last row, repeated as a verify's
+        # Q rows.
+        ends = batch.group_starts[1:].tolist() if packed is not None else []
+        last_rows, first_positions, table_rows = [], [], []
+        for j, chunk in enumerate(prompt_chunks):
+            if chunk.samples:
+                last_rows.append(ends[B + j] - 1)
+                first_positions.append(chunk.start + chunk.length - 1)
+                table_rows.append(B + j)
+        A = len(last_rows)
+        new_seqs = [chunk.seq for chunk in prompt_chunks if chunk.samples]
+        every = sequences + new_seqs
+
+        def int64(values):
+            return to_device(torch.tensor(values, dtype=torch.int64), device)
+
         inputs = SamplingInputs(
-            sequences=previous.inputs.sequences,
-            rows=index.rows,
-            first_position=P,
-            drafts=token_ids[:, 1:],
-            num_drafts=index.num_drafts,
-            table_rows=index.table_rows,
-            sampling=previous.inputs.sampling,
-            drafted=[Q - 1] * B,
-            rows_are_all=True,
+            sequences=every,
+            rows=torch.cat([index.rows, int64(last_rows)[:, None].expand(A, Q)]),
+            first_position=torch.cat([newest_position, int64(first_positions)]),
+            drafts=torch.cat(
+                [token_ids[:, 1:], torch.full((A, Q - 1), -1, dtype=torch.int64, device=device)]
+            ),
+            num_drafts=torch.cat([index.num_drafts, int64([0] * A)]),
+            table_rows=torch.cat(
+                [index.table_rows, to_device(torch.tensor(table_rows, dtype=torch.int32), device)]
+            ),
+            sampling=_queued_to(
+                SamplingBatch.build(
+                    [seq.params for seq in every],
+                    [seq.seed for seq in every],
+                    [[] for _ in every],  # nothing reads the history (can_change_continued)
+                    [[] for _ in every],
+                    "cpu",
+                    [seq.token_rules for seq in every],
+                ),
+                device,
+            ),
+            drafted=[Q - 1] * B + [0] * A,
+            rows_are_all=not prompt_chunks,
         )
         return batch, inputs
 

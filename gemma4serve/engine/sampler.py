@@ -51,6 +51,19 @@ class TokenRules:
     min_tokens_position: int  # the prompt's length + min_tokens
 
 
+def needs_host_between_steps(params: SamplingParams, rules: TokenRules | None) -> bool:
+    """Whether a sequence's next step needs the host's view of the step before: a grammar's mask,
+    a penalty's token counts, a multi-token bad word's tail (SamplingBatch.reads_history and
+    .constrained, for one request)."""
+    return (
+        params.structured_outputs is not None
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+        or (rules is not None and bool(rules.bad_sequences))
+    )
+
+
 @dataclass
 class TokenRuleTensors:
     """TokenRules of a batch on the device, one row per sequence, -1 padded."""

@@ -97,14 +97,43 @@ class Scheduler:
             self.kv.grow(seq, chunk.start, chunk.start + chunk.num_query)
             chunks.append(chunk)
             budget -= chunk.num_query
+        return chunks + self.admit(budget)
 
+    def continue_prompts(
+        self, on_device: list[Sequence], budget: int
+    ) -> list[ScheduledChunk] | None:
+        """The next chunks, within `budget`, of the running sequences not in `on_device` (prompts
+        part-way through), their pages grown: a step continued on the device takes them beside
+        its own rows. None where one would verify drafts (those come from the host only after the
+        step in flight is read) or its pages do not fit (the scheduled step preempts)."""
+        chunks: list[ScheduledChunk] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq in on_device:
+                continue
+            chunk = self._chunk(seq, budget, seq.pages, seq.num_computed, self.kv.pool.num_free)
+            end = chunk.start + chunk.num_query
+            if chunk.drafts or not self.kv.can_grow(seq, chunk.start, end):
+                return None
+            self.kv.grow(seq, chunk.start, end)
+            chunks.append(chunk)
+            budget -= chunk.num_query
+        return chunks
+
+    def admit(self, budget: int, admissible=lambda seq: True) -> list[ScheduledChunk]:
+        """Admit waiting sequences, in order, into `budget` tokens beside the running ones: each
+        one's first chunk. Stops at the first that does not fit or that `admissible` refuses."""
+        chunks: list[ScheduledChunk] = []
         reserved = None  # the running sequences' expected pages, summed once a request is tried
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not admissible(seq):
+                break
             hit = self._lookup(seq)
             if reserved is None:
                 reserved = self.reserved_pages()
-            alone = not self.running and not chunks
+            alone = not self.running
             chunk = self._admissible_chunk(seq, budget, hit, alone, reserved)
             if chunk is None:
                 break
