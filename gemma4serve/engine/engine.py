@@ -371,13 +371,14 @@ class LLMEngine:
         Two paths. A scheduled step runs what the scheduler picks. A continued step follows a
         step in which sequences sampled, on the device (async scheduling): the engine queues it
         from the previous step's device outputs (and the next prompt chunks, known on the host)
-        before it reads them, then reads and commits the previous step while the GPU runs on. A constrained batch's continued step is queued in two launches:
-        its target forward first; then, once the previous step is committed (its tokens advanced
-        every grammar, its `next_drafts` became each sequence's `drafts`), the grammars' bitmask
-        is filled along those drafts and `sample_continued` queues accept, draft loop and copy.
-        Sequences that ended in the previous step get all-allowed rows, whose results are
-        dropped. That second launch always runs, even when every sequence ended: the
-        tensor-parallel workers wait for its bitmask."""
+        before it reads them, then reads and commits the previous step while the GPU runs on. A
+        constrained batch's continued step is queued in two launches: its target forward first;
+        then, once the previous step is committed (its tokens advanced every grammar, its
+        `next_drafts` became each sequence's `drafts`), the grammars' bitmask is filled along
+        those drafts and `sample_continued` queues accept, draft loop and copy. Sequences that
+        ended in the previous step get all-allowed rows, whose results are dropped. That second
+        launch always runs, even when every sequence ended: the tensor-parallel workers wait for
+        its bitmask."""
         handle = self._inflight if self._inflight is not None else self._launch_scheduled()
         if handle is None:
             return []
