@@ -421,7 +421,8 @@ class LLMEngine:
         seqs = [previous.sequences[i] for i in keep]
         rows_before, rows_next = previous.outputs.tokens.shape[1], previous.draft_len + 1
         budget = scheduler.max_num_batched_tokens - len(seqs) * rows_next
-        prompts = [s for s in scheduler.running if s not in seqs]  # part-way through their prompt
+        continuing = set(seqs)
+        prompts = [s for s in scheduler.running if s not in continuing]  # part-way through
         if not seqs or budget < 0 or not all(_joins_continued_steps(s) for s in prompts):
             return None
         changed = len(seqs) < len(previous.sequences) or bool(prompts)
@@ -440,7 +441,7 @@ class LLMEngine:
         spans = [(s, s.num_computed, s.num_tokens - 1 + rows_before + rows_next) for s in seqs]
         if not self.kv.grow_all(spans):
             return None
-        chunks = scheduler.continue_prompts(seqs, budget) if prompts else []
+        chunks = scheduler.continue_prompts(continuing, budget) if prompts else []
         if chunks is None:
             return None
         budget -= sum(chunk.num_query for chunk in chunks)

@@ -100,7 +100,7 @@ class Scheduler:
         return chunks + self.admit(budget)
 
     def continue_prompts(
-        self, on_device: list[Sequence], budget: int
+        self, on_device: set[Sequence], budget: int
     ) -> list[ScheduledChunk] | None:
         """The next chunks, within `budget`, of the running sequences not in `on_device` (prompts
         part-way through), their pages grown: a step continued on the device takes them beside
