@@ -175,7 +175,7 @@ class LLMEngine:
         self._rng = random.Random(args.seed)
         self._arrivals = 0
         self.stats = EngineStats(spec_accepted_per_position=[0] * k)
-        self._inflight: StepHandle | None = None  # a launched decode step not read yet
+        self._inflight: StepHandle | None = None  # a continued step not read yet
         self.num_continued_steps = 0  # steps queued before the step before them was read
         self.output_processor = OutputProcessor(self.tokenizer) if args.detokenize else None
 
