@@ -26,15 +26,13 @@ def ckpt(request, tiny_checkpoints):
 
 
 def gpu_llm(target, draft=None, **kw) -> LLM:
+    settings = dict(max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory=256 * 2**20) | kw
     return LLM(
         str(target),
         draft=str(draft) if draft else None,
         device="cuda",
         dtype="bfloat16",
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        kv_cache_memory=256 * 2**20,
-        **kw,
+        **settings,
     )
 
 
@@ -216,6 +214,45 @@ def test_async_scheduling_equals_sync(ckpt):
         assert a == b, f"draft={draft is not None} forced={forced}"
         assert on.engine.num_continued_steps >= 5 and off.engine.num_continued_steps == 0
         assert on.engine.kv_pool_free() == free0
+
+
+def test_async_scheduling_equals_sync_through_arrivals_and_prompt_chunks(ckpt):
+    """Continued steps that drop finished sequences, take in waiting requests and carry prompts'
+    next chunks (mixed steps whose key lengths are on the device only) emit what the sync engine
+    emits. Three sequences at most and a 64-token budget: later requests wait, prompts come in
+    chunks."""
+    variant, target, assistant = ckpt
+    prompts = [prompt_of(n, seed=100 + n) for n in (90, 7, 150, 33, 120, 61)]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+        for m in (12, 30, 9, 25, 17, 21)
+    ]
+    kw = dict(
+        num_draft_tokens=3,
+        forced_acceptance=4.0,
+        adaptive_draft_length=False,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+    )
+    on, off = (
+        gpu_llm(target, assistant, **kw),
+        gpu_llm(target, assistant, async_scheduling=False, **kw),
+    )
+    free0 = on.engine.kv_pool_free()
+    continued_prompts = []
+    launch_continued = on.engine.runner.launch_continued
+
+    def counted(previous, pages, keep=None, prompt_chunks=()):
+        continued_prompts.extend(chunk.samples for chunk in prompt_chunks)
+        return launch_continued(previous, pages, keep, prompt_chunks)
+
+    on.engine.runner.launch_continued = counted
+    a = [o.outputs[0].token_ids for o in on.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in off.generate(prompts, params)]
+    assert a == b
+    # both a prompt's middle chunk and a prompt's last chunk went on on the device
+    assert False in continued_prompts and True in continued_prompts
+    assert on.engine.kv_pool_free() == free0
 
 
 def test_async_scheduling_equals_sync_under_a_grammar(ckpt):
