@@ -714,6 +714,35 @@ def test_async_scheduling_changes_no_output(tiny_checkpoints, which):
         assert on.snapshot().spec_num_steps > 0
 
 
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_async_scheduling_through_preemptions_changes_no_output(tiny_checkpoints, variant):
+    """Continued steps that take in arrivals and prompt chunks beside preemptions (a tight arena,
+    admission without the output reservation): the synchronous engine's tokens, every page back.
+    Real MTP, not forced acceptance, whose tokens depend on where the steps fall."""
+    args = EngineArgs(
+        model=str(tiny_checkpoints.get(variant)),
+        draft=str(tiny_checkpoints.get_assistant(variant)),
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=K,
+        kv_cache_tokens=384,
+        page_size=4,
+        max_num_batched_tokens=40,
+        max_num_seqs=8,
+        max_model_len=256,
+    )
+    on = LLMEngine(args)
+    off = LLMEngine(EngineArgs(**{**args.__dict__, "async_scheduling": False}))
+    for engine in (on, off):
+        engine.scheduler.expected_end = lambda seq: seq.num_tokens  # admits until it preempts
+    reqs = async_requests()
+    got, want = run_requests(on, reqs), run_requests(off, reqs)
+    assert on.scheduler.num_preemptions > 0 and on.num_continued_steps > got.steps // 2
+    for rid in reqs:
+        assert choices(got.final[rid]) == choices(want.final[rid]), rid
+    assert on.kv_pool_free() == all_free(on) and not on.scheduler.has_work()
+
+
 def test_text_made_one_step_late_outside_the_engine_changes_no_output(tiny_checkpoints):
     """The engine process's split: an engine that makes no text, and an `OutputProcessor` whose
     stop-string finishes reach the engine one step late (as over the sockets), give the in-process
