@@ -46,10 +46,10 @@ MAIN = dict(
 _ids = itertools.count()
 
 
-def engine_args(tiny_checkpoints, **kw) -> EngineArgs:
+def engine_args(tiny_checkpoints, variant: str = "dense", **kw) -> EngineArgs:
     return EngineArgs(
-        model=str(tiny_checkpoints.get("dense")),
-        draft=str(tiny_checkpoints.get_assistant("dense")),
+        model=str(tiny_checkpoints.get(variant)),
+        draft=str(tiny_checkpoints.get_assistant(variant)),
         device="cpu",
         dtype="float32",
         num_draft_tokens=K,
@@ -697,7 +697,7 @@ def test_async_scheduling_changes_no_output(tiny_checkpoints, which):
     if which == "plain":
         args.draft, args.num_draft_tokens = None, 0
     on = LLMEngine(args)
-    off = LLMEngine(EngineArgs(**{**args.__dict__, "async_scheduling": False}))
+    off = LLMEngine(dataclasses.replace(args, async_scheduling=False))
     reqs = async_requests()
     got, want = run_requests(on, reqs), run_requests(off, reqs)
     assert on.num_continued_steps > got.steps // 4, (
@@ -719,12 +719,9 @@ def test_async_scheduling_through_preemptions_changes_no_output(tiny_checkpoints
     """Continued steps that take in arrivals and prompt chunks beside preemptions (a tight arena,
     admission without the output reservation): the synchronous engine's tokens, every page back.
     Real MTP, not forced acceptance, whose tokens depend on where the steps fall."""
-    args = EngineArgs(
-        model=str(tiny_checkpoints.get(variant)),
-        draft=str(tiny_checkpoints.get_assistant(variant)),
-        device="cpu",
-        dtype="float32",
-        num_draft_tokens=K,
+    args = engine_args(
+        tiny_checkpoints,
+        variant,
         kv_cache_tokens=384,
         page_size=4,
         max_num_batched_tokens=40,
@@ -732,7 +729,7 @@ def test_async_scheduling_through_preemptions_changes_no_output(tiny_checkpoints
         max_model_len=256,
     )
     on = LLMEngine(args)
-    off = LLMEngine(EngineArgs(**{**args.__dict__, "async_scheduling": False}))
+    off = LLMEngine(dataclasses.replace(args, async_scheduling=False))
     for engine in (on, off):
         engine.scheduler.expected_end = lambda seq: seq.num_tokens  # admits until it preempts
     reqs = async_requests()
@@ -809,7 +806,7 @@ def test_steps_go_on_on_the_device_through_arrivals_and_finishes(tiny_checkpoint
     first step is scheduled on the host. Same tokens as the synchronous engine, every page back."""
     args = engine_args(tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4)
     reqs = {"first": (prompt_of(21, 71), greedy(30)), "second": (prompt_of(13, 72), greedy(50))}
-    want = run_requests(LLMEngine(EngineArgs(**{**args.__dict__, "async_scheduling": False})), reqs)
+    want = run_requests(LLMEngine(dataclasses.replace(args, async_scheduling=False)), reqs)
     engine = LLMEngine(args)
     scheduled = []
     launch = engine.runner.launch
@@ -838,7 +835,7 @@ def test_a_prompt_in_chunks_goes_on_on_the_device(tiny_checkpoints):
         tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4, max_num_batched_tokens=16
     )
     reqs = {"first": (prompt_of(9, 73), greedy(40)), "long": (prompt_of(45, 74), greedy(20))}
-    want = run_requests(LLMEngine(EngineArgs(**{**args.__dict__, "async_scheduling": False})), reqs)
+    want = run_requests(LLMEngine(dataclasses.replace(args, async_scheduling=False)), reqs)
     engine = LLMEngine(args)
     scheduled, chunked = [], []
     launch, launch_continued = engine.runner.launch, engine.runner.launch_continued

@@ -425,7 +425,8 @@ class LLMEngine:
         prompts = [s for s in scheduler.running if s not in continuing]  # part-way through
         if not seqs or budget < 0 or not all(_joins_continued_steps(s) for s in prompts):
             return None
-        changed = len(seqs) < len(previous.sequences) or bool(prompts)
+        dropped = len(seqs) < len(previous.sequences)
+        changed = dropped or bool(prompts)
         admits = scheduler.would_admit(budget)  # an upper bound: the prompts' chunks come first
         if admits and not _joins_continued_steps(scheduler.waiting[0]):
             return None  # the scheduled step admits it
@@ -453,7 +454,7 @@ class LLMEngine:
         handle = self.runner.launch_continued(
             previous,
             [s.pages for s in seqs] + [chunk.seq.pages for chunk in chunks],
-            keep if len(seqs) < len(previous.sequences) else None,
+            keep if dropped else None,
             chunks,
         )
         for chunk in chunks:
