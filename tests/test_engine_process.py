@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -73,8 +74,8 @@ def test_sampling_params_cross_the_boundary_whole():
     ]
     assert not unset, f"set these fields off their defaults in this test: {unset}"
     codec = Codec()
-    message = codec.requests.decode(codec.encode(AddRequest("r", [2, 7], params)))
-    assert message == AddRequest("r", [2, 7], params)
+    message = codec.requests.decode(codec.encode(AddRequest("r", [2, 7], params, 12.5)))
+    assert message == AddRequest("r", [2, 7], params, 12.5)
 
 
 # ---- the real server ----------------------------------------------------------------------------
@@ -193,6 +194,45 @@ def test_64_concurrent_greedy_streams_equal_the_in_process_engine(server, demo_m
                 want.outputs[0].stop_reason,
             )
     wait_for_free_pages(server, baseline)
+
+
+def test_queue_time_and_ttft_count_the_wait_before_the_engine_takes_a_request(server):
+    """A request sent while the engine is busy (here: stopped for a second) counts that wait in
+    its queue time, TTFT and latency: the server stamps its arrival, not the engine on taking it
+    between steps (which can be a whole step later)."""
+    names = ("request_queue_time_seconds", "time_to_first_token_seconds")
+
+    def sample(name: str) -> float:  # a histogram has no samples before its first request
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        try:
+            return metric(text, f"gemma4serve:{name}")
+        except KeyError:
+            return 0.0
+
+    def sums() -> list[float]:
+        return [sample(f"{name}_sum") for name in names]
+
+    def count() -> float:
+        return sample("e2e_request_latency_seconds_count")
+
+    before, count_before = sums(), count()
+    pid = engine_pid(server)
+    body = {"model": MODEL, "prompt": [2, 40, 41], "max_tokens": 4}
+    with ThreadPoolExecutor(1) as pool:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            url = server.url + "/v1/completions"
+            response = pool.submit(httpx.post, url, json=body, timeout=60)
+            time.sleep(1.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert response.result().status_code == 200
+    deadline = time.monotonic() + 10
+    while count() == count_before:
+        assert time.monotonic() < deadline, "the finished request was not counted"
+        time.sleep(0.05)
+    waited = [after - b for after, b in zip(sums(), before)]
+    assert min(waited) > 0.5, dict(zip(names, waited))
 
 
 def test_a_slow_client_does_not_stall_other_streams(server):

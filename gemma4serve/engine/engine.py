@@ -215,8 +215,16 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams) -> None:
-        """Queue a request; raises RequestError (a ValueError) when it cannot be served."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int] | str,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises RequestError (a ValueError) when it cannot be served.
+        `arrival_time`: its `time.monotonic()` on arrival (default: now); queue time, TTFT and
+        latency count from it."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -263,7 +271,8 @@ class LLMEngine:
                 grammar=grammars[i],
             )
             choices.append(Choice(seq))
-        metrics = RequestMetrics(arrival_time=time.monotonic())
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        metrics = RequestMetrics(arrival_time=arrival)
         self.requests[request_id] = Request(request_id, params, choices, metrics)
         self.stats.prompt_tokens += len(prompt)
         for choice in choices:

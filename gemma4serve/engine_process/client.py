@@ -185,7 +185,7 @@ class EngineProcessClient:
         prompt_token_ids = list(prompt_token_ids)
         queue = self._queues[request_id] = asyncio.Queue()
         self._outputs.add_request(request_id, prompt_token_ids, params)
-        self._send(AddRequest(request_id, prompt_token_ids, params))
+        self._send(AddRequest(request_id, prompt_token_ids, params, time.monotonic()))
         finished = False
         try:
             while True:

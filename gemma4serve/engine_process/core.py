@@ -126,7 +126,10 @@ class EngineCore:
             if isinstance(message, AddRequest):
                 try:
                     self.engine.add_request(
-                        message.request_id, message.prompt_token_ids, message.params
+                        message.request_id,
+                        message.prompt_token_ids,
+                        message.params,
+                        message.arrival_time,
                     )
                 except RequestError as e:
                     failure = RequestFailure(message.request_id, str(e), True, e.param, e.code)

@@ -22,6 +22,9 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # time.monotonic() (system-wide) when the server sent it: the engine takes requests between
+    # steps, so one may wait a whole step first, and its queue time and TTFT must count that wait.
+    arrival_time: float
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
