@@ -1,8 +1,8 @@
 """The engine in its own process, behind the real server.
 
 `python -m gemma4serve.cli` serves the tiny demo Gemma 4 with its MTP assistant on CPU: outputs
-equal the in-process engine's, many streams and a slow client, a killed engine process, SIGTERM, a
-start-up error; and the request message's codec."""
+equal the in-process engine's, many streams and a slow client, request times stamped by the server,
+a killed engine process, SIGTERM, a start-up error; and the request message's codec."""
 
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def test_queue_time_and_ttft_count_the_wait_before_the_engine_takes_a_request(se
     def count() -> float:
         return sample("e2e_request_latency_seconds_count")
 
-    before, count_before = sums(), count()
+    before, count_before, baseline = sums(), count(), free_pages(server)
     pid = engine_pid(server)
     body = {"model": MODEL, "prompt": [2, 40, 41], "max_tokens": 4}
     with ThreadPoolExecutor(1) as pool:
@@ -233,6 +233,7 @@ def test_queue_time_and_ttft_count_the_wait_before_the_engine_takes_a_request(se
         time.sleep(0.05)
     waited = [after - b for after, b in zip(sums(), before)]
     assert min(waited) > 0.5, dict(zip(names, waited))
+    wait_for_free_pages(server, baseline)
 
 
 def test_a_slow_client_does_not_stall_other_streams(server):
