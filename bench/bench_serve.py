@@ -8,7 +8,8 @@ Random-token prompts of exactly --input-len tokens (drawn from the model's vocab
 instead (capped by the concurrency). Per level: output tokens/s, TTFT, TPOT (per request, after
 the first token), ITL (the gap between two deliveries of a request, spread over the tokens
 delivered together: with MTP several tokens land at once), from the server's counters the mean
-accepted length, the preemptions and the share of prompt tokens the prefix cache served (0 for
+queue time (arrival to first scheduled: the part of TTFT spent waiting), the mean accepted length,
+the preemptions and the share of prompt tokens the prefix cache served (0 for
 these random prompts: the warm-up requests have prompts of their own), and the decode-step
 bandwidth roofline next to the TPOT (the bytes one step must read over the bandwidth,
 docs/architecture.md; computed from the configs as bench/bench_offline.py does, so it needs
@@ -172,6 +173,8 @@ COUNTERS = (  # read from /metrics before and after each level
     "spec_decode_num_accepted_tokens",
     "num_preemptions",
     "prefix_cache_hits",  # prompt tokens served from the prefix cache
+    "request_queue_time_seconds_sum",  # arrival to first scheduled, summed over finished requests
+    "request_queue_time_seconds_count",
 )
 
 
@@ -221,6 +224,7 @@ def summarize(
     itl = [x for r in done for x in r.itls()]
     steps = counters["spec_decode_num_drafts"]
     accepted = counters["spec_decode_num_accepted_tokens"]
+    queued, num_queued = (counters[f"request_queue_time_seconds_{s}"] for s in ("sum", "count"))
     summary = {
         "concurrency": concurrency,
         "completed": len(done),
@@ -230,6 +234,7 @@ def summarize(
         "output_tokens": sum(r.output_tokens for r in done),
         "output_throughput": sum(r.output_tokens for r in done) / elapsed,
         "mean_accepted_length": 1 + accepted / steps if steps else None,
+        "mean_queue_ms": 1e3 * queued / num_queued if num_queued else None,
         "preemptions": int(counters["num_preemptions"]),
         "prefix_cache_hit_tokens": int(counters["prefix_cache_hits"]),
         "prompt_tokens": prompt_tokens,
@@ -311,7 +316,7 @@ def num_draft_tokens(args) -> int:
 
 
 COLUMNS = ("conc", "reqs", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean",
-           "TPOT p50", "TPOT p99", "ITL mean", "ITL p50", "ITL p99", "acc len", "preempt",
+           "TPOT p50", "TPOT p99", "ITL mean", "ITL p50", "ITL p99", "queue", "acc len", "preempt",
            "cached %", "roof TPOT", "% roof")  # fmt: skip
 WIDTHS = [max(len(c), 7) for c in COLUMNS]
 
@@ -323,7 +328,7 @@ def table_row(summary: dict, roof_tpot_ms: float | None) -> str:
     row += [summary[f"{stat}_{name}_ms"] for name in ("ttft", "tpot", "itl")
             for stat in ("mean", "p50", "p99")]  # fmt: skip
     cached = 100 * summary["prefix_cache_hit_tokens"] / max(1, summary["prompt_tokens"])
-    row += [acc, summary["preemptions"], cached, roof_tpot_ms, percent]
+    row += [summary["mean_queue_ms"], acc, summary["preemptions"], cached, roof_tpot_ms, percent]
     cells = ["-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v) for v in row]
     return "  ".join(cell.rjust(width) for cell, width in zip(cells, WIDTHS))
 
@@ -361,7 +366,8 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
     print(
         f"\ninput {args.input_len} tokens, output {args.output_len} tokens (ignore_eos, "
         f"temperature {args.temperature}), request rate {args.request_rate}; times in ms; "
-        "acc len = tokens per verify step incl. bonus, preempt = preemptions, cached % = prompt "
+        "queue = mean arrival to first scheduled, acc len = tokens per verify step incl. bonus, "
+        "preempt = preemptions, cached % = prompt "
         "tokens served by the prefix cache (server metrics); "
         "roof TPOT = roofline step time / acc len"
     )

@@ -124,6 +124,7 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         # Forced acceptance of 3.1 tokens per verify step, read from the server's counters.
         assert 2.0 < level["mean_accepted_length"] <= 4.0
         assert level["preemptions"] == 0
+        assert 0 <= level["mean_queue_ms"] <= level["p99_ttft_ms"]  # from the server's histogram
         assert level["prompt_tokens"] == 3 * 60 and level["prefix_cache_hit_tokens"] == 0
         assert level["roofline_tpot_ms"] > 0
         # Overlapping the prompts' GEMMs with the decode steps can only beat running them in turn.
