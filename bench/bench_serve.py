@@ -224,7 +224,8 @@ def summarize(
     itl = [x for r in done for x in r.itls()]
     steps = counters["spec_decode_num_drafts"]
     accepted = counters["spec_decode_num_accepted_tokens"]
-    queued, num_queued = (counters[f"request_queue_time_seconds_{s}"] for s in ("sum", "count"))
+    queued = counters["request_queue_time_seconds_sum"]
+    num_queued = counters["request_queue_time_seconds_count"]
     summary = {
         "concurrency": concurrency,
         "completed": len(done),
