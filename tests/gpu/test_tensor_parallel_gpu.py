@@ -42,10 +42,8 @@ def run_two_gpus(target: str, draft: str, prompts: list[list[int]], log: str) ->
     """TP=2 with MTP in this process: each params' tokens, and whether graphs and continued steps
     ran. Called in a fresh process per engine (one tensor-parallel group per process, as a
     server has)."""
-    # A fixed k: the adaptive draft length's rates carry over from one generate to the next, so
-    # the second seeded run could verify other row counts than the first and round a near-boundary
-    # sample differently in bf16 (test_engine_gpu.py's rule); tests/test_tensor_parallel.py
-    # covers the ranks following a shorter draft length.
+    # A fixed k: adaptive rates carry over between generates, so a seeded rerun could verify
+    # other row counts and round a bf16 sample differently (test_engine_gpu.py's rule).
     two = gpu_llm(
         target,
         draft,
