@@ -171,12 +171,13 @@ def on_two_ranks(fn, timeout: float = 150) -> list:
 
 def _fused_all_reduce_norm_checks(rank: int, port: int) -> list[float]:
     """The fused kernel against NCCL's all-reduce, then the norm kernel, at decode to verify row
-    counts: eagerly back to back, in a chain of 200 calls, and replayed in a CUDA graph."""
+    counts: eagerly back to back, in a chain of 200 calls, after a GEMV that sent its rows
+    itself, and replayed in a CUDA graph."""
     import torch.distributed as dist
 
     from gemma4serve.parallel.group import FusedAllReduceNorm
     from gemma4serve.parallel.workers import init_group
-    from gemma4serve_kernels import rmsnorm_residual_add
+    from gemma4serve_kernels import gemv, rmsnorm_residual_add
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -219,19 +220,35 @@ def _fused_all_reduce_norm_checks(rank: int, port: int) -> list[float]:
         want, _ = reference(want, h, None, None)
     assert torch.equal(y, want)
     sums.append(y.float().sum().item())
+    # A row-parallel GEMV that sends its rows itself (one K split, and the split-K path), then
+    # the all-reduce told so; the GEMV stores what it would without sending.
+    w_row = rand(own, hidden, 1024, scale=0.05)
+    for rows, config in ((1, None), (4, (32, 256, 2, 3, 2)), (16, None)):
+        x, a = rand(shared, rows, hidden, scale=4), rand(own, rows, 1024)
+        h = gemv(a, w_row, config=config, push=fused.peers)
+        y, _ = fused(x, h, w, eps, None, None, pushed=True)
+        assert torch.equal(y, reference(x, h, None, None)[0])
+        assert torch.equal(h, gemv(a, w_row, config=config))
+        sums.append(y.float().sum().item())
     static_x, static_h = rand(shared, 5, hidden), rand(own, 5, hidden)
+    static_a = rand(own, 5, 1024)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # two calls: both buffer parities on every replay
+    with torch.cuda.graph(graph):  # three calls: both buffer parities on every replay
         y1, z1 = fused(static_x, static_h, w, eps, None, w2)
         y2, _ = fused(y1, static_h, w, eps, scalar, None)
+        h3 = gemv(static_a, w_row, push=fused.peers)
+        y3, _ = fused(y2, h3, w, eps, None, None, pushed=True)
     for _ in range(20):
         static_x.copy_(rand(shared, 5, hidden, scale=4))
         static_h.copy_(rand(own, 5, hidden, scale=9))
+        static_a.copy_(rand(own, 5, 1024))
         graph.replay()
         ry1, rz1 = reference(static_x, static_h, None, w2)
         ry2, _ = reference(ry1, static_h, scalar, None)
+        ry3, _ = reference(ry2, h3, None, None)
         assert torch.equal(y1, ry1) and torch.equal(z1, rz1) and torch.equal(y2, ry2)
-        sums.append(y2.float().sum().item())
+        assert torch.equal(y3, ry3)
+        sums.append(y3.float().sum().item())
     del graph
     dist.destroy_process_group()
     return sums
