@@ -159,6 +159,56 @@ def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path):
     assert proposed and all(len(drafts) == 2 for drafts in proposed)
 
 
+def test_two_ranks_continue_steps_through_finishes_arrivals_and_prompt_chunks(
+    tiny_checkpoints, tmp_path
+):
+    """Steps continued on the device that drop the sequences which ended, take in waiting
+    requests and carry prompts' chunks run on both ranks (rank 0 sends what changed; each rank
+    rebuilds the step from it): greedy and seeded sampling equal one device without MTP, and the
+    ranks agree at every step. Three sequences at most and a 24-token budget: requests wait,
+    long prompts come in chunks."""
+    target, assistant = tiny_checkpoints.get("dense"), tiny_checkpoints.get_assistant("dense")
+    prompts = [*PROMPTS, [2, *range(90, 120)], [2, 8, 4, 6], [2, *range(130, 147)]]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 17, 9)
+    ] + [
+        SamplingParams(max_tokens=m, temperature=1.0, seed=m, ignore_eos=True) for m in (12, 5, 14)
+    ]
+    limits = dict(max_num_seqs=3, max_num_batched_tokens=24)
+
+    def run(llm: LLM) -> list[list[int]]:
+        try:
+            return token_ids(llm.generate(prompts, params))
+        finally:
+            llm.engine.shutdown()
+
+    expected = run(LLM(str(target), device="cpu", **limits))
+    log = tmp_path / "steps"
+    llm = LLM(
+        str(target),
+        draft=str(assistant),
+        device="cpu",
+        tensor_parallel_size=2,
+        num_draft_tokens=3,
+        tensor_parallel_step_log=str(log),
+        **limits,
+    )
+    changed = []
+    launch_continued = llm.engine.runner.launch_continued
+
+    def continued(previous, pages, keep=None, prompt_chunks=()):
+        changed.append((keep is not None, [chunk.samples for chunk in prompt_chunks]))
+        return launch_continued(previous, pages, keep, prompt_chunks)
+
+    llm.engine.runner.launch_continued = continued
+    assert run(llm) == expected
+    assert any(dropped for dropped, _ in changed)  # a continued step dropped ended sequences
+    chunks = [samples for _, step in changed for samples in step]
+    assert True in chunks and False in chunks  # prompts' last and middle chunks went on
+    rank0, rank1 = read_steps(log / "rank0.jsonl"), read_steps(log / "rank1.jsonl")
+    assert len(rank0) > 10 and rank0 == rank1
+
+
 def test_kv_heads_and_widths_split_per_rank(tiny_checkpoints):
     cfg = load_config(tiny_checkpoints.get("moe"))
     shard = shard_text_config(cfg, 2)
