@@ -32,9 +32,16 @@ CONSTRAINED = SamplingParams(
     seed=3,
     structured_outputs=StructuredOutputsParams(json_object=True),
 )
+# More requests than the engine's 8 sequences, ending at different steps: continued steps drop
+# the ended sequences and take in the waiting ones.
+STAGGERED = [
+    SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(12)
+]
 
 
-def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def tokens(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
@@ -54,9 +61,20 @@ def run_two_gpus(target: str, draft: str, prompts: list[list[int]], log: str) ->
         adaptive_draft_length=False,
         tensor_parallel_step_log=log,
     )
+    changed = []
+    launch_continued = two.engine.runner.launch_continued
+
+    def continued(previous, pages, keep=None, prompt_chunks=()):
+        changed.append(keep is not None or bool(prompt_chunks))
+        return launch_continued(previous, pages, keep, prompt_chunks)
+
+    two.engine.runner.launch_continued = continued
     try:
+        staggered = tokens(two, prompts * 3, STAGGERED)
         return {
             "graphs": two.engine.runner.graphs is not None,
+            "staggered": staggered,
+            "changed": sum(changed),
             "greedy": tokens(two, prompts, GREEDY),
             "sampled": [tokens(two, prompts, SAMPLED) for _ in range(2)],
             "constrained": tokens(two, prompts, CONSTRAINED),
@@ -108,12 +126,15 @@ def in_fresh_process(fn, *args, timeout: float = 300):
 
 @pytest.mark.parametrize("variant", ["dense", "moe", "ple"])
 def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
-    """Greedy TP=2 with MTP equals TP=1 without it up to near-ties; the ranks agree exactly on
-    every step's tokens and drafts, greedy, sampled and constrained, with graphs replayed."""
+    """Greedy TP=2 with MTP equals TP=1 without it up to near-ties, also where continued steps
+    drop and take in sequences; the ranks agree exactly on every step's tokens and drafts,
+    greedy, sampled and constrained, with graphs replayed."""
     target = tiny_checkpoints.get(variant)
     draft = tiny_checkpoints.get_assistant(variant)
     prompts = [prompt_of(n, seed=n) for n in (5, 17, 40, 3)]
-    want = tokens(gpu_llm(target), prompts, GREEDY)
+    one = gpu_llm(target)
+    want = tokens(one, prompts, GREEDY)
+    want_staggered = tokens(one, prompts * 3, STAGGERED)
     log = tmp_path / "steps"
     two = in_fresh_process(run_two_gpus, str(target), str(draft), prompts, str(log), timeout=180)
     assert two["graphs"]  # rank 0 replays graphs under TP
@@ -122,6 +143,9 @@ def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
     judge = load_hf_target(target, dtype=torch.float32, device="cuda")
     noisy = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
     for got, expected, prompt in zip(two["greedy"], want, prompts):
+        assert_same_or_near_tie(got, expected, prompt, judge, noisy)
+    assert two["changed"] > 0  # continued steps dropped and took in sequences on both ranks
+    for got, expected, prompt in zip(two["staggered"], want_staggered, prompts * 3):
         assert_same_or_near_tie(got, expected, prompt, judge, noisy)
     rank0 = [json.loads(line) for line in (log / "rank0.jsonl").read_text().splitlines()]
     rank1 = [json.loads(line) for line in (log / "rank1.jsonl").read_text().splitlines()]
