@@ -393,23 +393,25 @@ class ModelRunner:
         self,
         previous: StepHandle,
         pages: list[SeqPages],
+        draft_len: int,
         keep: list[int] | None = None,
         prompt_chunks: list[ScheduledChunk] = (),
     ) -> StepHandle:
         """Queue the verify step after `previous` for the sequences that sampled in it, from its
         device outputs: all of them, or those at `keep` (the others ended in the step before
-        it), beside `prompt_chunks` (prompts' next or first chunks, laid out on the host).
+        it), beside `prompt_chunks` (prompts' next or first chunks, laid out on the host). It
+        proposes `draft_len` drafts and verifies as many of `previous`'s as it proposes.
         `pages`, in that order, must already map every position the step can write. With `keep`
         or `prompt_chunks`, no sequence needs the host between steps and there are no
         tensor-parallel workers (`can_change_continued`)."""
         tables = page_tables(pages)
         if self.followers is not None:
             assert keep is None and not prompt_chunks
-            self.followers.send(ContinuedPlan(tables))
+            self.followers.send(ContinuedPlan(tables, draft_len))
         # A grammar's mask needs `previous` committed on the host: its sampling is queued later.
         sample = not previous.inputs.sampling.constrained
         handle = self.run_continued(
-            previous, tables, sample=sample, keep=keep, prompt_chunks=prompt_chunks
+            previous, tables, draft_len, sample=sample, keep=keep, prompt_chunks=prompt_chunks
         )
         if self.followers is not None and sample:
             self.followers.launched(handle)
@@ -434,6 +436,7 @@ class ModelRunner:
         self,
         previous: StepHandle,
         tables: dict[str, torch.Tensor],
+        draft_len: int,
         *,
         sample: bool = True,
         keep: list[int] | None = None,
@@ -441,11 +444,12 @@ class ModelRunner:
     ) -> StepHandle:
         """`sample` False: stop after the forward (`sample_continued` queues the rest). A
         tensor-parallel worker samples at once: it waits on its pipe for rank 0's bitmask."""
-        batch, inputs = self._continued_inputs(previous, tables, keep, prompt_chunks)
+        verify = min(previous.draft_len, draft_len)
+        batch, inputs = self._continued_inputs(previous, tables, verify, keep, prompt_chunks)
         return self._run(
             batch,
             inputs,
-            draft_len=previous.draft_len,
+            draft_len=draft_len,
             continuable=True,
             sample=sample,
         )
@@ -756,18 +760,20 @@ class ModelRunner:
         self,
         previous: StepHandle,
         tables: dict[str, torch.Tensor],
+        verify: int,
         keep: list[int] | None = None,
         prompt_chunks: list[ScheduledChunk] = (),
     ) -> tuple[TargetBatch, SamplingInputs]:
-        """Each sequence's newest token and next drafts, at the positions after its outputs (the
-        sequences at `keep`, or all), then the prompt chunks' rows."""
+        """Each sequence's newest token and the first `verify` of its next drafts, at the
+        positions after its outputs (the sequences at `keep`, or all), then the prompt chunks'
+        rows."""
         assert previous.pending is None, "a step is continued after its sampling is queued"
         outputs, device = previous.outputs, self.state.device
-        Q = previous.draft_len + 1
+        Q = verify + 1
         P = previous.inputs.first_position + outputs.num_emitted  # position of each newest token
         if previous.draft_len:
             newest = outputs.tokens.gather(1, (outputs.num_emitted - 1)[:, None])
-            token_ids = torch.cat([newest, outputs.next_drafts], dim=1)
+            token_ids = torch.cat([newest, outputs.next_drafts[:, :verify]], dim=1)
             positions = P[:, None] + self._continuation(P.shape[0], Q).offsets
         else:
             # One token a step, the newest (it may be the last replay's graph output: it is copied

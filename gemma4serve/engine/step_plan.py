@@ -63,6 +63,7 @@ class ContinuedPlan:
     """The decode step after the previous one, built on each rank from its own outputs."""
 
     page_tables: dict[str, torch.Tensor]
+    draft_len: int  # drafts it proposes (it verifies as many of the previous step's)
 
 
 @dataclass
