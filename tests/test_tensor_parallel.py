@@ -141,16 +141,18 @@ def test_four_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, varia
     assert len(ranks[0]) > 5 and all(steps == ranks[0] for steps in ranks[1:])
 
 
-def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("probe_every", [64, 3])
+def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path, probe_every):
     """The adaptive draft length's shorter choice (2 of 3 drafts) runs on both ranks: the step plans
     carry it, the ranks propose the same 2 drafts a sequence, and greedy output still equals one
-    device without MTP."""
+    device without MTP. With a probe of the full length every third step, the length switches
+    back and forth in steps continued on the device, and the ranks follow."""
     (expected,), _ = generate(tiny_checkpoints.get("dense"), None, [GREEDY])
     log = tmp_path / "steps"
     llm = dense_on_two_ranks(tiny_checkpoints, log)
     try:  # two drafts pay far more than three at every batch size
         llm.engine.draft_length = DraftLength(
-            3, {8: StepCost(1.0, {2: 0.5, 3: 5.0}, {2: 0.1, 3: 0.1})}
+            3, {8: StepCost(1.0, {2: 0.5, 3: 5.0}, {2: 0.1, 3: 0.1})}, probe_every=probe_every
         )
         got = token_ids(llm.generate(PROMPTS, GREEDY))
     finally:
@@ -161,7 +163,10 @@ def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path):
     proposed = [
         drafts for step in rank0 if step and step["next_drafts"] for drafts in step["next_drafts"]
     ]
-    assert proposed and all(len(drafts) == 2 for drafts in proposed)
+    lengths = {len(drafts) for drafts in proposed}
+    assert lengths == ({2} if probe_every == 64 else {2, 3})
+    if probe_every != 64:
+        assert llm.engine.num_continued_steps > 5
 
 
 def test_two_ranks_continue_steps_through_finishes_arrivals_and_prompt_chunks(

@@ -418,12 +418,14 @@ class ModelRunner:
         self,
         previous: StepHandle,
         pages: list[SeqPages],
+        draft_len: int,
         keep: list[int] | None = None,
         prompt_chunks: list[ScheduledChunk] = (),
     ) -> StepHandle:
         """Queue the verify step after `previous` for the sequences that sampled in it, from its
         device outputs: all of them, or those at `keep` (the others ended in the step before
-        it), beside `prompt_chunks` (prompts' next or first chunks, laid out on the host).
+        it), beside `prompt_chunks` (prompts' next or first chunks, laid out on the host). It
+        proposes `draft_len` drafts and verifies as many of `previous`'s as it proposes.
         `pages`, in that order, must already map every position the step can write. With `keep`
         or `prompt_chunks`, no sequence needs the host between steps (`can_change_continued`)."""
         tables = page_tables(pages)
@@ -431,12 +433,17 @@ class ModelRunner:
         if keep is not None or prompt_chunks:
             changes = continued_changes(previous.inputs.sequences, keep, prompt_chunks)
         if self.followers is not None:
-            self.followers.send(ContinuedPlan(tables, changes))
+            self.followers.send(ContinuedPlan(tables, draft_len, changes))
         # A grammar's mask needs `previous` committed on the host: its sampling is queued later.
         sample = not previous.inputs.sampling.constrained
         new_sequences = [chunk.seq for chunk in prompt_chunks if chunk.samples]
         handle = self.run_continued(
-            previous, tables, sample=sample, changes=changes, new_sequences=new_sequences
+            previous,
+            tables,
+            draft_len,
+            sample=sample,
+            changes=changes,
+            new_sequences=new_sequences,
         )
         if self.followers is not None and sample:
             self.followers.launched(handle)
@@ -459,6 +466,7 @@ class ModelRunner:
         self,
         previous: StepHandle,
         tables: dict[str, torch.Tensor],
+        draft_len: int,
         *,
         sample: bool = True,
         changes: ContinuedChanges | None = None,
@@ -467,11 +475,12 @@ class ModelRunner:
         """`sample` False: stop after the forward (`sample_continued` queues the rest). A
         tensor-parallel worker samples at once: it waits on its pipe for rank 0's bitmask.
         `new_sequences`: the sequences of `changes`' sampling prompt chunks (None on a worker)."""
-        batch, inputs = self._continued_inputs(previous, tables, changes, new_sequences)
+        verify = min(previous.draft_len, draft_len)
+        batch, inputs = self._continued_inputs(previous, tables, verify, changes, new_sequences)
         return self._run(
             batch,
             inputs,
-            draft_len=previous.draft_len,
+            draft_len=draft_len,
             continuable=True,
             sample=sample,
         )
@@ -782,18 +791,20 @@ class ModelRunner:
         self,
         previous: StepHandle,
         tables: dict[str, torch.Tensor],
+        verify: int,
         changes: ContinuedChanges | None,
         new_sequences: list[Sequence] | None,
     ) -> tuple[TargetBatch, SamplingInputs]:
-        """Each sequence's newest token and next drafts, at the positions after its outputs (all
-        sequences, or those `changes` keeps), then the rows of `changes`' prompt chunks."""
+        """Each sequence's newest token and the first `verify` of its next drafts, at the
+        positions after its outputs (all sequences, or those `changes` keeps), then the rows of
+        `changes`' prompt chunks."""
         assert previous.pending is None, "a step is continued after its sampling is queued"
         outputs, device = previous.outputs, self.state.device
-        Q = previous.draft_len + 1
+        Q = verify + 1
         P = previous.inputs.first_position + outputs.num_emitted  # position of each newest token
         if previous.draft_len:
             newest = outputs.tokens.gather(1, (outputs.num_emitted - 1)[:, None])
-            token_ids = torch.cat([newest, outputs.next_drafts], dim=1)
+            token_ids = torch.cat([newest, outputs.next_drafts[:, :verify]], dim=1)
             positions = P[:, None] + self._continuation(P.shape[0], Q).offsets
         else:
             # One token a step, the newest (it may be the last replay's graph output: it is copied

@@ -80,6 +80,7 @@ class ContinuedPlan:
     outputs (and `changes`, where the batch changed)."""
 
     page_tables: dict[str, torch.Tensor]
+    draft_len: int  # drafts it proposes (it verifies as many of the previous step's)
     changes: ContinuedChanges | None = None
 
 
