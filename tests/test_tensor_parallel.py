@@ -197,9 +197,9 @@ def test_two_ranks_continue_steps_through_finishes_arrivals_and_prompt_chunks(
     changed = []
     launch_continued = llm.engine.runner.launch_continued
 
-    def continued(previous, pages, keep=None, prompt_chunks=()):
+    def continued(previous, pages, draft_len, keep=None, prompt_chunks=()):
         changed.append((keep is not None, [chunk.samples for chunk in prompt_chunks]))
-        return launch_continued(previous, pages, keep, prompt_chunks)
+        return launch_continued(previous, pages, draft_len, keep, prompt_chunks)
 
     llm.engine.runner.launch_continued = continued
     assert run(llm) == expected

@@ -64,9 +64,9 @@ def run_two_gpus(target: str, draft: str, prompts: list[list[int]], log: str) ->
     changed = []
     launch_continued = two.engine.runner.launch_continued
 
-    def continued(previous, pages, keep=None, prompt_chunks=()):
+    def continued(previous, pages, draft_len, keep=None, prompt_chunks=()):
         changed.append(keep is not None or bool(prompt_chunks))
-        return launch_continued(previous, pages, keep, prompt_chunks)
+        return launch_continued(previous, pages, draft_len, keep, prompt_chunks)
 
     two.engine.runner.launch_continued = continued
     try:
