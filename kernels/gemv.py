@@ -74,8 +74,10 @@ def _output_tile(acc, times_ptr, m, n, ok, stride_tm, DT: tl.constexpr, GELU_TIM
 
 
 @triton.jit
-def _push_tile(
+def _store_tile(
     y,
+    out,
+    ok,
     m,
     first_col,
     M,
@@ -83,27 +85,33 @@ def _push_tile(
     buffers_ptr,
     epoch_ptr,
     source_packets,
+    DT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    PUSH: tl.constexpr,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
 ):
-    """Send a finished output tile (bf16 values held in fp32, [BM, BN] from an even column) to
-    every peer as the next fused all-reduce's packets, laid out as that kernel sends them
-    (kernels/all_reduce_norm.py), so that it only waits for them."""
-    # The all-reduce before this one advanced it (every kernel before this one's predecessor has
-    # finished: `wait_for_producer`); read past L1, without an atomic per program.
-    epoch = tl.load(epoch_ptr, volatile=True)
-    bits = (y.to(tl.uint32, bitcast=True) >> 16).to(tl.int64)  # each value's bf16 bits
-    low, high = tl.split(tl.reshape(bits, [BM, BN // 2, 2]))
-    packets = (epoch << 32) | (high << 16) | low
-    pair = first_col // 2 + tl.arange(0, BN // 2)
-    ok = (m < M)[:, None] & (pair < N // 2)[None, :]
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
-            region = buffer + ((epoch & 1) * WORLD + RANK) * source_packets
-            tl.store(region + m[:, None] * (N // 2) + pair[None, :], packets, mask=ok)
+    """Store a finished output tile (fp32 sums [BM, BN] from an even column) as DT. PUSH also
+    sends it to every peer as the next fused all-reduce's packets, laid out as that kernel sends
+    them (kernels/all_reduce_norm.py), so that it only waits for them."""
+    if PUSH:
+        y = round_to(y, DT)  # the packets carry exactly the stored values
+    tl.store(out, y.to(DT), mask=ok)
+    if PUSH:
+        # The all-reduce before this one advanced it (every kernel before this one's predecessor
+        # has finished: `wait_for_producer`); read past L1, without an atomic per program.
+        epoch = tl.load(epoch_ptr, volatile=True)
+        bits = (y.to(tl.uint32, bitcast=True) >> 16).to(tl.int64)  # each value's bf16 bits
+        low, high = tl.split(tl.reshape(bits, [BM, BN // 2, 2]))
+        packets = (epoch << 32) | (high << 16) | low
+        pair = first_col // 2 + tl.arange(0, BN // 2)
+        pair_ok = (m < M)[:, None] & (pair < N // 2)[None, :]
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
+                region = buffer + ((epoch & 1) * WORLD + RANK) * source_packets
+                tl.store(region + m[:, None] * (N // 2) + pair[None, :], packets, mask=pair_ok)
 
 
 @triton.jit(do_not_specialize=["k_per_split", "flag_cols"])
@@ -149,7 +157,7 @@ def _gemv_kernel(
     tiles instead of on the producer kernel, and read x past L1 (its lines are written while this
     kernel runs).
     PUSH (a row-parallel projection under tensor parallelism, bf16): also send each finished tile
-    to the peers as the fused all-reduce's packets (`_push_tile`).
+    to the peers as the fused all-reduce's packets (`_store_tile`).
     """
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -224,24 +232,10 @@ def _gemv_kernel(
     out_ok = m_ok & (n < N)[None, :]
     if SPLIT == 1:
         y = _output_tile(acc, times_ptr, m, n, out_ok, stride_tm, DT, GELU_TIMES)
-        if PUSH:
-            y = round_to(y, DT)  # the packets carry exactly the stored values
-        tl.store(out, y.to(DT), mask=out_ok)
-        if PUSH:
-            _push_tile(
-                y,
-                m,
-                tile * BN,
-                M,
-                N,
-                push_buffers_ptr,
-                push_epoch_ptr,
-                push_source_packets,
-                BM,
-                BN,
-                RANK,
-                WORLD,
-            )
+        _store_tile(
+            y, out, out_ok, m, tile * BN, M, N, push_buffers_ptr, push_epoch_ptr,
+            push_source_packets, DT, BM, BN, PUSH, RANK, WORLD,
+        )  # fmt: skip
     else:
         # Split-K: each split leaves its fp32 partial [BM, BN]; the split that finishes last for
         # this tile sums them in split order (deterministic) and writes the output, so no second
@@ -259,25 +253,11 @@ def _gemv_kernel(
                     cache_modifier=".cg",
                 )
             y = _output_tile(total, times_ptr, m, n, out_ok, stride_tm, DT, GELU_TIMES)
-            if PUSH:
-                y = round_to(y, DT)
-            tl.store(out, y.to(DT), mask=out_ok)
+            _store_tile(
+                y, out, out_ok, m, tile * BN, M, N, push_buffers_ptr, push_epoch_ptr,
+                push_source_packets, DT, BM, BN, PUSH, RANK, WORLD,
+            )  # fmt: skip
             tl.store(count_ptr + tile, 0)  # re-armed for the next launch (and graph replay)
-            if PUSH:
-                _push_tile(
-                    y,
-                    m,
-                    tile * BN,
-                    M,
-                    N,
-                    push_buffers_ptr,
-                    push_epoch_ptr,
-                    push_source_packets,
-                    BM,
-                    BN,
-                    RANK,
-                    WORLD,
-                )
 
 
 _scratch: dict[torch.device, torch.Tensor] = {}

@@ -473,22 +473,28 @@ def test_rmsnorm_residual_add(dtype, with_scalar):
     )
 
 
+def rank_1_of_2(source_packets: int, epoch: int, programs: int):
+    """Both ranks' receive buffers (zeroed) and rank 1's PeerBuffers over them: the test plays
+    rank 0."""
+    buffers = [torch.zeros(4 * source_packets, dtype=torch.int64, device=DEV) for _ in range(2)]
+    peers = PeerBuffers(
+        rank=1,
+        world=2,
+        buffers=torch.tensor([b.data_ptr() for b in buffers], device=DEV),
+        epoch=torch.tensor([epoch, 0], device=DEV),
+        source_packets=source_packets,
+        max_programs=programs,
+    )
+    return buffers, peers
+
+
 @pytest.mark.parametrize("with_scalar,with_next", [(False, True), (True, False)])
 def test_all_reduce_residual_norm_as_one_rank_of_two(with_scalar, with_next):
     """Rank 1 of two, its peer played by a thread of the test: rank 0's packets land while the
     kernel waits, over zeros or a stale epoch's packets. Three calls (both buffer parities), more
     rows than programs."""
-    world, rank, programs, source_packets = 2, 1, 3, 7 * 24
-    buffers = [torch.zeros(2 * world * source_packets, dtype=torch.int64, device=DEV)]
-    buffers.append(torch.zeros_like(buffers[0]))
-    peers = PeerBuffers(
-        rank=rank,
-        world=world,
-        buffers=torch.tensor([b.data_ptr() for b in buffers], device=DEV),
-        epoch=torch.tensor([1, 0], device=DEV),
-        source_packets=source_packets,
-        max_programs=programs,
-    )
+    world, rank, source_packets = 2, 1, 7 * 24
+    buffers, peers = rank_1_of_2(source_packets, epoch=1, programs=3)
     generator = torch.Generator().manual_seed(4)
 
     def rand(*shape, scale=1.0):
@@ -528,16 +534,7 @@ def test_gemv_sends_its_rows_as_the_fused_all_reduces_packets(split):
     as the next fused all-reduce's packets (one K split, or two summed by the last); the
     all-reduce told so sends nothing itself and sums its rows with the peer's."""
     world, rank, source_packets, epoch = 2, 1, 4 * 24, 3
-    buffers = [torch.zeros(2 * world * source_packets, dtype=torch.int64, device=DEV)]
-    buffers.append(torch.zeros_like(buffers[0]))
-    peers = PeerBuffers(
-        rank=rank,
-        world=world,
-        buffers=torch.tensor([b.data_ptr() for b in buffers], device=DEV),
-        epoch=torch.tensor([epoch, 0], device=DEV),
-        source_packets=source_packets,
-        max_programs=2,
-    )
+    buffers, peers = rank_1_of_2(source_packets, epoch, programs=2)
     generator = torch.Generator().manual_seed(5)
 
     def rand(*shape, scale=1.0):
