@@ -678,13 +678,13 @@ def trace_launches(runner) -> None:
         """Lengths of the chunks that prefill (a whole-prompt cache hit computes one row)."""
         return [ch.length for ch in chunks if ch.length > 1 or not ch.samples]
 
-    def traced_continued(previous, pages, keep=None, prompt_chunks=()):
+    def traced_continued(previous, pages, draft_len, keep=None, prompt_chunks=()):
         prefill = prefill_lengths(prompt_chunks)
         if prefill:
             runner.last_launch = f"continued beside prefill chunks {prefill}"
         runner.queued_prefill_tokens += sum(prefill)
         kind = "continued with prompts" if prefill else "continued"
-        return recorded(kind, launch_continued, previous, pages, keep, prompt_chunks)
+        return recorded(kind, launch_continued, previous, pages, draft_len, keep, prompt_chunks)
 
     def traced(chunks, draft_len):
         prefill = prefill_lengths(chunks)

@@ -15,6 +15,11 @@ order, so their epochs agree without host input and CUDA graphs replay them. Buf
 by epoch parity: a rank reaches call e + 2 only after it received every peer's rows of call e + 1,
 which a peer sends only after its call e finished (its PDL wait), so no row is overwritten before
 it is read.
+
+The GEMV that produces the rows can send them itself, tile by tile as it stores them
+(`gemv(..., push=peers)`, then this kernel with `pushed=True`): the packets cross while the GEMV's
+last tiles run and this kernel's launch drains. The order above still holds: that GEMV starts only
+after every kernel before its predecessor has finished, this rank's call e among them.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ def _all_reduce_norm_kernel(
     WORLD: tl.constexpr,
     HAS_SCALAR: tl.constexpr,
     HAS_NEXT: tl.constexpr,
+    PUSHED: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -113,15 +119,17 @@ def _all_reduce_norm_kernel(
     if PDL:
         gdc_launch_dependents()
     h_pairs = h_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-    # Source s's rows sit at region (parity, s) of every receive buffer.
-    for row in range(program, rows, programs):
-        pairs = tl.load(h_pairs + row * (stride_h // 2) + pair, mask=pair_mask)
-        packets = stamp | (pairs.to(tl.int64) & 0xFFFFFFFF)
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
-                region = buffer + (parity * WORLD + RANK) * source_packets
-                tl.store(region + row * (n // 2) + pair, packets, mask=pair_mask)
+    # Source s's rows sit at region (parity, s) of every receive buffer (PUSHED: the GEMV that
+    # wrote h sent them as it stored them).
+    if not PUSHED:
+        for row in range(program, rows, programs):
+            pairs = tl.load(h_pairs + row * (stride_h // 2) + pair, mask=pair_mask)
+            packets = stamp | (pairs.to(tl.int64) & 0xFFFFFFFF)
+            for peer in tl.static_range(WORLD):
+                if peer != RANK:
+                    buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
+                    region = buffer + (parity * WORLD + RANK) * source_packets
+                    tl.store(region + row * (n // 2) + pair, packets, mask=pair_mask)
     own = tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int64))
     for row in range(program, rows, programs):
         total = tl.zeros([BLOCK], tl.float32)
@@ -150,9 +158,11 @@ def all_reduce_residual_norm(
     layer_scalar: torch.Tensor | None,
     next_weight: torch.Tensor | None,
     peers: PeerBuffers,
+    pushed: bool = False,
 ):
     """rmsnorm_residual_add(x, sum over ranks of h, ...) for h [T, n] with peers.fits(h), as one
-    collective launch (every rank calls it with the same shapes)."""
+    collective launch (every rank calls it with the same shapes). `pushed`: the GEMV that wrote h
+    already sent it to the peers (`gemv(..., push=peers)`)."""
     assert x.shape == h.shape and x.dtype == h.dtype and peers.fits(h) and x.stride(1) == 1
     rows, n = h.shape
     if h.stride(1) != 1 or h.stride(0) % 2 or h.data_ptr() % 4:  # read as 4-byte pairs
@@ -183,6 +193,7 @@ def all_reduce_residual_norm(
             WORLD=peers.world,
             HAS_SCALAR=layer_scalar is not None,
             HAS_NEXT=next_weight is not None,
+            PUSHED=pushed,
             BLOCK=block,
             num_warps=row_warps(block),
             **pdl_args(x.device),

@@ -22,6 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from ._common import dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
 from .activation import gelu_times
+from .all_reduce_norm import PeerBuffers
 
 MAX_ROWS = 16  # the dot's row tile; larger M goes to cuBLAS
 
@@ -72,6 +73,47 @@ def _output_tile(acc, times_ptr, m, n, ok, stride_tm, DT: tl.constexpr, GELU_TIM
     return gelu_times(round_to(acc, DT), times.to(tl.float32), DT)
 
 
+@triton.jit
+def _store_tile(
+    y,
+    out,
+    ok,
+    m,
+    first_col,
+    M,
+    N,
+    buffers_ptr,
+    epoch_ptr,
+    source_packets,
+    DT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PUSH: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+):
+    """Store a finished output tile (fp32 sums [BM, BN] from an even column) as DT. PUSH also
+    sends it to every peer as the next fused all-reduce's packets, laid out as that kernel sends
+    them (kernels/all_reduce_norm.py), so that it only waits for them."""
+    if PUSH:
+        y = round_to(y, DT)  # the packets carry exactly the stored values
+    tl.store(out, y.to(DT), mask=ok)
+    if PUSH:
+        # The all-reduce before this one advanced it (every kernel before this one's predecessor
+        # has finished: `wait_for_producer`); read past L1, without an atomic per program.
+        epoch = tl.load(epoch_ptr, volatile=True)
+        bits = (y.to(tl.uint32, bitcast=True) >> 16).to(tl.int64)  # each value's bf16 bits
+        low, high = tl.split(tl.reshape(bits, [BM, BN // 2, 2]))
+        packets = (epoch << 32) | (high << 16) | low
+        pair = first_col // 2 + tl.arange(0, BN // 2)
+        pair_ok = (m < M)[:, None] & (pair < N // 2)[None, :]
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
+                region = buffer + ((epoch & 1) * WORLD + RANK) * source_packets
+                tl.store(region + m[:, None] * (N // 2) + pair[None, :], packets, mask=pair_ok)
+
+
 @triton.jit(do_not_specialize=["k_per_split", "flag_cols"])
 def _gemv_kernel(
     x_ptr,
@@ -81,6 +123,9 @@ def _gemv_kernel(
     part_ptr,
     count_ptr,
     flag_ptr,
+    push_buffers_ptr,
+    push_epoch_ptr,
+    push_source_packets,
     M,
     N,
     K,
@@ -101,6 +146,9 @@ def _gemv_kernel(
     SIGNAL: tl.constexpr,
     AWAIT: tl.constexpr,
     GELU_TIMES: tl.constexpr,
+    PUSH: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
 ):
     """y = x @ w^T over one column tile and K split per program.
 
@@ -108,6 +156,8 @@ def _gemv_kernel(
     AWAIT (a K-split consumer of that output): wait on flag[split] for flag_cols-column producer
     tiles instead of on the producer kernel, and read x past L1 (its lines are written while this
     kernel runs).
+    PUSH (a row-parallel projection under tensor parallelism, bf16): also send each finished tile
+    to the peers as the fused all-reduce's packets (`_store_tile`).
     """
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -182,7 +232,10 @@ def _gemv_kernel(
     out_ok = m_ok & (n < N)[None, :]
     if SPLIT == 1:
         y = _output_tile(acc, times_ptr, m, n, out_ok, stride_tm, DT, GELU_TIMES)
-        tl.store(out, y.to(DT), mask=out_ok)
+        _store_tile(
+            y, out, out_ok, m, tile * BN, M, N, push_buffers_ptr, push_epoch_ptr,
+            push_source_packets, DT, BM, BN, PUSH, RANK, WORLD,
+        )  # fmt: skip
     else:
         # Split-K: each split leaves its fp32 partial [BM, BN]; the split that finishes last for
         # this tile sums them in split order (deterministic) and writes the output, so no second
@@ -200,7 +253,10 @@ def _gemv_kernel(
                     cache_modifier=".cg",
                 )
             y = _output_tile(total, times_ptr, m, n, out_ok, stride_tm, DT, GELU_TIMES)
-            tl.store(out, y.to(DT), mask=out_ok)
+            _store_tile(
+                y, out, out_ok, m, tile * BN, M, N, push_buffers_ptr, push_epoch_ptr,
+                push_source_packets, DT, BM, BN, PUSH, RANK, WORLD,
+            )  # fmt: skip
             tl.store(count_ptr + tile, 0)  # re-armed for the next launch (and graph replay)
 
 
@@ -261,11 +317,14 @@ def gemv(
     config: tuple | None = None,
     glu: bool = False,
     gelu_times: torch.Tensor | None = None,
+    push: PeerBuffers | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] for M <= MAX_ROWS.
 
     glu: w is a fused [gate; up] projection and the result is gelu_tanh(gate) * up, [M, N / 2].
     gelu_times [M, N]: the result is gelu_tanh(x @ w^T) * gelu_times.
+    push: a row-parallel projection's peers: the result also goes to them as the packets of the
+    fused all-reduce that follows (`all_reduce_residual_norm(..., pushed=True)`).
     `config` overrides gemv_config (benchmarks, tests).
     """
     M, K = x.shape
@@ -276,13 +335,23 @@ def gemv(
     )
     y = torch.empty(M, N // 2 if glu else N, dtype=x.dtype, device=x.device)
     _launch_columns(
-        x, w, y, config or gemv_config(N, K, x.device, glu), glu=glu, gelu_times=gelu_times
+        x,
+        w,
+        y,
+        config or gemv_config(N, K, x.device, glu),
+        glu=glu,
+        gelu_times=gelu_times,
+        push=push,
     )
     return y
 
 
 def gemv_mlp(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, config: tuple | None = None
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    config: tuple | None = None,
+    push: PeerBuffers | None = None,
 ) -> torch.Tensor:
     """down(gelu_tanh(x @ gate^T) * (x @ up^T)) for M <= MAX_ROWS, no kernel boundary between the
     two GEMVs.
@@ -290,7 +359,7 @@ def gemv_mlp(
     down runs split along K, and each of its splits starts as soon as the gate_up tiles that write
     its K range have stored (they count themselves in on a flag per range), not when all of gate_up
     has ended. Launched under PDL, down's programs take the SMs that gate_up's last wave leaves
-    idle. `config` overrides down's mlp_down_config.
+    idle. `config` overrides down's mlp_down_config; `push` as gemv's, for down.
     """
     M, H = x.shape
     N, inter = down.shape
@@ -298,7 +367,7 @@ def gemv_mlp(
     assert gate_up.shape[0] == 2 * inter and N == H and down.stride(1) == 1
     down_cfg = config or mlp_down_config(N, inter, x.device)
     if down_cfg is None:
-        return gemv(gemv(x, gate_up, glu=True), down)
+        return gemv(gemv(x, gate_up, glu=True), down, push=push)
     up_cfg = gemv_config(2 * inter, H, x.device, glu=True)
     act = torch.empty(M, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -309,7 +378,14 @@ def gemv_mlp(
         x, gate_up, act, up_cfg, glu=True, flags=flags, flag_cols=k_per_split, signal=True
     )
     _launch_columns(
-        act, down, y, down_cfg, flags=flags, flag_cols=up_cfg[0] // 2, wait_on_flags=True
+        act,
+        down,
+        y,
+        down_cfg,
+        flags=flags,
+        flag_cols=up_cfg[0] // 2,
+        wait_on_flags=True,
+        push=push,
     )
     return y
 
@@ -341,11 +417,13 @@ def _launch_columns(
     signal: bool = False,
     wait_on_flags: bool = False,
     gelu_times: torch.Tensor | None = None,
+    push: PeerBuffers | None = None,
 ) -> None:
     """_gemv_kernel over column tiles of w (and K splits): y = x @ w^T, gelu_tanh(y) * gelu_times,
-    or the GLU epilogue's [M, N / 2]."""
+    or the GLU epilogue's [M, N / 2]; sent to `push`'s peers too."""
     M, K = x.shape
     N = w.shape[0]
+    assert push is None or (not glu and push.fits(y)), "pushed rows are whole bf16 outputs"
     bn, bk, warps, stages, split = config
     if glu:
         assert N % 2 == 0
@@ -368,6 +446,9 @@ def _launch_columns(
         part,
         counters,
         flags if flags is not None else y,
+        push.buffers if push is not None else y,
+        push.epoch if push is not None else y,
+        push.source_packets if push is not None else 0,
         M,
         N,
         K,
@@ -387,6 +468,9 @@ def _launch_columns(
         SIGNAL=signal,
         AWAIT=wait_on_flags,
         GELU_TIMES=gelu_times is not None,
+        PUSH=push is not None,
+        RANK=push.rank if push is not None else 0,
+        WORLD=push.world if push is not None else 1,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(x.device),

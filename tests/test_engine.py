@@ -840,9 +840,9 @@ def test_a_prompt_in_chunks_goes_on_on_the_device(tiny_checkpoints):
     scheduled, chunked = [], []
     launch, launch_continued = engine.runner.launch, engine.runner.launch_continued
 
-    def continued(previous, pages, keep=None, prompt_chunks=()):
+    def continued(previous, pages, draft_len, keep=None, prompt_chunks=()):
         chunked.extend(chunk for chunk in prompt_chunks if not chunk.samples)
-        return launch_continued(previous, pages, keep, prompt_chunks)
+        return launch_continued(previous, pages, draft_len, keep, prompt_chunks)
 
     engine.runner.launch = lambda *a: scheduled.append(1) or launch(*a)
     engine.runner.launch_continued = continued
@@ -1005,6 +1005,9 @@ def test_draft_length_probes_verify_the_full_length(tiny_checkpoints, async_sche
     # 2 drafts always win, even if all 3 were accepted: 3 / 1.1 > 4 / 2.1 tokens per unit.
     costs = {1: StepCost(1.0, {2: 1.0, 3: 2.0}, {2: 0.1, 3: 0.1})}
     eng.draft_length = DraftLength(K, costs, probe_every=8)
+    scheduled = []
+    launch = eng.runner.launch
+    eng.runner.launch = lambda *a: scheduled.append(1) or launch(*a)
     reqs = {"probe": (prompt_of(9, 80), greedy(120))}
     assert choices(run_requests(eng, reqs).final["probe"]) == choices(
         run_requests(plain, reqs).final["probe"]
@@ -1012,6 +1015,8 @@ def test_draft_length_probes_verify_the_full_length(tiny_checkpoints, async_sche
     stats = eng.snapshot()
     assert stats.spec_drafted_tokens > 2 * stats.spec_num_steps  # some steps verified 3 drafts
     assert eng.draft_length.rates[K - 1] < 1.0  # the third position's rate was observed
+    if async_scheduling:  # the switches to and from the probes go on on the device
+        assert len(scheduled) == 1 and eng.num_continued_steps > 10
     assert eng.kv_pool_free() == all_free(eng)
 
 

@@ -80,6 +80,19 @@ def read_steps(path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def dense_on_two_ranks(tiny_checkpoints, log, **kwargs) -> LLM:
+    """The dense tiny model on two ranks with its drafter (k = 3), each rank logging its steps."""
+    return LLM(
+        str(tiny_checkpoints.get("dense")),
+        draft=str(tiny_checkpoints.get_assistant("dense")),
+        device="cpu",
+        tensor_parallel_size=2,
+        num_draft_tokens=3,
+        tensor_parallel_step_log=str(log),
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize("variant", ["dense", "ple", "moe"])
 def test_two_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, variant):
     """Greedy and seeded sampling with TP=2 and MTP equal TP=1 without MTP (speculation is
@@ -128,24 +141,18 @@ def test_four_ranks_emit_the_one_device_tokens(tiny_checkpoints, tmp_path, varia
     assert len(ranks[0]) > 5 and all(steps == ranks[0] for steps in ranks[1:])
 
 
-def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("probe_every", [64, 3])
+def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path, probe_every):
     """The adaptive draft length's shorter choice (2 of 3 drafts) runs on both ranks: the step plans
     carry it, the ranks propose the same 2 drafts a sequence, and greedy output still equals one
-    device without MTP."""
-    target, assistant = tiny_checkpoints.get("dense"), tiny_checkpoints.get_assistant("dense")
-    (expected,), _ = generate(target, None, [GREEDY])
+    device without MTP. With a probe of the full length every third step, the length switches
+    back and forth in steps continued on the device, and the ranks follow."""
+    (expected,), _ = generate(tiny_checkpoints.get("dense"), None, [GREEDY])
     log = tmp_path / "steps"
-    llm = LLM(
-        str(target),
-        draft=str(assistant),
-        device="cpu",
-        tensor_parallel_size=2,
-        num_draft_tokens=3,
-        tensor_parallel_step_log=str(log),
-    )
+    llm = dense_on_two_ranks(tiny_checkpoints, log)
     try:  # two drafts pay far more than three at every batch size
         llm.engine.draft_length = DraftLength(
-            3, {8: StepCost(1.0, {2: 0.5, 3: 5.0}, {2: 0.1, 3: 0.1})}
+            3, {8: StepCost(1.0, {2: 0.5, 3: 5.0}, {2: 0.1, 3: 0.1})}, probe_every=probe_every
         )
         got = token_ids(llm.generate(PROMPTS, GREEDY))
     finally:
@@ -156,7 +163,51 @@ def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path):
     proposed = [
         drafts for step in rank0 if step and step["next_drafts"] for drafts in step["next_drafts"]
     ]
-    assert proposed and all(len(drafts) == 2 for drafts in proposed)
+    lengths = {len(drafts) for drafts in proposed}
+    assert lengths == ({2} if probe_every == 64 else {2, 3})
+    if probe_every != 64:
+        assert llm.engine.num_continued_steps > 5
+
+
+def test_two_ranks_continue_steps_through_finishes_arrivals_and_prompt_chunks(
+    tiny_checkpoints, tmp_path
+):
+    """Steps continued on the device that drop the sequences which ended, take in waiting
+    requests and carry prompts' chunks run on both ranks (rank 0 sends what changed; each rank
+    rebuilds the step from it): greedy and seeded sampling equal one device without MTP, and the
+    ranks agree at every step. Three sequences at most and a 24-token budget: requests wait,
+    long prompts come in chunks."""
+    prompts = [*PROMPTS, [2, *range(90, 120)], [2, 8, 4, 6], [2, *range(130, 147)]]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 17, 9)
+    ] + [
+        SamplingParams(max_tokens=m, temperature=1.0, seed=m, ignore_eos=True) for m in (12, 5, 14)
+    ]
+    limits = dict(max_num_seqs=3, max_num_batched_tokens=24)
+
+    def run(llm: LLM) -> list[list[int]]:
+        try:
+            return token_ids(llm.generate(prompts, params))
+        finally:
+            llm.engine.shutdown()
+
+    expected = run(LLM(str(tiny_checkpoints.get("dense")), device="cpu", **limits))
+    log = tmp_path / "steps"
+    llm = dense_on_two_ranks(tiny_checkpoints, log, **limits)
+    changed = []
+    launch_continued = llm.engine.runner.launch_continued
+
+    def continued(previous, pages, draft_len, keep=None, prompt_chunks=()):
+        changed.append((keep is not None, [chunk.samples for chunk in prompt_chunks]))
+        return launch_continued(previous, pages, draft_len, keep, prompt_chunks)
+
+    llm.engine.runner.launch_continued = continued
+    assert run(llm) == expected
+    assert any(dropped for dropped, _ in changed)  # a continued step dropped ended sequences
+    chunks = [samples for _, step in changed for samples in step]
+    assert True in chunks and False in chunks  # prompts' last and middle chunks went on
+    rank0, rank1 = read_steps(log / "rank0.jsonl"), read_steps(log / "rank1.jsonl")
+    assert len(rank0) > 10 and rank0 == rank1
 
 
 def test_kv_heads_and_widths_split_per_rank(tiny_checkpoints):

@@ -473,22 +473,28 @@ def test_rmsnorm_residual_add(dtype, with_scalar):
     )
 
 
+def rank_1_of_2(source_packets: int, epoch: int, programs: int):
+    """Both ranks' receive buffers (zeroed) and rank 1's PeerBuffers over them: the test plays
+    rank 0."""
+    buffers = [torch.zeros(4 * source_packets, dtype=torch.int64, device=DEV) for _ in range(2)]
+    peers = PeerBuffers(
+        rank=1,
+        world=2,
+        buffers=torch.tensor([b.data_ptr() for b in buffers], device=DEV),
+        epoch=torch.tensor([epoch, 0], device=DEV),
+        source_packets=source_packets,
+        max_programs=programs,
+    )
+    return buffers, peers
+
+
 @pytest.mark.parametrize("with_scalar,with_next", [(False, True), (True, False)])
 def test_all_reduce_residual_norm_as_one_rank_of_two(with_scalar, with_next):
     """Rank 1 of two, its peer played by a thread of the test: rank 0's packets land while the
     kernel waits, over zeros or a stale epoch's packets. Three calls (both buffer parities), more
     rows than programs."""
-    world, rank, programs, source_packets = 2, 1, 3, 7 * 24
-    buffers = [torch.zeros(2 * world * source_packets, dtype=torch.int64, device=DEV)]
-    buffers.append(torch.zeros_like(buffers[0]))
-    peers = PeerBuffers(
-        rank=rank,
-        world=world,
-        buffers=torch.tensor([b.data_ptr() for b in buffers], device=DEV),
-        epoch=torch.tensor([1, 0], device=DEV),
-        source_packets=source_packets,
-        max_programs=programs,
-    )
+    world, rank, source_packets = 2, 1, 7 * 24
+    buffers, peers = rank_1_of_2(source_packets, epoch=1, programs=3)
     generator = torch.Generator().manual_seed(4)
 
     def rand(*shape, scale=1.0):
@@ -520,6 +526,44 @@ def test_all_reduce_residual_norm_as_one_rank_of_two(with_scalar, with_next):
         sent = buffers[0][my_region : my_region + rows * 24].view(rows, 24)
         assert torch.equal(sent, packets(mine, epoch))
         assert peers.epoch.tolist() == [epoch + 1, 0]
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemv_sends_its_rows_as_the_fused_all_reduces_packets(split):
+    """Rank 1 of two: a row-parallel GEMV with `push` stores its output and sends it to the peer
+    as the next fused all-reduce's packets (one K split, or two summed by the last); the
+    all-reduce told so sends nothing itself and sums its rows with the peer's."""
+    world, rank, source_packets, epoch = 2, 1, 4 * 24, 3
+    buffers, peers = rank_1_of_2(source_packets, epoch, programs=2)
+    generator = torch.Generator().manual_seed(5)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).bfloat16().to(DEV)
+
+    def packets(rows):
+        return (rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | epoch << 32
+
+    rows, parity = 3, epoch & 1
+    x, w = rand(rows, 64), rand(48, 64, scale=0.2)
+    h = gemv(x, w, config=(16, 32, 1, 1, split), push=peers)
+    if torch.cuda.is_available():  # the interpreter's plain store truncates; pushed rows round
+        assert torch.equal(h, gemv(x, w, config=(16, 32, 1, 1, split)))
+    ref = x.double() @ w.double().T
+    assert ((h.double() - ref).norm() / ref.norm()).item() < 1e-2
+    region = (parity * world + rank) * source_packets
+    sent = buffers[0][region : region + rows * 24]
+    assert torch.equal(sent.view(rows, 24), packets(h))
+    assert not buffers[0][:region].any() and not buffers[0][region + rows * 24 :].any()
+    assert not buffers[1].any() and peers.epoch.tolist() == [epoch, 0]  # the all-reduce's to move
+
+    buffers[0].zero_()
+    theirs, residual, weight = rand(rows, 48, scale=9), rand(rows, 48, scale=4), rand(48)
+    peer_region = (parity * world + 0) * source_packets
+    buffers[rank][peer_region : peer_region + rows * 24] = packets(theirs).flatten()
+    y, _ = all_reduce_residual_norm(residual, h, weight, 1e-6, None, None, peers, pushed=True)
+    assert torch.equal(y, rmsnorm_residual_add(residual, theirs + h, weight, 1e-6))
+    assert not buffers[0].any()  # it sent nothing
+    assert peers.epoch.tolist() == [epoch + 1, 0]
 
 
 def _norm_rope_ref(x, w, cos, sin):

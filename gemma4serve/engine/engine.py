@@ -423,12 +423,19 @@ class LLMEngine:
         """Queue the step after `previous` before reading it: the sequences that sampled in it
         verify once more with as many drafts (less those that ended in the step before it),
         beside the next chunks of the prompts part-way through and the first chunks of the
-        requests the scheduler admits into the rest of the budget. None where the scheduler would
-        run something else (another draft length, a preemption) or the KV does not fit."""
+        requests the scheduler admits into the rest of the budget. It proposes as many drafts as
+        the draft length chooses and verifies as many of the step before's as it proposes (a
+        scheduled step does the same). None where the scheduler would run something else (a
+        preemption), the KV does not fit, or a grammar's sequences would verify fewer drafts than
+        they hold."""
         scheduler = self.scheduler
         keep = [i for i, s in enumerate(previous.sequences) if s.status is Status.RUNNING]
         seqs = [previous.sequences[i] for i in keep]
-        rows_before, rows_next = previous.outputs.tokens.shape[1], previous.draft_len + 1
+        draft_len = self.draft_length.choose(len(seqs))
+        if draft_len != previous.draft_len and previous.inputs.sampling.constrained:
+            return None  # its bitmask follows the drafts its sequences hold
+        rows_before = previous.outputs.tokens.shape[1]
+        rows_next = min(previous.draft_len, draft_len) + 1
         budget = scheduler.max_num_batched_tokens - len(seqs) * rows_next
         continuing = set(seqs)
         prompts = [s for s in scheduler.running if s not in continuing]  # part-way through
@@ -442,8 +449,6 @@ class LLMEngine:
         if (changed or admits) and not self.runner.can_change_continued(
             previous, with_prompts=admits or bool(prompts)
         ):
-            return None
-        if self.draft_length.choose(len(seqs)) != previous.draft_len:
             return None
         # `previous` writes from num_computed on and may emit rows_before tokens after a sequence's
         # last token, then the next step writes rows_next rows (past a sequence's end too: the
@@ -459,10 +464,12 @@ class LLMEngine:
             chunks += scheduler.admit(budget, _joins_continued_steps)
         self._mark_scheduled(chunks)
         self.num_continued_steps += 1
-        self.draft_length.launched(previous.draft_len)
+        self.draft_length.launched(draft_len)
+        self.stats.draft_length = draft_len
         handle = self.runner.launch_continued(
             previous,
             [s.pages for s in seqs] + [chunk.seq.pages for chunk in chunks],
+            draft_len,
             keep if dropped else None,
             chunks,
         )

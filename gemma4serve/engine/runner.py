@@ -33,7 +33,12 @@ from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.engine.sampler import AcceptResult, SamplingBatch, TokenRuleTensors, accept
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLoop, ForcedAcceptance
-from gemma4serve.engine.step_plan import ContinuedPlan, SamplingPlan, ScheduledPlan
+from gemma4serve.engine.step_plan import (
+    ContinuedChanges,
+    ContinuedPlan,
+    SamplingPlan,
+    ScheduledPlan,
+)
 from gemma4serve.kv.manager import SeqPages
 from gemma4serve.model.gemma4 import ForwardContext
 from gemma4serve.structured.bitmask import new_bitmask
@@ -299,6 +304,26 @@ def sampling_plan(chunks: list[ScheduledChunk], batch: TargetBatch) -> SamplingP
     )
 
 
+def continued_changes(
+    sequences: list[Sequence], keep: list[int] | None, prompt_chunks: list[ScheduledChunk]
+) -> ContinuedChanges:
+    """A continued step's changes from the step before, whose sampling sequences are
+    `sequences`: it keeps those at `keep` (or all) and packs `prompt_chunks` after them."""
+    assert not any(chunk.drafts for chunk in prompt_chunks), "a prompt chunk has no drafts"
+    kept = sequences if keep is None else [sequences[i] for i in keep]
+    sampling = [j for j, chunk in enumerate(prompt_chunks) if chunk.samples]
+    every = kept + [prompt_chunks[j].seq for j in sampling]
+    return ContinuedChanges(
+        keep=keep,
+        prompts=scheduled_batch(prompt_chunks) if prompt_chunks else None,
+        sampling_chunks=sampling,
+        first_positions=[prompt_chunks[j].start + prompt_chunks[j].length - 1 for j in sampling],
+        params=[seq.params for seq in every],
+        seeds=[seq.seed for seq in every],
+        token_rules=[seq.token_rules for seq in every],
+    )
+
+
 def _without_sequences(rows: PromptRows | None) -> PromptRows | None:
     """Prompt rows as a worker needs them: which rows to score, not whom they belong to."""
     if rows is None:
@@ -393,23 +418,32 @@ class ModelRunner:
         self,
         previous: StepHandle,
         pages: list[SeqPages],
+        draft_len: int,
         keep: list[int] | None = None,
         prompt_chunks: list[ScheduledChunk] = (),
     ) -> StepHandle:
         """Queue the verify step after `previous` for the sequences that sampled in it, from its
         device outputs: all of them, or those at `keep` (the others ended in the step before
-        it), beside `prompt_chunks` (prompts' next or first chunks, laid out on the host).
+        it), beside `prompt_chunks` (prompts' next or first chunks, laid out on the host). It
+        proposes `draft_len` drafts and verifies as many of `previous`'s as it proposes.
         `pages`, in that order, must already map every position the step can write. With `keep`
-        or `prompt_chunks`, no sequence needs the host between steps and there are no
-        tensor-parallel workers (`can_change_continued`)."""
+        or `prompt_chunks`, no sequence needs the host between steps (`can_change_continued`)."""
         tables = page_tables(pages)
+        changes = None
+        if keep is not None or prompt_chunks:
+            changes = continued_changes(previous.inputs.sequences, keep, prompt_chunks)
         if self.followers is not None:
-            assert keep is None and not prompt_chunks
-            self.followers.send(ContinuedPlan(tables))
+            self.followers.send(ContinuedPlan(tables, draft_len, changes))
         # A grammar's mask needs `previous` committed on the host: its sampling is queued later.
         sample = not previous.inputs.sampling.constrained
+        new_sequences = [chunk.seq for chunk in prompt_chunks if chunk.samples]
         handle = self.run_continued(
-            previous, tables, sample=sample, keep=keep, prompt_chunks=prompt_chunks
+            previous,
+            tables,
+            draft_len,
+            sample=sample,
+            changes=changes,
+            new_sequences=new_sequences,
         )
         if self.followers is not None and sample:
             self.followers.launched(handle)
@@ -418,14 +452,12 @@ class ModelRunner:
     def can_change_continued(self, previous: StepHandle, with_prompts: bool) -> bool:
         """Whether the step after `previous` can drop sequences or (`with_prompts`) take in prompt
         chunks while it is continued on the device: its sampling settings are then rebuilt on the
-        host, which needs nothing of `previous` (no grammar, penalty or bad-word tail); the
-        tensor-parallel workers only know how to follow an unchanged batch; and prompts beside
-        continued rows have no host layout, which FlashInfer's prefill plans from (it would run
-        them on Triton, eagerly)."""
+        host, which needs nothing of `previous` (no grammar, penalty or bad-word tail); and
+        prompts beside continued rows have no host layout, which FlashInfer's prefill plans from
+        (it would run them on Triton, eagerly)."""
         sampling = previous.inputs.sampling
         return (
-            self.followers is None
-            and not sampling.constrained
+            not sampling.constrained
             and not sampling.reads_history
             and not (with_prompts and self.state.attn.name == "flashinfer")
         )
@@ -434,18 +466,21 @@ class ModelRunner:
         self,
         previous: StepHandle,
         tables: dict[str, torch.Tensor],
+        draft_len: int,
         *,
         sample: bool = True,
-        keep: list[int] | None = None,
-        prompt_chunks: list[ScheduledChunk] = (),
+        changes: ContinuedChanges | None = None,
+        new_sequences: list[Sequence] | None = None,
     ) -> StepHandle:
         """`sample` False: stop after the forward (`sample_continued` queues the rest). A
-        tensor-parallel worker samples at once: it waits on its pipe for rank 0's bitmask."""
-        batch, inputs = self._continued_inputs(previous, tables, keep, prompt_chunks)
+        tensor-parallel worker samples at once: it waits on its pipe for rank 0's bitmask.
+        `new_sequences`: the sequences of `changes`' sampling prompt chunks (None on a worker)."""
+        verify = min(previous.draft_len, draft_len)
+        batch, inputs = self._continued_inputs(previous, tables, verify, changes, new_sequences)
         return self._run(
             batch,
             inputs,
-            draft_len=previous.draft_len,
+            draft_len=draft_len,
             continuable=True,
             sample=sample,
         )
@@ -756,31 +791,34 @@ class ModelRunner:
         self,
         previous: StepHandle,
         tables: dict[str, torch.Tensor],
-        keep: list[int] | None = None,
-        prompt_chunks: list[ScheduledChunk] = (),
+        verify: int,
+        changes: ContinuedChanges | None,
+        new_sequences: list[Sequence] | None,
     ) -> tuple[TargetBatch, SamplingInputs]:
-        """Each sequence's newest token and next drafts, at the positions after its outputs (the
-        sequences at `keep`, or all), then the prompt chunks' rows."""
+        """Each sequence's newest token and the first `verify` of its next drafts, at the
+        positions after its outputs (all sequences, or those `changes` keeps), then the rows of
+        `changes`' prompt chunks."""
         assert previous.pending is None, "a step is continued after its sampling is queued"
         outputs, device = previous.outputs, self.state.device
-        Q = previous.draft_len + 1
+        Q = verify + 1
         P = previous.inputs.first_position + outputs.num_emitted  # position of each newest token
         if previous.draft_len:
             newest = outputs.tokens.gather(1, (outputs.num_emitted - 1)[:, None])
-            token_ids = torch.cat([newest, outputs.next_drafts], dim=1)
+            token_ids = torch.cat([newest, outputs.next_drafts[:, :verify]], dim=1)
             positions = P[:, None] + self._continuation(P.shape[0], Q).offsets
         else:
             # One token a step, the newest (it may be the last replay's graph output: it is copied
             # into the graph's inputs before the next replay).
             token_ids, positions = outputs.tokens, P[:, None]
         sequences = previous.inputs.sequences
+        keep = changes.keep if changes is not None else None
         if keep is not None:
             kept = to_device(torch.tensor(keep, dtype=torch.int64), device)
             token_ids, positions, P = token_ids[kept], positions[kept], P[kept]
             sequences = [sequences[i] for i in keep]
         B = len(sequences)
         index = self._continuation(B, Q)
-        if keep is None and not prompt_chunks:
+        if changes is None:
             batch = TargetBatch(
                 token_ids=token_ids.view(-1),
                 positions=positions.view(-1),
@@ -801,8 +839,10 @@ class ModelRunner:
                 rows_are_all=True,
             )
             return batch, inputs
+        if new_sequences is None:  # a worker's
+            new_sequences = [None] * len(changes.sampling_chunks)
         return self._changed_continued_inputs(
-            token_ids, positions, P, sequences, index, tables, prompt_chunks
+            token_ids, positions, P, sequences + new_sequences, index, tables, changes
         )
 
     def _changed_continued_inputs(
@@ -810,17 +850,17 @@ class ModelRunner:
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         newest_position: torch.Tensor,
-        sequences: list[Sequence],
+        sequences: list[Sequence | None],
         index: _ContinuationRows,
         tables: dict[str, torch.Tensor],
-        prompt_chunks: list[ScheduledChunk],
+        changes: ContinuedChanges,
     ) -> tuple[TargetBatch, SamplingInputs]:
         """A continued step whose sequences changed: the continued rows [B, Q] (device) packed
-        before the prompt chunks' rows (host), and sampling settings rebuilt for them all."""
+        before the prompt chunks' rows (host), and sampling settings rebuilt for them all.
+        `sequences`: the kept ones, then the sampling prompt chunks'."""
         device = self.state.device
         B, Q = token_ids.shape
-        assert not any(chunk.drafts for chunk in prompt_chunks), "a prompt chunk has no drafts"
-        packed = scheduled_batch(prompt_chunks) if prompt_chunks else None
+        packed = changes.prompts
         if packed is None:
             batch = TargetBatch(
                 token_ids.reshape(-1), positions.reshape(-1), tables, decode_query_len=Q
@@ -839,23 +879,18 @@ class ModelRunner:
         # Prompt chunks that sample (their prompts' last): their last row, repeated as a verify's
         # Q rows.
         ends = batch.group_starts[1:].tolist() if packed is not None else []
-        last_rows, first_positions, table_rows = [], [], []
-        for j, chunk in enumerate(prompt_chunks):
-            if chunk.samples:
-                last_rows.append(ends[B + j] - 1)
-                first_positions.append(chunk.start + chunk.length - 1)
-                table_rows.append(B + j)
+        last_rows = [ends[B + j] - 1 for j in changes.sampling_chunks]
+        table_rows = [B + j for j in changes.sampling_chunks]
         A = len(last_rows)
-        new_seqs = [chunk.seq for chunk in prompt_chunks if chunk.samples]
-        every = sequences + new_seqs
 
         def int64(values):
             return to_device(torch.tensor(values, dtype=torch.int64), device)
 
+        no_history = [[] for _ in changes.params]  # nothing reads it (can_change_continued)
         inputs = SamplingInputs(
-            sequences=every,
+            sequences=sequences,
             rows=torch.cat([index.rows, int64(last_rows)[:, None].expand(A, Q)]),
-            first_position=torch.cat([newest_position, int64(first_positions)]),
+            first_position=torch.cat([newest_position, int64(changes.first_positions)]),
             drafts=torch.cat(
                 [token_ids[:, 1:], torch.full((A, Q - 1), -1, dtype=torch.int64, device=device)]
             ),
@@ -865,17 +900,17 @@ class ModelRunner:
             ),
             sampling=_queued_to(
                 SamplingBatch.build(
-                    [seq.params for seq in every],
-                    [seq.seed for seq in every],
-                    [[] for _ in every],  # nothing reads the history (can_change_continued)
-                    [[] for _ in every],
+                    changes.params,
+                    changes.seeds,
+                    no_history,
+                    no_history,
                     "cpu",
-                    [seq.token_rules for seq in every],
+                    changes.token_rules,
                 ),
                 device,
             ),
             drafted=[Q - 1] * B + [0] * A,
-            rows_are_all=not prompt_chunks,
+            rows_are_all=packed is None,
         )
         return batch, inputs
 

@@ -59,10 +59,29 @@ class ScheduledPlan:
 
 
 @dataclass
+class ContinuedChanges:
+    """How a continued step differs from the step before it, as host data every rank rebuilds it
+    from: the sequences it keeps (the others ended), the prompt chunks packed after them, and the
+    sampling settings of every sequence that samples in it (the kept ones, then the prompts whose
+    last chunk this is)."""
+
+    keep: list[int] | None  # indices into the step before's sampling sequences; None: all
+    prompts: TargetBatch | None  # the prompt chunks, packed (`scheduled_batch`)
+    sampling_chunks: list[int]  # the prompt chunks that sample
+    first_positions: list[int]  # each sampling chunk's last position
+    params: list[SamplingParams]
+    seeds: list[int]
+    token_rules: list[TokenRules | None]
+
+
+@dataclass
 class ContinuedPlan:
-    """The decode step after the previous one, built on each rank from its own outputs."""
+    """The verify or decode step after the previous one, built on each rank from its own
+    outputs (and `changes`, where the batch changed)."""
 
     page_tables: dict[str, torch.Tensor]
+    draft_len: int  # drafts it proposes (it verifies as many of the previous step's)
+    changes: ContinuedChanges | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from gemma4serve.model.layers import MLP, BestTokens, TorchOps
 
 if TYPE_CHECKING:
     from gemma4serve.model.gemma4 import Attention, DecoderLayer
+    from gemma4serve_kernels import PeerBuffers
 
 # Rows up to which `linear` uses the GEMV kernel (capped by its row tile).
 GEMV_MAX_ROWS = int(os.environ.get("GEMMA4SERVE_GEMV_MAX_ROWS", "16"))
@@ -97,9 +98,12 @@ class FusedOps(TorchOps):
         """A 2-D input of few enough rows for the GEMV's row tile, unit stride along K."""
         return x.dim() == 2 and x.shape[0] <= self.gemv_rows and x.stride(1) == 1
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, push: PeerBuffers | None = None
+    ) -> torch.Tensor:
         if self.gemv_fits(x):
-            return self.kernels.gemv(x, weight)
+            return self.kernels.gemv(x, weight, push=push)
+        assert push is None, "only the GEMV sends rows"
         return F.linear(x, weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -160,11 +164,12 @@ class FusedOps(TorchOps):
             attn.spec.k_eq_v,
         )
 
-    def gelu_mlp(self, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    def gelu_mlp(self, mlp: MLP, x: torch.Tensor, push: PeerBuffers | None = None) -> torch.Tensor:
         """Few rows: gemv_mlp (the GEMV with the GELU·up epilogue, no [T, 2I] intermediate, then
         down). Else the GEMM, the activation kernel and the down GEMM."""
         if self.gemv_fits(x):
-            return self.kernels.gemv_mlp(x, mlp.gate_up, mlp.down_proj.weight)
+            return self.kernels.gemv_mlp(x, mlp.gate_up, mlp.down_proj.weight, push=push)
+        assert push is None, "only the GEMV sends rows"
         return F.linear(self.kernels.gelu_tanh_mul(F.linear(x, mlp.gate_up)), mlp.down_proj.weight)
 
     def gelu_linear_times(

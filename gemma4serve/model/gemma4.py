@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,6 +35,9 @@ from gemma4serve.parallel.group import (
     vocab_parallel_logits,
     vocab_parallel_lookup,
 )
+
+if TYPE_CHECKING:
+    from gemma4serve_kernels import PeerBuffers
 
 
 @dataclass
@@ -67,8 +71,14 @@ class Attention(nn.Module):
             self.qkv = concat_weights(*(p for p in projections if p is not None))
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+        push: PeerBuffers | None = None,
     ) -> torch.Tensor:
+        """`push`: o_proj's rows also go to these tensor-parallel peers (`ops.linear`)."""
         T, hd, kind = h.shape[0], self.spec.head_dim, self.spec.kind
         k_cache, v_cache = ctx.kv.layer(self.kv_layer)
         if self.spec.kv_shared:  # reads the K/V of an earlier layer: queries only
@@ -80,7 +90,7 @@ class Attention(nn.Module):
         out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
         # Under tensor parallelism o_proj is row-parallel: this rank's partial sum (the layer
         # all-reduces it in its norm).
-        return self.ops.linear(out.reshape(T, -1), self.o_proj.weight)
+        return self.ops.linear(out.reshape(T, -1), self.o_proj.weight, push)
 
 
 class DecoderLayer(nn.Module):
@@ -123,13 +133,15 @@ class DecoderLayer(nn.Module):
         scale: torch.Tensor | None = None,
         next_norm: RMSNorm | None = None,
         partial: bool = False,
+        pushed: bool = False,
     ):
         """(x + norm(h)) * scale, and next_norm of that (None without next_norm). `partial`: h is
-        this rank's share of a row-parallel sum under tensor parallelism, all-reduced first."""
+        this rank's share of a row-parallel sum under tensor parallelism, all-reduced first
+        (`pushed`: its GEMV sent it to the peers already)."""
         next_weight = next_norm.weight if next_norm is not None else None
         if partial and self.tp is not None:
             return self.tp.reduce_add_norm(
-                self.ops, x, h, norm.weight, norm.eps, scale, next_weight
+                self.ops, x, h, norm.weight, norm.eps, scale, next_weight, pushed
             )
         return self.ops.add_norm(x, h, norm.weight, norm.eps, scale, next_weight)
 
@@ -145,29 +157,44 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x -> (x after the layer, next_norm of it). `normed`: this layer's input norm of x, when
         the previous layer already computed it."""
-        h = self.self_attn(normed if normed is not None else self.input_layernorm(x), cos, sin, ctx)
+        # Under tensor parallelism the row-parallel GEMVs send their rows to the peers themselves
+        # where the fused all-reduce takes them.
+        push = self.tp.rows_to_push(self.ops, x) if self.tp is not None else None
+        normed = normed if normed is not None else self.input_layernorm(x)
+        h = self.self_attn(normed, cos, sin, ctx, push)
         x, h_ff = self._add_norm(
             x,
             h,
             self.post_attention_layernorm,
             next_norm=self.pre_feedforward_layernorm,
             partial=True,
+            pushed=push is not None,
         )
         residual = x
-        h = self.mlp(h_ff)
+        if self.moe:
+            push = None  # the MLP's and the experts' sums are all-reduced together
+        h = self.mlp(h_ff, push)
         if self.moe:
             weights, experts = self.router(residual)
             moe_out = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
             if self.tp is not None:  # both partial sums in one all-reduce
                 h, moe_out = self.tp.all_reduce(torch.stack([h, moe_out])).unbind(0)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe_out)
-        partial = not self.moe  # the MoE sum was all-reduced above
+        partial, pushed = not self.moe, push is not None  # the MoE sum was all-reduced above
         # layer_scalar scales the whole residual stream, after PLE when there is one
         if not self.ple:
             return self._add_norm(
-                residual, h, self.post_feedforward_layernorm, self.layer_scalar, next_norm, partial
+                residual,
+                h,
+                self.post_feedforward_layernorm,
+                self.layer_scalar,
+                next_norm,
+                partial,
+                pushed,
             )
-        x, _ = self._add_norm(residual, h, self.post_feedforward_layernorm, partial=partial)
+        x, _ = self._add_norm(
+            residual, h, self.post_feedforward_layernorm, partial=partial, pushed=pushed
+        )
         gate = self.ops.gelu_linear_times(x, self.per_layer_input_gate.weight, ple)
         return self._add_norm(
             x,

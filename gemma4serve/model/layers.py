@@ -18,6 +18,7 @@ from gemma4serve.config import RopeSpec, TextConfig
 
 if TYPE_CHECKING:
     from gemma4serve.model.gemma4 import Attention, DecoderLayer
+    from gemma4serve_kernels import PeerBuffers
 
 
 class BestTokens(NamedTuple):
@@ -130,8 +131,16 @@ class TorchOps:
         """Lay out a decoder layer's weights for these ops: the reference reads each projection's
         own weight, so nothing changes."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T, no bias."""
+    def gemv_fits(self, x: torch.Tensor) -> bool:
+        """Whether `linear` of x runs the streaming GEMV: never here."""
+        return False
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, push: PeerBuffers | None = None
+    ) -> torch.Tensor:
+        """x @ weight^T, no bias. `push` (FusedOps only, where `gemv_fits(x)`): tensor-parallel
+        peers the rows also go to, as the packets of the fused all-reduce that follows."""
+        assert push is None, "the reference sends no rows"
         return F.linear(x, weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -189,8 +198,9 @@ class TorchOps:
         write_kv(k_cache, v_cache, k, v, slots)
         return q
 
-    def gelu_mlp(self, mlp: MLP, x: torch.Tensor) -> torch.Tensor:
-        """down(gelu_tanh(gate(x)) * up(x))."""
+    def gelu_mlp(self, mlp: MLP, x: torch.Tensor, push: PeerBuffers | None = None) -> torch.Tensor:
+        """down(gelu_tanh(gate(x)) * up(x)); `push` as linear's, for down."""
+        assert push is None, "the reference sends no rows"
         return mlp.down_proj(gelu_tanh(mlp.gate_proj(x)) * mlp.up_proj(x))
 
     def gelu_linear_times(
@@ -284,8 +294,8 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up = concat_weights(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.gelu_mlp(self, x)
+    def forward(self, x: torch.Tensor, push: PeerBuffers | None = None) -> torch.Tensor:
+        return self.ops.gelu_mlp(self, x, push)
 
 
 class Router(nn.Module):

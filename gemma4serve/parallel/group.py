@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from gemma4serve.model.layers import BestTokens
+
+if TYPE_CHECKING:
+    from gemma4serve_kernels import PeerBuffers
 
 log = logging.getLogger("gemma4serve")
 
@@ -116,9 +120,10 @@ class FusedAllReduceNorm:
     def fits(self, h: torch.Tensor) -> bool:
         return self.peers.fits(h) and h.shape[0] * (self.peers.world - 1) <= self.MAX_PEER_ROWS
 
-    def __call__(self, x, h, weight, eps, scale, next_weight):
-        """(x + norm(sum over ranks of h)) * scale, and next_weight's norm of that (or None)."""
-        return self.kernel(x, h, weight, eps, scale, next_weight, self.peers)
+    def __call__(self, x, h, weight, eps, scale, next_weight, pushed: bool = False):
+        """(x + norm(sum over ranks of h)) * scale, and next_weight's norm of that (or None).
+        `pushed`: h's GEMV sent its rows to the peers already."""
+        return self.kernel(x, h, weight, eps, scale, next_weight, self.peers, pushed)
 
 
 @dataclass(frozen=True)
@@ -145,12 +150,24 @@ class TensorParallel:
         eps: float,
         scale: torch.Tensor | None = None,
         next_weight: torch.Tensor | None = None,
+        pushed: bool = False,
     ):
         """ops.add_norm(x, the sum over ranks of `partial`, ...): one kernel where the fused
-        all-reduce fits, else an all-reduce and the norm."""
+        all-reduce fits, else an all-reduce and the norm. `pushed`: `partial`'s GEMV sent its
+        rows to the peers already (`rows_to_push`)."""
         if self.fused_norm is not None and self.fused_norm.fits(partial):
-            return self.fused_norm(x, partial, weight, eps, scale, next_weight)
+            return self.fused_norm(x, partial, weight, eps, scale, next_weight, pushed)
+        assert not pushed, "rows a GEMV sent are summed by the fused all-reduce"
         return ops.add_norm(x, self.all_reduce(partial), weight, eps, scale, next_weight)
+
+    def rows_to_push(self, ops, x: torch.Tensor) -> PeerBuffers | None:
+        """The peers that a row-parallel projection of x's rows (same count, x's width) sends its
+        output to as it stores it, or None: where the GEMV computes it and the fused all-reduce
+        takes it (both decided by shape, so every rank decides alike)."""
+        fused = self.fused_norm
+        if fused is None or not ops.gemv_fits(x) or not fused.fits(x):
+            return None
+        return fused.peers
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x, in rank order."""

@@ -267,7 +267,9 @@ def run_worker(
                 handle = runner.run_scheduled(plan, None)
             else:
                 assert isinstance(plan, ContinuedPlan), plan
-                handle = runner.run_continued(handle, plan.page_tables)
+                handle = runner.run_continued(
+                    handle, plan.page_tables, plan.draft_len, changes=plan.changes
+                )
             if step_log is not None:
                 step_log.write(handle)
     runner.graphs = None  # see leave_group

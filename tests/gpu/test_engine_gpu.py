@@ -242,9 +242,9 @@ def test_async_scheduling_equals_sync_through_arrivals_and_prompt_chunks(ckpt):
     continued_prompts = []
     launch_continued = on.engine.runner.launch_continued
 
-    def counted(previous, pages, keep=None, prompt_chunks=()):
+    def counted(previous, pages, draft_len, keep=None, prompt_chunks=()):
         continued_prompts.extend(chunk.samples for chunk in prompt_chunks)
-        return launch_continued(previous, pages, keep, prompt_chunks)
+        return launch_continued(previous, pages, draft_len, keep, prompt_chunks)
 
     on.engine.runner.launch_continued = counted
     a = [o.outputs[0].token_ids for o in on.generate(prompts, params)]

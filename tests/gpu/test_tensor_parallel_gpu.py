@@ -32,9 +32,16 @@ CONSTRAINED = SamplingParams(
     seed=3,
     structured_outputs=StructuredOutputsParams(json_object=True),
 )
+# More requests than the engine's 8 sequences, ending at different steps: continued steps drop
+# the ended sequences and take in the waiting ones.
+STAGGERED = [
+    SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(12)
+]
 
 
-def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def tokens(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
@@ -52,9 +59,20 @@ def run_two_gpus(target: str, draft: str, prompts: list[list[int]], log: str) ->
         adaptive_draft_length=False,
         tensor_parallel_step_log=log,
     )
+    changed = []
+    launch_continued = two.engine.runner.launch_continued
+
+    def continued(previous, pages, draft_len, keep=None, prompt_chunks=()):
+        changed.append(keep is not None or bool(prompt_chunks))
+        return launch_continued(previous, pages, draft_len, keep, prompt_chunks)
+
+    two.engine.runner.launch_continued = continued
     try:
+        staggered = tokens(two, prompts * 3, STAGGERED)
         return {
             "graphs": two.engine.runner.graphs is not None,
+            "staggered": staggered,
+            "changed": sum(changed),
             "greedy": tokens(two, prompts, GREEDY),
             "sampled": [tokens(two, prompts, SAMPLED) for _ in range(2)],
             "constrained": tokens(two, prompts, CONSTRAINED),
@@ -106,12 +124,15 @@ def in_fresh_process(fn, *args, timeout: float = 300):
 
 @pytest.mark.parametrize("variant", ["dense", "moe", "ple"])
 def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
-    """Greedy TP=2 with MTP equals TP=1 without it up to near-ties; the ranks agree exactly on
-    every step's tokens and drafts, greedy, sampled and constrained, with graphs replayed."""
+    """Greedy TP=2 with MTP equals TP=1 without it up to near-ties, also where continued steps
+    drop and take in sequences; the ranks agree exactly on every step's tokens and drafts,
+    greedy, sampled and constrained, with graphs replayed."""
     target = tiny_checkpoints.get(variant)
     draft = tiny_checkpoints.get_assistant(variant)
     prompts = [prompt_of(n, seed=n) for n in (5, 17, 40, 3)]
-    want = tokens(gpu_llm(target), prompts, GREEDY)
+    one = gpu_llm(target)
+    want = tokens(one, prompts, GREEDY)
+    want_staggered = tokens(one, prompts * 3, STAGGERED)
     log = tmp_path / "steps"
     two = in_fresh_process(run_two_gpus, str(target), str(draft), prompts, str(log), timeout=180)
     assert two["graphs"]  # rank 0 replays graphs under TP
@@ -120,6 +141,9 @@ def test_two_gpus_emit_the_one_gpu_tokens(tiny_checkpoints, tmp_path, variant):
     judge = load_hf_target(target, dtype=torch.float32, device="cuda")
     noisy = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
     for got, expected, prompt in zip(two["greedy"], want, prompts):
+        assert_same_or_near_tie(got, expected, prompt, judge, noisy)
+    assert two["changed"] > 0  # continued steps dropped and took in sequences on both ranks
+    for got, expected, prompt in zip(two["staggered"], want_staggered, prompts * 3):
         assert_same_or_near_tie(got, expected, prompt, judge, noisy)
     rank0 = [json.loads(line) for line in (log / "rank0.jsonl").read_text().splitlines()]
     rank1 = [json.loads(line) for line in (log / "rank1.jsonl").read_text().splitlines()]
@@ -169,12 +193,13 @@ def on_two_ranks(fn, timeout: float = 150) -> list:
 
 def _fused_all_reduce_norm_checks(rank: int, port: int) -> list[float]:
     """The fused kernel against NCCL's all-reduce, then the norm kernel, at decode to verify row
-    counts: eagerly back to back, in a chain of 200 calls, and replayed in a CUDA graph."""
+    counts: eagerly back to back, in a chain of 200 calls, after a GEMV that sent its rows
+    itself, and replayed in a CUDA graph."""
     import torch.distributed as dist
 
     from gemma4serve.parallel.group import FusedAllReduceNorm
     from gemma4serve.parallel.workers import init_group
-    from gemma4serve_kernels import rmsnorm_residual_add
+    from gemma4serve_kernels import gemv, rmsnorm_residual_add
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -217,19 +242,35 @@ def _fused_all_reduce_norm_checks(rank: int, port: int) -> list[float]:
         want, _ = reference(want, h, None, None)
     assert torch.equal(y, want)
     sums.append(y.float().sum().item())
+    # A row-parallel GEMV that sends its rows itself (one K split, and the split-K path), then
+    # the all-reduce told so; the GEMV stores what it would without sending.
+    w_row = rand(own, hidden, 1024, scale=0.05)
+    for rows, config in ((1, None), (4, (32, 256, 2, 3, 2)), (16, None)):
+        x, a = rand(shared, rows, hidden, scale=4), rand(own, rows, 1024)
+        h = gemv(a, w_row, config=config, push=fused.peers)
+        y, _ = fused(x, h, w, eps, None, None, pushed=True)
+        assert torch.equal(y, reference(x, h, None, None)[0])
+        assert torch.equal(h, gemv(a, w_row, config=config))
+        sums.append(y.float().sum().item())
     static_x, static_h = rand(shared, 5, hidden), rand(own, 5, hidden)
+    static_a = rand(own, 5, 1024)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # two calls: both buffer parities on every replay
+    with torch.cuda.graph(graph):  # three calls: both buffer parities on every replay
         y1, z1 = fused(static_x, static_h, w, eps, None, w2)
         y2, _ = fused(y1, static_h, w, eps, scalar, None)
+        h3 = gemv(static_a, w_row, push=fused.peers)
+        y3, _ = fused(y2, h3, w, eps, None, None, pushed=True)
     for _ in range(20):
         static_x.copy_(rand(shared, 5, hidden, scale=4))
         static_h.copy_(rand(own, 5, hidden, scale=9))
+        static_a.copy_(rand(own, 5, 1024))
         graph.replay()
         ry1, rz1 = reference(static_x, static_h, None, w2)
         ry2, _ = reference(ry1, static_h, scalar, None)
+        ry3, _ = reference(ry2, h3, None, None)
         assert torch.equal(y1, ry1) and torch.equal(z1, rz1) and torch.equal(y2, ry2)
-        sums.append(y2.float().sum().item())
+        assert torch.equal(y3, ry3)
+        sums.append(y3.float().sum().item())
     del graph
     dist.destroy_process_group()
     return sums
