@@ -11,6 +11,8 @@ case for --sweep). Shapes are the --model's (the 31B by default).
     python bench/bench_kernels.py            # the table
     # Also search configs (slow: limit it).
     python bench/bench_kernels.py --sweep --layers full --batches 1
+    # K and V where the server keeps them: each page holds every layer, pages spread over GiBs.
+    python bench/bench_kernels.py --phases verify --batches 32 --contexts 1100 --arena-gib 60
 
 Decode and verify are memory-bound, so the figure of merit is bytes moved / time against the copy
 bandwidth this script measures on the same GPU (a large device-to-device copy: read + write bytes).
@@ -32,7 +34,9 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.args import EngineArgs
+from gemma4serve.kv.cache import KVCache, page_tokens
 from gemma4serve_kernels import attention_config, paged_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,18 +44,53 @@ from bench_step import copy_bandwidth  # noqa: E402
 
 
 def shapes_of(model: str) -> dict:
-    """Attention shapes of the model's full and sliding layers."""
+    """Attention shapes of the model's full and sliding layers (and the first producer layer of
+    each, whose K and V an arena gives)."""
     from gemma4serve.config import SLIDING, load_config
 
     cfg = load_config(model)
     shapes = {}
-    for layer in cfg.layers:
+    for layer in cfg.producer_layers:
         window = cfg.sliding_window if layer.kind == SLIDING else 0
         name = "sliding" if window else "full"
         shapes.setdefault(
-            name, dict(nh=cfg.num_heads, nkv=layer.num_kv_heads, hd=layer.head_dim, window=window)
+            name,
+            dict(
+                nh=cfg.num_heads,
+                nkv=layer.num_kv_heads,
+                hd=layer.head_dim,
+                window=window,
+                layer=layer.index,
+            ),
         )
     return shapes
+
+
+def served_arena(model: str, gib: float) -> KVCache:
+    """`gib` GiB of the server's KV arena for `model`: pages of every producer layer's K and V at
+    the default page size, filled with random values."""
+    from gemma4serve.config import load_config
+
+    cfg = load_config(model)
+    tokens = page_tokens(cfg, EngineArgs.page_size)
+    num_pages = int(gib * 2**30) // KVCache.bytes_per_page(cfg, tokens, DT)
+    arena = KVCache(cfg, num_pages, tokens, DT, "cuda")
+    arena.arena.normal_()
+    return arena
+
+
+def kv_pages(shape: dict, count: int, arena: KVCache | None):
+    """K and V caches [pages, page tokens, nkv, hd] and `count` distinct pages of them in a random
+    order (page 0 unused, as the server's null page): a cache of its own per case, or the layer's
+    view of the served arena (its pages a whole arena page apart), pages drawn from all of it."""
+    if arena is None:
+        k_cache = torch.randn(1 + count, PAGE, shape["nkv"], shape["hd"], device="cuda", dtype=DT)
+        return k_cache, torch.randn_like(k_cache), torch.randperm(count, device="cuda") + 1
+    k_cache, v_cache = arena.layer(shape["layer"])
+    if count >= k_cache.shape[0]:
+        raise SystemExit(f"--arena-gib holds {k_cache.shape[0] - 1} pages; this case needs {count}")
+    pages = torch.randperm(k_cache.shape[0] - 1, device="cuda")[:count] + 1
+    return k_cache, v_cache, pages
 
 
 PAGE = 16
@@ -60,18 +99,18 @@ PREFILL_ROWS = 1024  # query rows of one prefill chunk
 MIXED_TOKENS = EngineArgs.max_num_batched_tokens  # the server's default token budget
 
 
-def build_groups(shape: dict, groups: list[tuple[int, int]]):
+def build_groups(shape: dict, groups: list[tuple[int, int]], arena: KVCache | None = None):
     """Paged attention's arguments for sequence groups [(committed positions, query rows)]: each
-    group's rows are its last positions; pages in a random order. Also the bytes moved (the K and V
-    rows the queries can see, q read, output written) and the FLOPs of q·k and p·v."""
+    group's rows are its last positions; pages in a random order (see kv_pages). Also the bytes
+    moved (the K and V rows the queries can see, q read, output written) and the FLOPs of q·k and
+    p·v."""
     nh, nkv, hd, window = shape["nh"], shape["nkv"], shape["hd"], shape["window"]
-    pages = [triton.cdiv(ctx, PAGE) for ctx, _ in groups]
-    phys = (torch.randperm(sum(pages), device="cuda") + 1).to(torch.int32)
+    page = arena.page_tokens[SLIDING if window else FULL] if arena else PAGE
+    pages = [triton.cdiv(ctx, page) for ctx, _ in groups]
+    k_cache, v_cache, phys = kv_pages(shape, sum(pages), arena)
     table = torch.zeros(len(groups), max(pages), dtype=torch.int32, device="cuda")
     for i, (first, count) in enumerate(zip(itertools.accumulate([0] + pages), pages)):
         table[i, :count] = phys[first : first + count]
-    k_cache = torch.randn(1 + sum(pages), PAGE, nkv, hd, device="cuda", dtype=DT)
-    v_cache = torch.randn_like(k_cache)
     T = sum(rows for _, rows in groups)
     q = torch.randn(T, nh, hd, device="cuda", dtype=DT) * hd**-0.5
     ends = torch.cat(
@@ -92,9 +131,9 @@ def build_groups(shape: dict, groups: list[tuple[int, int]]):
     return args, nbytes, flops
 
 
-def build(shape: dict, batch: int, ctx: int, rows: int):
+def build(shape: dict, batch: int, ctx: int, rows: int, arena: KVCache | None = None):
     """`batch` sequences of `ctx` committed positions, each with its last `rows` as queries."""
-    args, nbytes, _ = build_groups(shape, [(ctx, rows)] * batch)
+    args, nbytes, _ = build_groups(shape, [(ctx, rows)] * batch, arena)
     return args, nbytes
 
 
@@ -108,7 +147,14 @@ def prompt_chunks(batch: int, verify_rows: int, prompt_len: int | None) -> list[
     return [(rows, rows) for rows in pieces if rows]
 
 
-def build_mixed(shape: dict, batch: int, ctx: int, verify_rows: int, prompt_len: int | None):
+def build_mixed(
+    shape: dict,
+    batch: int,
+    ctx: int,
+    verify_rows: int,
+    prompt_len: int | None,
+    arena: KVCache | None = None,
+):
     """`batch` verifying sequences at `ctx` and the prompt chunks beside them, with empty groups
     up to the sequence bucket (of the server's default 256 sequences) as
     gemma4serve/engine/cuda_graphs.py's mixed graphs pad them."""
@@ -116,7 +162,7 @@ def build_mixed(shape: dict, batch: int, ctx: int, verify_rows: int, prompt_len:
 
     verify = [(ctx, verify_rows)] * batch
     groups = verify + prompt_chunks(batch, verify_rows, prompt_len)
-    args, nbytes, flops = build_groups(shape, groups)
+    args, nbytes, flops = build_groups(shape, groups, arena)
     bucket = next(g for g in mixed_group_buckets(256) if g >= len(groups))
     cu = args[6]
     cu = torch.cat([cu, cu.new_full((bucket + 1 - len(groups),), MIXED_TOKENS)])
@@ -249,6 +295,13 @@ def main():
     parser.add_argument(
         "--splits", help='split settings of the sweep, "num_splits:min_split_keys,..." or "default"'
     )
+    parser.add_argument(
+        "--arena-gib",
+        type=float,
+        default=0,
+        help="read K and V from this many GiB of the server's KV arena (its layout: a page holds "
+        "every layer, pages drawn at random from all of it) instead of a cache per case",
+    )
     cli = parser.parse_args()
     phase_rows = {"decode": 1, "verify": cli.verify_rows, "prefill": PREFILL_ROWS}
     options = dict(block_n_opts=tuple(map(int, cli.block_n.split(","))))
@@ -272,6 +325,7 @@ def main():
     print(head + ("   best (sweep, graph us)" if cli.sweep else ""))
     print("-" * len(head))
     shapes = shapes_of(cli.model)
+    arena = served_arena(cli.model, cli.arena_gib) if cli.arena_gib else None
     for name in cli.layers.split(","):
         shape = shapes[name]
         for phase in cli.phases.split(","):
@@ -280,17 +334,17 @@ def main():
                     parts, flops = {}, None
                     if phase == "mixed":
                         args, nbytes, flops = build_mixed(
-                            shape, batch, ctx, cli.verify_rows, cli.prompt_len
+                            shape, batch, ctx, cli.verify_rows, cli.prompt_len, arena
                         )
-                        parts["verify"] = build(shape, batch, ctx, cli.verify_rows)[0]
+                        parts["verify"] = build(shape, batch, ctx, cli.verify_rows, arena)[0]
                         parts["prompts"] = build_groups(
-                            shape, prompt_chunks(batch, cli.verify_rows, cli.prompt_len)
+                            shape, prompt_chunks(batch, cli.verify_rows, cli.prompt_len), arena
                         )[0]
                     elif phase == "prompts":
                         groups = prompt_chunks(batch, cli.verify_rows, cli.prompt_len)
-                        args, nbytes, flops = build_groups(shape, groups)
+                        args, nbytes, flops = build_groups(shape, groups, arena)
                     else:
-                        args, nbytes = build(shape, batch, ctx, phase_rows[phase])
+                        args, nbytes = build(shape, batch, ctx, phase_rows[phase], arena)
                     ms, graph_ms = time_case(args)
                     gbs = nbytes / (ms * 1e-3) / 1e9
                     line = (
