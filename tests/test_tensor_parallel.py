@@ -80,11 +80,11 @@ def read_steps(path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def dense_on_two_ranks(tiny_checkpoints, log, **kwargs) -> LLM:
-    """The dense tiny model on two ranks with its drafter (k = 3), each rank logging its steps."""
+def on_two_ranks(tiny_checkpoints, variant, log, **kwargs) -> LLM:
+    """A tiny model on two ranks with its drafter (k = 3), each rank logging its steps."""
     return LLM(
-        str(tiny_checkpoints.get("dense")),
-        draft=str(tiny_checkpoints.get_assistant("dense")),
+        str(tiny_checkpoints.get(variant)),
+        draft=str(tiny_checkpoints.get_assistant(variant)),
         device="cpu",
         tensor_parallel_size=2,
         num_draft_tokens=3,
@@ -149,7 +149,7 @@ def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path, pro
     back and forth in steps continued on the device, and the ranks follow."""
     (expected,), _ = generate(tiny_checkpoints.get("dense"), None, [GREEDY])
     log = tmp_path / "steps"
-    llm = dense_on_two_ranks(tiny_checkpoints, log)
+    llm = on_two_ranks(tiny_checkpoints, "dense", log)
     try:  # two drafts pay far more than three at every batch size
         llm.engine.draft_length = DraftLength(
             3, {8: StepCost(1.0, {2: 0.5, 3: 5.0}, {2: 0.1, 3: 0.1})}, probe_every=probe_every
@@ -169,8 +169,9 @@ def test_two_ranks_follow_a_shorter_draft_length(tiny_checkpoints, tmp_path, pro
         assert llm.engine.num_continued_steps > 5
 
 
+@pytest.mark.parametrize("variant", ["dense", "ple", "moe"])
 def test_two_ranks_continue_steps_through_finishes_arrivals_and_prompt_chunks(
-    tiny_checkpoints, tmp_path
+    tiny_checkpoints, tmp_path, variant
 ):
     """Steps continued on the device that drop the sequences which ended, take in waiting
     requests and carry prompts' chunks run on both ranks (rank 0 sends what changed; each rank
@@ -191,9 +192,9 @@ def test_two_ranks_continue_steps_through_finishes_arrivals_and_prompt_chunks(
         finally:
             llm.engine.shutdown()
 
-    expected = run(LLM(str(tiny_checkpoints.get("dense")), device="cpu", **limits))
+    expected = run(LLM(str(tiny_checkpoints.get(variant)), device="cpu", **limits))
     log = tmp_path / "steps"
-    llm = dense_on_two_ranks(tiny_checkpoints, log, **limits)
+    llm = on_two_ranks(tiny_checkpoints, variant, log, **limits)
     changed = []
     launch_continued = llm.engine.runner.launch_continued
 
