@@ -9,6 +9,9 @@ against gemv_mlp (down awaiting gate_up's flags) with a sweep of down's split-K 
 chains.
 
   python bench/bench_gemv.py [--rows 1 5 8 16] [--skip-shapes]
+  # One rank's shapes under tensor parallelism (column-parallel qkv and gate_up, row-parallel
+  # o_proj and down), to tell the GEMVs' own efficiency at those shapes from the served step's.
+  python bench/bench_gemv.py --tensor-parallel-size 2 --rows 1 --sweep-rows 1
 """
 
 from __future__ import annotations
@@ -30,12 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import copy_bandwidth, time_it  # noqa: E402
 
 LAYERS, H, Q, INTERMEDIATE = 60, 5376, 8192, 21504
-SHAPES = {
-    "qkv": (2 * Q, H),
-    "o_proj": (H, Q),
-    "gate_up": (2 * INTERMEDIATE, H),
-    "down": (H, INTERMEDIATE),
-}
+
+
+def layer_shapes(tp: int) -> dict[str, tuple[int, int]]:
+    """(N, K) of one rank's projections of a sliding layer: qkv and gate_up split N, o_proj and
+    down split K."""
+    return {
+        "qkv": (2 * Q // tp, H),
+        "o_proj": (H, Q // tp),
+        "gate_up": (2 * INTERMEDIATE // tp, H),
+        "down": (H, INTERMEDIATE // tp),
+    }
+
+
 SWEEP_ONLY = {  # the LM head, and the 31B drafter's projections (H 1024, I 8192) and tied head
     "lm_head": (262144, H),
     "draft pre": (1024, 2 * H),
@@ -107,7 +117,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 16])
     parser.add_argument("--sweep-rows", type=int, default=1)
     parser.add_argument("--skip-shapes", action="store_true", help="no per-shape tile sweep")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="one rank's shapes (the sweep then leaves out the LM head and the drafter)",
+    )
     args = parser.parse_args()
+    tp = args.tensor_parallel_size
+    shapes = layer_shapes(tp)
+    q_rank = Q // tp
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     bw = copy_bandwidth(torch.device("cuda"))
@@ -117,9 +137,9 @@ def main() -> None:
             torch.empty(n, k, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02)
             for _ in range(LAYERS)
         ]
-        for name, (n, k) in SHAPES.items()
+        for name, (n, k) in shapes.items()
     }
-    per_layer = sum(n * k * 2 for n, k in SHAPES.values())
+    per_layer = sum(n * k * 2 for n, k in shapes.values())
 
     # Tile sweep: each shape's GEMV over the 60 layers' weights, PDL on (as in the engine).
     M = args.sweep_rows
@@ -128,7 +148,8 @@ def main() -> None:
         "| best µs | best TB/s | best (BN, BK, warps, stages, splits) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, (n, k) in ({} if args.skip_shapes else {**SHAPES, **SWEEP_ONLY}).items():
+    swept = {} if args.skip_shapes else {**shapes, **(SWEEP_ONLY if tp == 1 else {})}
+    for name, (n, k) in swept.items():
         # Enough copies of the weight (>= 3 GB in all, or the 60 layers) that no read comes from L2.
         ws = (
             weights[name]
@@ -164,7 +185,8 @@ def main() -> None:
             flush=True,
         )
 
-    for hidden, inter in ((H, INTERMEDIATE), (1024, 8192)):  # the 31B's MLP, its drafter's
+    # the 31B's MLP, its drafter's (one rank's share of the intermediate under TP)
+    for hidden, inter in ((H, INTERMEDIATE // tp), (1024, 8192 // tp)):
         mlp_table(hidden, inter, M, bw)
 
     def chain(impl: str, x0: torch.Tensor):
@@ -178,7 +200,7 @@ def main() -> None:
             h = x0
             for i in range(LAYERS):
                 qkv = lin(h, weights["qkv"][i])
-                o = lin(qkv[:, :Q], weights["o_proj"][i])
+                o = lin(qkv[:, :q_rank], weights["o_proj"][i])
                 if impl == "gemv_mlp + PDL":
                     h = gemv_mlp(o, weights["gate_up"][i], weights["down"][i])
                 else:
@@ -189,7 +211,8 @@ def main() -> None:
 
     nbytes = per_layer * LAYERS
     print(
-        f"\n60-layer chain (qkv, o_proj, gate_up, gelu, down), {nbytes / 1e9:.1f} GB of weights; "
+        f"\n60-layer chain (qkv, o_proj, gate_up, gelu, down) of rank 0 of {tp}, "
+        f"{nbytes / 1e9:.1f} GB of weights; "
         f"roofline {nbytes / bw * 1e3:.2f} ms = bytes / copy bandwidth"
     )
     print("| M | impl | ms | TB/s | % of roofline |")
