@@ -27,11 +27,12 @@ from gemma4serve.engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from gemma4serve.engine.runner import ModelRunner, StepHandle
+from gemma4serve.engine.runner import ModelRunner
 from gemma4serve.engine.sampler import TokenRules, needs_host_between_steps
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepResult
 from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
+from gemma4serve.engine.step_data import StepHandle
 from gemma4serve.kv.manager import KVManager
 from gemma4serve.parallel.workers import TensorParallelWorkers
 from gemma4serve.sampling_params import SamplingParams

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from gemma4serve.engine.sampler import TokenRules
+from gemma4serve.engine.step_data import PromptRows, TargetBatch
 from gemma4serve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from gemma4serve.engine.runner import PromptRows, TargetBatch
 
 
 @dataclass
