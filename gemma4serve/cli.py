@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from gemma4serve.engine.args import EngineArgs
-from gemma4serve.server.app import DEFAULT_MAX_LOGPROBS, CorsSettings
 from gemma4serve.server.limits import RequestLimits
+from gemma4serve.server.state import DEFAULT_MAX_LOGPROBS, CorsSettings
 
 logger = logging.getLogger("gemma4serve")
 

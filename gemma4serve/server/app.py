@@ -17,15 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
-import json
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -39,13 +34,11 @@ from starlette.routing import Route
 
 from gemma4serve.chat.output import ChatMarkers
 from gemma4serve.engine.client import EngineClient
-from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from gemma4serve.sampling_params import SamplingParams
-from gemma4serve.server.batch import merged_outputs
 from gemma4serve.server.drain import drain_when_asked
 from gemma4serve.server.formats import ChatFormat, CompletionFormat, Prompt, ResponseFormat
 from gemma4serve.server.limits import RequestLimits, read_body, read_request
 from gemma4serve.server.metrics import ServerMetrics
+from gemma4serve.server.middleware import ApiGate, RequestIdHeader, given_request_id
 from gemma4serve.server.openapi import docs_page, openapi_document
 from gemma4serve.server.protocol import (
     ApiError,
@@ -60,6 +53,8 @@ from gemma4serve.server.protocol import (
     load_json_object,
     validate_request,
 )
+from gemma4serve.server.responses import GenerationResponse, json_response
+from gemma4serve.server.state import DEFAULT_MAX_LOGPROBS, CorsSettings, ServerState
 from gemma4serve.stop_strings import StopStrings
 from gemma4serve.validation import (
     RequestError,
@@ -80,415 +75,10 @@ RESERVED_TEMPLATE_KWARGS = {
     "continue_final_message",
     "chat_template",
 }
-DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
-MAX_REQUEST_ID_CHARS = 256  # a longer X-Request-Id is replaced by a generated one
-
-
-def _dumps(obj) -> bytes:
-    try:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    except (
-        UnicodeEncodeError
-    ):  # a lone surrogate from the request (echoed in a message): \u-escape it
-        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-def _json(status: int, body: dict, headers: dict | None = None) -> Response:
-    return Response(
-        _dumps(body), status_code=status, media_type="application/json", headers=headers
-    )
-
-
-# ------------------------------------------------------------------------------------------------
-# Server state
-
-
-@dataclass
-class CorsSettings:
-    """vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials."""
-
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-
-
-@dataclass
-class ServerState:
-    """What the routes share: the engine, the served names, the server's lifecycle switches."""
-
-    engine: EngineClient
-    model_names: list[str]
-    api_key: str | None
-    metrics: ServerMetrics
-    token_strings: TokenStrings
-    chat_markers: ChatMarkers | None  # the tokenizer's channel and tool-call tokens, if any
-    sampling_defaults: dict
-    drain_timeout: float
-    limits: RequestLimits
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1 = no cap
-    log_requests: bool = False  # one log line per request: its id, prompt size and settings
-    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: such prompts get no tools
-    created: int = field(default_factory=lambda: int(time.time()))
-    ready: bool = False  # the engine thread runs
-    draining: bool = False  # shutting down: refuse new work, let running requests finish
-    inflight: set[str] = field(
-        default_factory=set
-    )  # request ids being generated (touched on the loop only)
-    on_drained: Callable[[], None] | None = None  # called once the drain is over (server/drain.py)
-    _engine_stopped: bool = False
-    _stop_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def unavailable(self) -> str | None:
-        """Why new work is refused (503), or None when the server takes requests."""
-        if self.draining:
-            return "The server is shutting down."
-        if not self.ready:
-            return "The engine is not ready yet."
-        if not self.engine.ready:  # the engine died: fail fast, never hang a client
-            return "The engine is not running."
-        return None
-
-    def begin_drain(self) -> None:
-        """Stop admitting requests (503) and fail health checks; safe in a signal handler."""
-        self.draining = True
-
-    def abort_inflight(self) -> None:
-        """Abort every running request: the engine ends each with finish_reason "abort", so that
-        streams still close with a final chunk and [DONE]."""
-        for request_id in list(self.inflight):
-            self.engine.abort(request_id)
-
-    def stop_engine(self, drain_timeout: float | None = None) -> None:
-        """engine.shutdown(), once, whoever asks first (the app's shutdown, or the CLI after a
-        forced exit)."""
-        with self._stop_lock:
-            if self._engine_stopped:
-                return
-            self._engine_stopped = True
-        self.ready = False
-        self.engine.shutdown(
-            drain_timeout=self.drain_timeout if drain_timeout is None else drain_timeout
-        )
-
-    def resolve_model(self, requested: str | None) -> str:
-        if requested is None:  # vLLM accepts a request without "model"
-            return self.model_names[0]
-        if requested not in self.model_names:
-            raise ApiError(
-                404,
-                f"The model `{requested}` does not exist. This server serves: "
-                f"{', '.join(self.model_names)}.",
-                param="model",
-                code="model_not_found",
-            )
-        return requested
-
-    def model_card(self, name: str) -> dict:
-        return {
-            "id": name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "gemma4serve",
-            "root": self.engine.model_name,
-            "parent": None,
-            "max_model_len": self.engine.max_model_len,
-        }
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.gemma4serve
-
-
-# ------------------------------------------------------------------------------------------------
-# Gate: auth and draining for /v1 (pure ASGI, so that it never buffers a stream)
-
-
-class ApiGate:
-    def __init__(self, app, state: ServerState):
-        self.app = app
-        self.state = state
-        self._key = state.api_key.encode() if state.api_key else None
-
-    async def __call__(self, scope, receive, send):
-        # A CORS preflight (OPTIONS) carries no credentials: CORSMiddleware answers it before this.
-        if scope["type"] == "http" and _route_path(scope).startswith("/v1"):
-            if scope["method"] == "OPTIONS":
-                await self.app(scope, receive, send)
-                return
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _refusal(self, scope) -> Response | None:
-        if self._key is not None:
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                message = (
-                    "Incorrect API key provided." if auth else "You didn't provide an API key."
-                )
-                return _json(
-                    401, error_body(message, code="invalid_api_key"), {"WWW-Authenticate": "Bearer"}
-                )
-        unavailable = self.state.unavailable()
-        if unavailable:
-            return _json(503, error_body(unavailable, type="service_unavailable"))
-        return None
-
-
-def _route_path(scope) -> str:
-    """The path the routes see: behind --root-path, uvicorn puts the prefix in front of it."""
-    root = scope.get("root_path", "")
-    path = scope["path"]
-    return path[len(root) :] if root and path.startswith(root) else path
-
-
-def _given_request_id(scope) -> bytes | None:
-    for name, value in scope["headers"]:
-        if name == b"x-request-id":
-            return value if 0 < len(value) <= MAX_REQUEST_ID_CHARS else None
-    return None
-
-
-class RequestIdHeader:
-    """Echoes a request's X-Request-Id header in its response, as vLLM does (generation
-    responses send their request id whether or not one was given)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        given = _given_request_id(scope) if scope["type"] == "http" else None
-        if given is None:
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                headers = [
-                    (name, value)
-                    for name, value in message.get("headers", [])
-                    if name.lower() != b"x-request-id"
-                ]
-                message = {**message, "headers": headers + [(b"x-request-id", given)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-# ------------------------------------------------------------------------------------------------
-# One generation as an ASGI response
-
-
-async def _wait_for_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),  # nginx: do not buffer the stream
-]
-
-
-class GenerationResponse:
-    """Runs one request on the engine and writes it out, streamed (SSE) or as one JSON body.
-
-    The status is chosen only after the engine accepted the request (its first output): a
-    ValueError from `generate` (prompt too long, ...) is still a 400. Uvicorn's send() silently
-    drops writes to a gone client, so disconnects are watched on receive(), concurrently, for the
-    whole generation."""
-
-    def __init__(
-        self,
-        state: ServerState,
-        fmt: ResponseFormat,
-        request_id: str,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        stream: bool,
-    ):
-        self.state = state
-        self.fmt = fmt
-        self.request_id = request_id
-        self.prompts = prompts
-        self.params = params  # per prompt
-        # The engine's request ids: the response's own, or one per prompt of a batch
-        self.engine_ids = (
-            [request_id]
-            if len(prompts) == 1
-            else [f"{request_id}-{i}" for i in range(len(prompts))]
-        )
-        self.stream = stream
-        self._started = False  # response headers sent
-        self._engine_finished = False  # the engine sent its finished output (nothing left to abort)
-        self._stopped_short = False  # the engine's generator ended without a finished output
-
-    async def __call__(self, scope, receive, send) -> None:
-        work = asyncio.ensure_future(self._run(send))
-        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                logger.info("request %s: client disconnected, aborting", self.request_id)
-        except asyncio.CancelledError:
-            # uvicorn's graceful-shutdown backstop: the engine did not end this request after the
-            # drain abort.
-            logger.warning("request %s: cancelled at shutdown", self.request_id)
-        finally:
-            work.cancel()
-            watch.cancel()
-            await asyncio.gather(work, watch, return_exceptions=True)
-
-    async def _start(self, send, status: int, headers: list) -> None:
-        self._started = True
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": headers + [(b"x-request-id", self.request_id.encode())],
-            }
-        )
-
-    async def _send_json(self, send, status: int, body: dict) -> None:
-        await self._start(send, status, [(b"content-type", b"application/json")])
-        await send({"type": "http.response.body", "body": _dumps(body)})
-
-    async def _run(self, send) -> None:
-        engine = self.state.engine
-        outputs = None
-        self.state.inflight.update(self.engine_ids)
-        try:
-            try:
-                streams = [
-                    engine.generate(prompt, params, engine_id)
-                    for prompt, params, engine_id in zip(self.prompts, self.params, self.engine_ids)
-                ]
-                outputs = (
-                    streams[0]
-                    if len(streams) == 1
-                    else merged_outputs(streams, self.params[0].n, self.request_id)
-                )
-                first = await outputs.__anext__()
-            except RequestError as e:  # the engine's word on a request, before anything ran
-                await self._send_json(send, 400, error_body(str(e), param=e.param, code=e.code))
-                return
-            except ValueError as e:  # sampling settings the engine refused
-                await self._send_json(send, 400, error_body(str(e)))
-                return
-            if self.stream:
-                await self._stream(send, first, outputs)
-            else:
-                await self._collect(send, first, outputs)
-        except Exception as e:
-            unavailable = None if self._started else self.state.unavailable()
-            if unavailable:  # raced with shutdown: the engine stopped admitting
-                await self._send_json(
-                    send, 503, error_body(unavailable, type="service_unavailable")
-                )
-                return
-            logger.exception("request %s failed", self.request_id)
-            body = error_body(
-                f"internal error: {type(e).__name__}: {e}", type="internal_server_error"
-            )
-            if not self._started:
-                await self._send_json(send, 500, body)
-            # mid-stream: the status is gone; tell the client in-band, as vLLM does, then end the
-            # stream
-            else:
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n",
-                    }
-                )
-        finally:
-            self.state.inflight.difference_update(self.engine_ids)
-            if outputs is not None:
-                try:
-                    await (
-                        outputs.aclose()
-                    )  # GeneratorExit in the engine's generator: it aborts and frees pages
-                except Exception:
-                    logger.exception(
-                        "request %s: closing the engine's generator failed", self.request_id
-                    )
-            if not self._engine_finished:
-                try:
-                    for engine_id in self.engine_ids:  # idempotent; covers a generator that
-                        engine.abort(engine_id)  # did not abort itself
-                except Exception:
-                    logger.exception("request %s: abort failed", self.request_id)
-
-    async def _next(self, outputs, previous: RequestOutput) -> RequestOutput:
-        """The engine's next output. Should the engine stop without a finished one, the request
-        ends as aborted rather than as an error: the client still gets a well-formed end."""
-        output = await anext(outputs, None)
-        if output is None:
-            logger.warning(
-                "request %s: the engine stopped without a finished output", self.request_id
-            )
-            self._stopped_short = True
-            return _ended_as_abort(previous)
-        return output
-
-    def _finish(self, output: RequestOutput) -> None:
-        self._engine_finished = output.finished and not self._stopped_short
-        if self._engine_finished:
-            self.state.metrics.observe_finished(output)
-
-    async def _stream(self, send, output: RequestOutput, outputs) -> None:
-        await self._start(send, 200, SSE_HEADERS)
-        events = self.fmt.opening(output)
-        while True:
-            events += self.fmt.step(output)
-            if events:  # one write per engine output: MTP can bring several tokens at once
-                await send({"type": "http.response.body", "body": _sse(events), "more_body": True})
-                events = []
-            if output.finished:
-                break
-            output = await self._next(outputs, output)
-        self._finish(output)
-        tail = _sse(self.fmt.closing()) + b"data: [DONE]\n\n"
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
-
-    async def _collect(self, send, output: RequestOutput, outputs) -> None:
-        logprobs: dict[int, list[TokenLogprob]] = {}
-        while True:
-            for c in output.outputs:
-                if c.new_logprobs:
-                    logprobs.setdefault(c.index, []).extend(c.new_logprobs)
-            self.fmt.count(output)
-            if output.finished:
-                break
-            output = await self._next(outputs, output)
-        self._finish(output)
-        await self._send_json(send, 200, self.fmt.body(output, logprobs))
-
-
-def _ended_as_abort(last: RequestOutput) -> RequestOutput:
-    """A finished copy of `last` (no new tokens) whose unfinished choices end with "abort"."""
-    choices = [
-        CompletionOutput(
-            index=c.index,
-            text=c.text,
-            token_ids=c.token_ids,
-            finish_reason=c.finish_reason or "abort",
-            stop_reason=c.stop_reason,
-        )
-        for c in last.outputs
-    ]
-    return RequestOutput(
-        last.request_id, last.prompt_token_ids, choices, finished=True, metrics=None
-    )
-
-
-def _sse(events: list[dict]) -> bytes:
-    return b"".join(b"data: " + _dumps(e) + b"\n\n" for e in events)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -607,7 +197,7 @@ async def _generation(
             )
         )
     # vLLM: a client's X-Request-Id names the request (made unique if it is already running)
-    given = _given_request_id(request.scope)
+    given = given_request_id(request.scope)
     request_id = f"{id_prefix}-{given.decode('latin-1') if given else uuid.uuid4().hex}"
     if request_id in state.inflight:
         request_id += f"-{uuid.uuid4().hex[:8]}"
@@ -685,7 +275,7 @@ async def tokenize(request: Request):
     ids = await run_in_threadpool(encode)
     body = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
     body["token_strs"] = [tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
-    return _json(200, body)
+    return json_response(200, body)
 
 
 async def detokenize(request: Request):
@@ -697,7 +287,7 @@ async def detokenize(request: Request):
     _needs_tokenizer(tokenizer, "token ids", "tokens")
     check_token_ids(req.tokens, tokenizer.vocab_size, param="tokens")
     text = await run_in_threadpool(tokenizer.decode, req.tokens, skip_special_tokens=False)
-    return _json(200, {"prompt": text})
+    return json_response(200, {"prompt": text})
 
 
 def _openapi_url(request: Request) -> str:
@@ -711,7 +301,7 @@ async def openapi(request: Request):
     root_path = request.scope.get("root_path", "")
     if root_path:
         document = {**document, "servers": [{"url": root_path}]}
-    return _json(200, document)
+    return json_response(200, document)
 
 
 async def docs(request: Request):
@@ -720,7 +310,7 @@ async def docs(request: Request):
 
 async def list_models(request: Request):
     state = _state(request)
-    return _json(
+    return json_response(
         200, {"object": "list", "data": [state.model_card(name) for name in state.model_names]}
     )
 
@@ -728,14 +318,14 @@ async def list_models(request: Request):
 async def get_model(request: Request):
     state = _state(request)
     name = request.path_params["model"]
-    return _json(200, state.model_card(state.resolve_model(name)))
+    return json_response(200, state.model_card(state.resolve_model(name)))
 
 
 async def health(request: Request):
     unavailable = _state(request).unavailable()
     if unavailable:
-        return _json(503, error_body(unavailable, type="service_unavailable"))
-    return _json(200, {"status": "ok"})
+        return json_response(503, error_body(unavailable, type="service_unavailable"))
+    return json_response(200, {"status": "ok"})
 
 
 async def metrics(request: Request):
@@ -750,9 +340,9 @@ async def version(request: Request):
     from importlib.metadata import version as package_version
 
     try:
-        return _json(200, {"version": package_version("gemma4serve")})
+        return json_response(200, {"version": package_version("gemma4serve")})
     except PackageNotFoundError:  # running from a source checkout
-        return _json(200, {"version": "unknown"})
+        return json_response(200, {"version": "unknown"})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -763,22 +353,22 @@ _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
 
 
 async def _api_error(request: Request, exc: ApiError):
-    return _json(exc.status, exc.body())
+    return json_response(exc.status, exc.body())
 
 
 async def _request_error(request: Request, exc: RequestError):
-    return _json(400, error_body(str(exc), param=exc.param, code=exc.code))
+    return json_response(400, error_body(str(exc), param=exc.param, code=exc.code))
 
 
 async def _http_error(request: Request, exc: HTTPException):
     message = f"{exc.detail}: {request.method} {request.url.path}"
     error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
-    return _json(exc.status_code, error_body(message, type=error_type), headers=exc.headers)
+    return json_response(exc.status_code, error_body(message, type=error_type), headers=exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception):
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _json(
+    return json_response(
         500, error_body(f"internal error: {type(exc).__name__}", type="internal_server_error")
     )
 

@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gemma4serve.server.app import ServerState
+    from gemma4serve.server.state import ServerState
 
 logger = logging.getLogger("gemma4serve.server")
 
