@@ -12,7 +12,8 @@ bare graph replays: it prints the wall time per step next to the graph replay al
 charged time (the graph's too; the only per-kernel view under TP), and the kernels launched outside
 the graph (continuation inputs, acceptance, the copy to the host), which is what
 TPOT pays on top of a step; then the GPU's idle gaps and the host's time per step (waiting for the
-GPU, working, and where the work goes under cProfile).
+GPU, working, and where the work goes under cProfile). Without a drafter it also splits the GEMVs
+by layer kind and projection against their weight bytes at the copy rate.
 
 --mixed N times the steps that carry N prompt tokens beside `--batch` decoding sequences (what
 every arriving request costs the running ones): one prompt, or with --prompt-len prompts of that
@@ -45,14 +46,10 @@ from gemma4serve.engine.cuda_graphs import CudaGraphs  # noqa: E402
 from gemma4serve.engine.engine import LLMEngine  # noqa: E402
 
 
-def report(prof, title: str, steps: int) -> None:
-    """Print per kernel name the profiler's kernel time and the time charged on the critical path.
-
-    With PDL a kernel is resident (and counted by the profiler) while it waits for its predecessor,
-    so kernel times overlap and overcount. Charged time does not: kernels in start order, each is
-    charged from the latest end before it (or its own start, after an idle gap) to its own end; the
-    charges sum to the busy time.
-    """
+def charged_kernels(prof) -> list[tuple]:
+    """(event, charged µs) of every kernel in start order: each is charged from the latest end
+    before it (or its own start, after an idle gap) to its own end, so the charges sum to the busy
+    time however PDL overlaps the kernels."""
     kernels = sorted(
         (
             event
@@ -63,13 +60,24 @@ def report(prof, title: str, steps: int) -> None:
         ),
         key=lambda event: event.time_range.start,
     )
-    rows = {}
-    last_end = float("-inf")
+    out, last_end = [], float("-inf")
     for event in kernels:
         start, end = event.time_range.start, event.time_range.end
-        t, c, n = rows.get(event.name, (0.0, 0.0, 0))
-        rows[event.name] = (t + end - start, c + max(0.0, end - max(last_end, start)), n + 1)
+        out.append((event, max(0.0, end - max(last_end, start))))
         last_end = max(last_end, end)
+    return out
+
+
+def report(prof, title: str, steps: int) -> None:
+    """Print per kernel name the profiler's kernel time and the time charged on the critical path.
+
+    With PDL a kernel is resident (and counted by the profiler) while it waits for its predecessor,
+    so kernel times overlap and overcount; charged time (`charged_kernels`) does not.
+    """
+    rows = {}
+    for event, charged in charged_kernels(prof):
+        t, c, n = rows.get(event.name, (0.0, 0.0, 0))
+        rows[event.name] = (t + event.time_range.end - event.time_range.start, c + charged, n + 1)
     total = sum(t for t, _, _ in rows.values()) / steps
     charged = sum(c for _, c, _ in rows.values()) / steps
     n = sum(k for _, _, k in rows.values()) // steps
@@ -80,6 +88,47 @@ def report(prof, title: str, steps: int) -> None:
     print("  charged  kernel time  count  kernel")
     for name, (t, c, k) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:24]:
         print(f"{c / steps / 1e3:8.3f} ms {t / steps / 1e3:8.3f} ms x{k // steps:<5} {name[:100]}")
+
+
+def gemv_roles(prof, steps: int, engine) -> None:
+    """The target's GEMVs by layer kind and projection, charged time against each one's weight
+    bytes at the copy rate. Only for a step of four GEMVs a layer (qkv, o_proj, gate_up, down, in
+    that order: no drafter, no MoE or PLE), which this matches by count."""
+    from bench_step import copy_bandwidth
+
+    layers = engine.state.target.layers
+    gemvs = [charged for event, charged in charged_kernels(prof) if event.name == "_gemv_kernel"]
+    if len(gemvs) != steps * 4 * len(layers):
+        print(f"\n(no GEMV breakdown: {len(gemvs) / steps:.0f} GEMVs a step, not 4 a layer)")
+        return
+    rows: dict[tuple[str, str], dict] = {}
+    for i, charged in enumerate(gemvs):
+        layer = layers[(i // 4) % len(layers)]
+        role, weight = [
+            ("qkv", layer.self_attn.qkv),
+            ("o_proj", layer.self_attn.o_proj.weight),
+            ("gate_up", layer.mlp.gate_up),
+            ("down", layer.mlp.down_proj.weight),
+        ][i % 4]
+        row = rows.setdefault(
+            (layer.self_attn.spec.kind, role),
+            dict(charged=0.0, bytes=0, count=0, shape=list(weight.shape)),
+        )
+        row["charged"] += charged / steps
+        row["bytes"] += weight.numel() * weight.element_size() / steps
+        row["count"] += 1 / steps
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    print("\n## the GEMVs by layer kind and projection, per step (this rank's weights)")
+    print("  charged  at copy rate   share  count  layers, projection [N, K]")
+    for (kind, role), row in sorted(rows.items()):
+        charged, floor = row["charged"], row["bytes"] / bandwidth * 1e6  # µs
+        print(
+            f"{charged / 1e3:8.3f} ms {floor / 1e3:8.3f} ms {100 * floor / charged:6.1f}% "
+            f"x{row['count']:<5.0f} {kind}, {role} {row['shape']}"
+        )
+    charged = sum(row["charged"] for row in rows.values())
+    floor = sum(row["bytes"] for row in rows.values()) / bandwidth * 1e6
+    print(f"{charged / 1e3:8.3f} ms {floor / 1e3:8.3f} ms {100 * floor / charged:6.1f}%  all")
 
 
 def idle_gaps(prof, steps: int, top: int = 8) -> None:
@@ -171,6 +220,7 @@ def engine_loop(args) -> None:
     # Under PDL kernel times overlap (a kernel waits while resident): the charged column counts
     # each microsecond of the step once.
     report(prof, "the engine loop's kernels, the graph's too", 20)
+    gemv_roles(prof, 20, engine)
     idle_gaps(prof, 20)
     rows = {}
     for event in prof.key_averages():
