@@ -34,7 +34,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from gemma4serve.config import FULL, SLIDING
+from gemma4serve.config import FULL, SLIDING, load_config
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.kv.cache import KVCache, page_tokens
 from gemma4serve_kernels import attention_config, paged_attention
@@ -42,12 +42,15 @@ from gemma4serve_kernels import attention_config, paged_attention
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import copy_bandwidth  # noqa: E402
 
+PAGE = 16
+DT = torch.bfloat16
+PREFILL_ROWS = 1024  # query rows of one prefill chunk
+MIXED_TOKENS = EngineArgs.max_num_batched_tokens  # the server's default token budget
+
 
 def shapes_of(model: str) -> dict:
     """Attention shapes of the model's full and sliding layers (and the first producer layer of
     each, whose K and V an arena gives)."""
-    from gemma4serve.config import SLIDING, load_config
-
     cfg = load_config(model)
     shapes = {}
     for layer in cfg.producer_layers:
@@ -69,8 +72,6 @@ def shapes_of(model: str) -> dict:
 def served_arena(model: str, gib: float) -> KVCache:
     """`gib` GiB of the server's KV arena for `model`: pages of every producer layer's K and V at
     the default page size, filled with random values."""
-    from gemma4serve.config import load_config
-
     cfg = load_config(model)
     tokens = page_tokens(cfg, EngineArgs.page_size)
     num_pages = int(gib * 2**30) // KVCache.bytes_per_page(cfg, tokens, DT)
@@ -91,12 +92,6 @@ def kv_pages(shape: dict, count: int, arena: KVCache | None):
         raise SystemExit(f"--arena-gib holds {k_cache.shape[0] - 1} pages; this case needs {count}")
     pages = torch.randperm(k_cache.shape[0] - 1, device="cuda")[:count] + 1
     return k_cache, v_cache, pages
-
-
-PAGE = 16
-DT = torch.bfloat16
-PREFILL_ROWS = 1024  # query rows of one prefill chunk
-MIXED_TOKENS = EngineArgs.max_num_batched_tokens  # the server's default token budget
 
 
 def build_groups(shape: dict, groups: list[tuple[int, int]], arena: KVCache | None = None):
