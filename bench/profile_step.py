@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_step import fake_decoding_sequences, replay_target  # noqa: E402
+from bench_step import copy_bandwidth, fake_decoding_sequences, replay_target  # noqa: E402
 
 from gemma4serve.engine.args import EngineArgs  # noqa: E402
 from gemma4serve.engine.cuda_graphs import CudaGraphs  # noqa: E402
@@ -94,8 +94,6 @@ def gemv_roles(prof, steps: int, engine) -> None:
     """The target's GEMVs by layer kind and projection, charged time against each one's weight
     bytes at the copy rate. Only for a step of four GEMVs a layer (qkv, o_proj, gate_up, down, in
     that order: no drafter, no MoE or PLE), which this matches by count."""
-    from bench_step import copy_bandwidth
-
     layers = engine.state.target.layers
     gemvs = [charged for event, charged in charged_kernels(prof) if event.name == "_gemv_kernel"]
     if len(gemvs) != steps * 4 * len(layers):
