@@ -3,8 +3,8 @@
 The offline engine with `tensor_parallel_size=2` (rank 0 in the test process, a spawned worker)
 against the one-device engine on tiny checkpoints of every variant (k_eq_v full layers with one KV
 head, replicated to both ranks; PLE with KV-shared layers; MoE), with the MTP drafter; every
-rank's per-step tokens compared; the real server started with `-tp 2`; a killed worker taking the
-server down.
+rank's per-step tokens compared; the real server started with `-tp 2` (concurrent streams,
+disconnects, no page lost); a killed worker taking the server down.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import os
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 import torch
 import torch.distributed
-from fake_engine import ServerProcess
+from fake_engine import ServerProcess, metric
 
 from gemma4serve import LLM, SamplingParams
 from gemma4serve.cli import engine_args, parse_args
@@ -239,6 +240,8 @@ def start_tp_server(tiny_checkpoints) -> ServerProcess:
         "-m", "gemma4serve.cli", "--model", str(target), "--draft", str(assistant),
         "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "-tp", "2",
         "--served-model-name", "tiny", "--num-draft-tokens", "3", "--disable-uvicorn-access-log",
+        # few sequences and a small budget: requests wait, long prompts come in chunks
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
     ]  # fmt: skip
     return ServerProcess(args, ready_timeout=240)
 
@@ -276,6 +279,49 @@ def test_server_with_two_ranks_serves_the_one_device_tokens(tp_server):
         )  # fmt: skip
         assert completion.usage.completion_tokens == 20
         assert completion.choices[0].text == text
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def free_pages(server: ServerProcess) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return metric(text, "gemma4serve:kv_cache_free_pages")
+
+
+def test_concurrent_streams_and_disconnects_on_two_ranks(tp_server):
+    """Twelve requests at once (four sequences at most: the others wait, long prompts come in
+    chunks) and four streams that disconnect after their first tokens: every completed request
+    equals one device's greedy output, and every KV page comes back."""
+    server, target = tp_server
+    prompts = [[2, *range(10 + 7 * i, 10 + 7 * i + 3 + 5 * i)] for i in range(12)]
+    lengths = [5 + (7 * i) % 23 for i in range(12)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    llm = LLM(str(target), device="cpu")
+    expected = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    start = free_pages(server)
+
+    def complete(i: int) -> list[int]:
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": lengths[i]}
+        body |= {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    def disconnect(i: int) -> int:
+        body = {"model": "tiny", "prompt": [2, 3 + i], "max_tokens": 3000, "stream": True}
+        body |= {"temperature": 0.0, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            events = (line for line in r.iter_lines() if line.startswith("data: "))
+            return len([next(events) for _ in range(3)])  # then the connection closes
+
+    with ThreadPoolExecutor(16) as pool:
+        completed = [pool.submit(complete, i) for i in range(12)]
+        dropped = [pool.submit(disconnect, i) for i in range(4)]
+        assert [future.result() for future in completed] == expected
+        assert [future.result() for future in dropped] == [3] * 4
+    deadline = time.monotonic() + 60
+    while (now := free_pages(server)) != start:
+        assert time.monotonic() < deadline, f"KV pages not returned: {now} != {start}"
+        time.sleep(0.2)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
