@@ -13,6 +13,8 @@ case for --sweep). Shapes are the --model's (the 31B by default).
     python bench/bench_kernels.py --sweep --layers full --batches 1
     # K and V where the server keeps them: each page holds every layer, pages spread over GiBs.
     python bench/bench_kernels.py --phases verify --batches 32 --contexts 1100 --arena-gib 60
+    # One rank's heads under tensor parallelism (its splits and tiles at batch 1).
+    python bench/bench_kernels.py -tp 2 --phases decode --batches 1 --contexts 1100 --sweep
 
 Decode and verify are memory-bound, so the figure of merit is bytes moved / time against the copy
 bandwidth this script measures on the same GPU (a large device-to-device copy: read + write bytes).
@@ -34,9 +36,10 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from gemma4serve.config import FULL, SLIDING, load_config
+from gemma4serve.config import FULL, SLIDING, TextConfig, load_config
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.kv.cache import KVCache, page_tokens
+from gemma4serve.parallel.shards import shard_text_config
 from gemma4serve_kernels import attention_config, paged_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,10 +51,15 @@ PREFILL_ROWS = 1024  # query rows of one prefill chunk
 MIXED_TOKENS = EngineArgs.max_num_batched_tokens  # the server's default token budget
 
 
-def shapes_of(model: str) -> dict:
-    """Attention shapes of the model's full and sliding layers (and the first producer layer of
-    each, whose K and V an arena gives)."""
+def text_config(model: str, tp: int) -> TextConfig:
+    """The model's config, or with `tp` > 1 one rank's (heads split as tensor parallelism does)."""
     cfg = load_config(model)
+    return shard_text_config(cfg, tp) if tp > 1 else cfg
+
+
+def shapes_of(cfg: TextConfig) -> dict:
+    """Attention shapes of the full and sliding layers (and the first producer layer of each, whose
+    K and V an arena gives)."""
     shapes = {}
     for layer in cfg.producer_layers:
         window = cfg.sliding_window if layer.kind == SLIDING else 0
@@ -69,10 +77,9 @@ def shapes_of(model: str) -> dict:
     return shapes
 
 
-def served_arena(model: str, gib: float) -> KVCache:
-    """`gib` GiB of the server's KV arena for `model`: pages of every producer layer's K and V at
-    the default page size, filled with random values."""
-    cfg = load_config(model)
+def served_arena(cfg: TextConfig, gib: float) -> KVCache:
+    """`gib` GiB of the server's KV arena: pages of every producer layer's K and V at the default
+    page size, filled with random values."""
     tokens = page_tokens(cfg, EngineArgs.page_size)
     num_pages = int(gib * 2**30) // KVCache.bytes_per_page(cfg, tokens, DT)
     arena = KVCache(cfg, num_pages, tokens, DT, "cuda")
@@ -297,6 +304,13 @@ def main():
         help="read K and V from this many GiB of the server's KV arena (its layout: a page holds "
         "every layer, pages drawn at random from all of it) instead of a cache per case",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="one rank's heads (query and KV heads split as tensor parallelism splits them)",
+    )
     cli = parser.parse_args()
     phase_rows = {"decode": 1, "verify": cli.verify_rows, "prefill": PREFILL_ROWS}
     options = dict(block_n_opts=tuple(map(int, cli.block_n.split(","))))
@@ -319,8 +333,9 @@ def main():
     )
     print(head + ("   best (sweep, graph us)" if cli.sweep else ""))
     print("-" * len(head))
-    shapes = shapes_of(cli.model)
-    arena = served_arena(cli.model, cli.arena_gib) if cli.arena_gib else None
+    cfg = text_config(cli.model, cli.tensor_parallel_size)
+    shapes = shapes_of(cfg)
+    arena = served_arena(cfg, cli.arena_gib) if cli.arena_gib else None
     for name in cli.layers.split(","):
         shape = shapes[name]
         for phase in cli.phases.split(","):
