@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import random
 import shlex
@@ -345,6 +346,14 @@ def vocab_size(args) -> int:
     return 256000  # every Gemma 4 vocabulary is larger: a safe range for a server we cannot see
 
 
+def local_device() -> str:
+    """This machine's first device: the one the server started here runs on."""
+    import torch
+    from bench_offline import device_name
+
+    return device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def save(args, command: list[str], levels: list[dict]) -> None:
     """The levels so far as JSON in --result-file (after every level: a run cut short keeps
     what it measured)."""
@@ -419,6 +428,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     command = [sys.executable, *(sys.argv if argv is None else [sys.argv[0], *argv])]
     print("command:", shlex.join(command), flush=True)
+    print(f"date: {datetime.date.today()}", flush=True)
     if args.base_url:
         url = args.base_url.rstrip("/")
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -426,6 +436,7 @@ def main(argv=None) -> None:
     else:
         extra = args.server_args.split()
         with start_server(args.model, args.draft, args.load_format, extra) as (url, model):
+            print(f"device: {local_device()}", flush=True)
             levels = bench(url, model, args, command)
     if args.result_file:
         print(f"results: {args.result_file}")

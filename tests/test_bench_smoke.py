@@ -134,6 +134,7 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         )
         assert 0 < waves <= overlapped
     assert "matmul rate for the roofline: 5 TFLOP/s (given)" in proc.stdout
+    assert lines[1].startswith("date: 20") and "device: CPU" in proc.stdout  # what docs record
     assert (
         sum("out tok/s (prompts' GEMMs and decode steps overlapped)" in line for line in lines) == 2
     )
