@@ -294,6 +294,27 @@ def test_sigterm_stops_the_engine_process(demo_model):
         assert not process_exists(pid)
 
 
+def test_a_stop_signal_to_every_process_still_drains(demo_model):
+    """systemd's default stop signals every process of the service, and Ctrl-C reaches the whole
+    process group: the engine process leaves the stop to the server, whose drain finishes the
+    running stream; the server exits 0 and the engine process is gone."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with start_server(demo_model) as proc:
+            pid = engine_pid(proc)
+            body = {"model": MODEL, "prompt": [2, 60], "max_tokens": 120, "stream": True}
+            body |= {"ignore_eos": True}
+            with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=60) as r:
+                lines = r.iter_lines()
+                first = next(lines)
+                os.kill(pid, sig)
+                proc.signal(sig)
+                payloads = sse_data([first, *lines])
+            assert payloads[-1] == "[DONE]", payloads[-3:]
+            assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
+            assert proc.wait(60) == 0
+            assert not process_exists(pid)
+
+
 def test_engine_start_up_error_exits_with_its_message(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     command = [sys.executable, "-m", "gemma4serve.cli", "--model", str(tmp_path / "missing")]

@@ -350,6 +350,33 @@ def test_a_killed_worker_takes_the_server_down(tp_server):
         httpx.get(server.url + "/health", timeout=5)
 
 
+def test_a_stop_signal_to_every_process_drains_on_two_ranks(tiny_checkpoints):
+    """SIGTERM to the server, the engine process (rank 0) and the worker at once, as systemd stops
+    a service: the workers and rank 0 leave the stop to the server, whose drain finishes the
+    running stream; everything exits, the server with 0."""
+    with start_tp_server(tiny_checkpoints) as server:
+        pids = [
+            logged_pid(server, r"engine process started \(pid (\d+)\)"),
+            logged_pid(server, r"rank 1 started \(pid (\d+)\)"),
+        ]
+        body = {"model": "tiny", "prompt": [2, 5, 9], "max_tokens": 60, "stream": True}
+        body |= {"ignore_eos": True, "temperature": 0.0}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            first = next(lines)
+            for pid in pids:
+                os.kill(pid, signal.SIGTERM)
+            server.signal(signal.SIGTERM)
+            events = [first, *lines]
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert json.loads(events[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
+        assert server.wait(60) == 0
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, "a rank outlived the server"
+            time.sleep(0.2)
+
+
 def test_a_killed_rank_0_takes_the_server_and_its_worker_down(tiny_checkpoints):
     with start_tp_server(tiny_checkpoints) as server:
         worker = logged_pid(server, r"rank 1 started \(pid (\d+)\)")

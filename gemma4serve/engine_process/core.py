@@ -47,8 +47,10 @@ def run_engine_core(
         from gemma4serve.cli import setup_logging
 
         setup_logging(log_level)
-        # Ctrl-C reaches the whole process group: the server drains and stops this process itself.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # A stop reaches every process of the service (Ctrl-C the process group, systemd the
+        # control group): the server drains and stops this process itself.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)

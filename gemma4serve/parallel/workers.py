@@ -235,7 +235,8 @@ def run_worker(
 
         # Rank 0 logs what every rank does (loading, KV sizing); workers only their problems.
         setup_logging(log_level if log_level == "debug" else "warning")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a stop for the whole service: rank 0 stops us
+        signal.signal(sig, signal.SIG_IGN)
     _exit_with_leader(leader_pid)
     from gemma4serve.engine.cuda_graphs import capture_graphs
     from gemma4serve.engine.models import load_models
