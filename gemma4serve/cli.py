@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -624,11 +625,25 @@ def _url(host: str, port: int, scheme: str = "http") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine starts (as vLLM binds first): a port in use
+    fails at once, not after the model has loaded. Port 0 takes a free one. IPv6 where the host
+    has a colon, as uvicorn decides."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(
     engine,
     *,
+    sock: socket.socket,
     host: str,
-    port: int,
     served_model_name: str | list[str],
     api_key: str | None = None,
     drain_timeout: float = 30.0,
@@ -643,8 +658,9 @@ def serve(
     limits: RequestLimits | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
 ) -> None:
-    """Serve `engine` until SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks;
-    call it from the main thread (signals are delivered there). `log_level` is uvicorn's."""
+    """Serve `engine` on `sock` (`listening_socket`; `host` names it in the ready line) until
+    SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks; call it from the main
+    thread (signals are delivered there). `log_level` is uvicorn's."""
     import uvicorn
 
     from gemma4serve.server.app import build_app
@@ -691,8 +707,6 @@ def serve(
 
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level=log_level,
         log_config=None,  # keep our logging setup
         access_log=access_log,
@@ -709,7 +723,7 @@ def serve(
     # A dead engine fails its requests at once; the server then stops (non-zero exit, as vLLM).
     engine.on_dead = lambda: setattr(server, "should_exit", True)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         state.stop_engine(
             drain_timeout=0.0
@@ -719,6 +733,11 @@ def serve(
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     setup_logging(ns.log_level)
+    try:
+        sock = listening_socket(ns.host, ns.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", ns.host, ns.port, e.strerror or e)
+        return 1
     if ns.demo:
         from gemma4serve.demo.checkpoints import ensure_demo_model
 
@@ -751,8 +770,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.tokenizer.chat_template = ns.chat_template
     serve(
         engine,
+        sock=sock,
         host=ns.host,
-        port=ns.port,
         served_model_name=ns.served_model_name or [engine.model_name],
         api_key=ns.api_key,
         drain_timeout=ns.drain_timeout,

@@ -461,14 +461,14 @@ def main() -> None:
     p.add_argument("--api-key")
     ns = p.parse_args()
 
-    from gemma4serve.cli import serve, setup_logging
+    from gemma4serve.cli import listening_socket, serve, setup_logging
 
     setup_logging("info")
     engine = FakeEngine(token_delay=ns.token_delay, max_model_len=4096)
     serve(
         engine,
+        sock=listening_socket("127.0.0.1", ns.port),
         host="127.0.0.1",
-        port=ns.port,
         served_model_name="fake",
         api_key=ns.api_key,
         drain_timeout=ns.drain_timeout,

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -297,6 +301,24 @@ def test_demo_flag_and_sigterm_exits_0(demo_root):
         assert payloads[-1] == "[DONE]"
         assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(150) == 0
+
+
+def test_a_port_in_use_fails_before_the_engine_starts(demo_root):
+    """The listening socket is bound first: a taken port ends the server in seconds with one clear
+    line and exit 1, before any model is prepared or loaded."""
+    root, _, _ = demo_root
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "gemma4serve.cli", "--demo", "--device", "cpu"]
+        command += ["--host", "127.0.0.1", "--port", str(port)]
+        env = {**os.environ, "GEMMA4SERVE_CACHE": str(root)}
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out and "in use" in out, out
+    assert "--demo: preparing" not in out and "engine process started" not in out, out
 
 
 def test_prefix_cache_hit_is_reported(server, client):
