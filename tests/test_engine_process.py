@@ -315,6 +315,45 @@ def test_a_stop_signal_to_every_process_still_drains(demo_model):
             assert not process_exists(pid)
 
 
+SLOW_START = """
+import multiprocessing, time
+import gemma4serve.engine.engine as engine_module
+start = engine_module.LLMEngine.__init__
+def slow(self, *args, **kwargs):
+    if multiprocessing.parent_process() is not None:  # the engine process: load for a minute
+        time.sleep(60)
+    start(self, *args, **kwargs)
+engine_module.LLMEngine.__init__ = slow
+"""
+
+
+def test_an_engine_still_loading_exits_with_its_server(demo_model, tmp_path):
+    """A server killed while its engine loads (minutes for a 31B) takes the engine with it at
+    once: a loading engine would hold the GPU's memory from the server started in its place."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_START)
+    target, assistant = demo_model
+    command = [sys.executable, "-m", "gemma4serve.cli", "--model", str(target), "--device", "cpu"]
+    command += ["--draft", str(assistant), "--host", "127.0.0.1", "--port", "0"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        children = f"/proc/{server.pid}/task/{server.pid}/children"
+        deadline = time.monotonic() + 60
+        while not (engine := open(children).read().split()):  # the engine process, spawned
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(0.2)
+        pid = int(engine[0])
+        time.sleep(3)  # well inside its load
+        server.kill()
+        server.wait(10)
+        deadline = time.monotonic() + 10
+        while process_exists(pid):
+            assert time.monotonic() < deadline, "the engine kept loading without its server"
+            time.sleep(0.2)
+    finally:
+        server.kill()
+
+
 def test_engine_start_up_error_exits_with_its_message(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     command = [sys.executable, "-m", "gemma4serve.cli", "--model", str(tmp_path / "missing")]

@@ -30,6 +30,7 @@ from gemma4serve.engine_process.messages import (
     StartupFailed,
     StopChoices,
 )
+from gemma4serve.parallel.workers import exit_with_parent
 from gemma4serve.validation import RequestError
 
 log = logging.getLogger("gemma4serve")
@@ -51,6 +52,7 @@ def run_engine_core(
         # control group): the server drains and stops this process itself.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+        exit_with_parent(os.getppid())  # also while it loads, which takes minutes
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)

@@ -34,7 +34,7 @@ log = logging.getLogger("gemma4serve")
 
 # Bounds one collective: start-up (loading) included, so it is generous.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
-LEADER_POLL_S = 0.5  # a worker checks this often that rank 0 is still there
+PARENT_POLL_S = 0.5  # a worker (an engine process) checks this often that its parent is there
 STOP_TIMEOUT_S = 10.0
 
 
@@ -210,15 +210,17 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def _exit_with_leader(leader_pid: int) -> None:
-    """A worker whose rank 0 is gone exits, even from inside a collective that would wait."""
+def exit_with_parent(parent_pid: int) -> None:
+    """This process exits once `parent_pid` is no longer its parent, whatever it is doing (loading
+    weights, inside a collective that would wait): a worker whose rank 0 is gone, an engine whose
+    server is gone."""
 
     def watch():
-        while os.getppid() == leader_pid:
-            time.sleep(LEADER_POLL_S)
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
         os._exit(1)
 
-    threading.Thread(target=watch, name="gemma4serve-leader-watch", daemon=True).start()
+    threading.Thread(target=watch, name="gemma4serve-parent-watch", daemon=True).start()
 
 
 def run_worker(
@@ -237,7 +239,7 @@ def run_worker(
         setup_logging(log_level if log_level == "debug" else "warning")
     for sig in (signal.SIGINT, signal.SIGTERM):  # a stop for the whole service: rank 0 stops us
         signal.signal(sig, signal.SIG_IGN)
-    _exit_with_leader(leader_pid)
+    exit_with_parent(leader_pid)
     from gemma4serve.engine.cuda_graphs import capture_graphs
     from gemma4serve.engine.models import load_models
     from gemma4serve.engine.runner import ModelRunner
