@@ -7,6 +7,7 @@ a killed engine process, SIGTERM, a start-up error; and the request message's co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -327,31 +328,61 @@ engine_module.LLMEngine.__init__ = slow
 """
 
 
-def test_an_engine_still_loading_exits_with_its_server(demo_model, tmp_path):
-    """A server killed while its engine loads (minutes for a 31B) takes the engine with it at
-    once: a loading engine would hold the GPU's memory from the server started in its place."""
+def start_slowly(demo_model, tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    """The server in a process group of its own, its engine process loading for a minute: the
+    server and its children (the engine, multiprocessing's resource tracker), 3 s into the load."""
     (tmp_path / "sitecustomize.py").write_text(SLOW_START)
     target, assistant = demo_model
     command = [sys.executable, "-m", "gemma4serve.cli", "--model", str(target), "--device", "cpu"]
     command += ["--draft", str(assistant), "--host", "127.0.0.1", "--port", "0"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    children = f"/proc/{server.pid}/task/{server.pid}/children"
+    deadline = time.monotonic() + 60
+    while len(spawned := open(children).read().split()) < 2:  # the engine is spawned second
+        assert time.monotonic() < deadline and server.poll() is None
+        time.sleep(0.2)
+    time.sleep(3)  # well inside its load
+    return server, [int(pid) for pid in spawned]
+
+
+def kill_group(server: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+        os.killpg(server.pid, signal.SIGKILL)
+
+
+def wait_gone(pids: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(process_exists(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a process outlived its server"
+        time.sleep(0.2)
+
+
+def test_an_engine_still_loading_exits_with_its_server(demo_model, tmp_path):
+    """A server killed while its engine loads (minutes for a 31B) takes the engine with it at
+    once: a loading engine would hold the GPU's memory from the server started in its place."""
+    server, children = start_slowly(demo_model, tmp_path)
     try:
-        children = f"/proc/{server.pid}/task/{server.pid}/children"
-        deadline = time.monotonic() + 60
-        while not (engine := open(children).read().split()):  # the engine process, spawned
-            assert time.monotonic() < deadline and server.poll() is None
-            time.sleep(0.2)
-        pid = int(engine[0])
-        time.sleep(3)  # well inside its load
         server.kill()
         server.wait(10)
-        deadline = time.monotonic() + 10
-        while process_exists(pid):
-            assert time.monotonic() < deadline, "the engine kept loading without its server"
-            time.sleep(0.2)
+        wait_gone(children, 5)
     finally:
-        server.kill()
+        kill_group(server)
+
+
+def test_ctrl_c_while_the_engine_loads_stops_at_once(demo_model, tmp_path):
+    """Ctrl-C (SIGINT to the process group) during the load ends the server and its engine within
+    seconds: the engine cannot be asked to stop before it is ready, so it is not waited for."""
+    server, children = start_slowly(demo_model, tmp_path)
+    try:
+        os.killpg(server.pid, signal.SIGINT)
+        assert server.wait(5) != 0
+        wait_gone(children, 5)
+    finally:
+        kill_group(server)
 
 
 def test_engine_start_up_error_exits_with_its_message(tmp_path):

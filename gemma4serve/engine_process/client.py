@@ -228,14 +228,16 @@ class EngineProcessClient:
             self._input.send(self._codec.encode(message), copy=False)
 
     def _stop_engine(self, send_shutdown: bool) -> None:
+        """`send_shutdown`: ask the engine to stop and give it STOP_TIMEOUT_S; else (not ready
+        yet, or dead) nothing can ask it: kill what is left at once."""
         self._stopping = True
         if send_shutdown:
             self._send(Shutdown())
-        self._engine.join(STOP_TIMEOUT_S)
-        if self._engine.is_alive():
-            log.warning("the engine did not stop within %.0fs: killing it", STOP_TIMEOUT_S)
-            self._engine.kill()
             self._engine.join(STOP_TIMEOUT_S)
+            if self._engine.is_alive():
+                log.warning("the engine did not stop within %.0fs: killing it", STOP_TIMEOUT_S)
+        self._engine.kill()
+        self._engine.join(STOP_TIMEOUT_S)
         if self._loop is not None and not self._loop.is_closed():
             asyncio.run_coroutine_threadsafe(self._close_sockets(), self._loop)
         else:
