@@ -763,6 +763,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineStartupError as e:  # bad path, no GPU, out of memory...: one clear line
         logger.error("could not start the engine: %s", e)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model loads: the engine is already stopped
+        logger.info("interrupted while the engine was starting")
+        return 130
     if ns.chat_template is not None:
         if engine.tokenizer is None:
             logger.error("--chat-template: this model has no tokenizer")
