@@ -730,6 +730,19 @@ def serve(
         )  # no-op after a normal shutdown; stops the engine after a forced exit
 
 
+class StartupStopped(BaseException):
+    """SIGINT or SIGTERM while the engine starts (a load takes minutes): a BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.signal = signal.Signals(sig)
+
+
+def _stop_starting(sig, frame):
+    raise StartupStopped(sig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     setup_logging(ns.log_level)
@@ -758,14 +771,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from gemma4serve.engine_process.client import EngineProcessClient, EngineStartupError
 
+    stops = {sig: signal.signal(sig, _stop_starting) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         engine = EngineProcessClient(args, in_process=not ns.engine_process, log_level=ns.log_level)
     except EngineStartupError as e:  # bad path, no GPU, out of memory...: one clear line
         logger.error("could not start the engine: %s", e)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C while the model loads: the engine is already stopped
-        logger.info("interrupted while the engine was starting")
-        return 130
+    except StartupStopped as e:  # the engine is already stopped
+        logger.info("%s while the engine was starting: stopped", e.signal.name)
+        return 128 + e.signal  # the shell's status for a process ended by that signal
+    finally:
+        for sig, handler in stops.items():
+            signal.signal(sig, handler)
     if ns.chat_template is not None:
         if engine.tokenizer is None:
             logger.error("--chat-template: this model has no tokenizer")

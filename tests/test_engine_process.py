@@ -373,13 +373,15 @@ def test_an_engine_still_loading_exits_with_its_server(demo_model, tmp_path):
         kill_group(server)
 
 
-def test_ctrl_c_while_the_engine_loads_stops_at_once(demo_model, tmp_path):
-    """Ctrl-C (SIGINT to the process group) during the load ends the server and its engine within
-    seconds: the engine cannot be asked to stop before it is ready, so it is not waited for."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_the_engine_loads_ends_at_once(demo_model, tmp_path, sig):
+    """Ctrl-C (SIGINT to the process group) or a service stop (SIGTERM) during the load ends the
+    server and its engine within seconds, with one log line: the engine cannot be asked to stop
+    before it is ready, so it is not waited for."""
     server, children = start_slowly(demo_model, tmp_path)
     try:
-        os.killpg(server.pid, signal.SIGINT)
-        assert server.wait(5) == 130  # one log line, no traceback
+        os.killpg(server.pid, sig)
+        assert server.wait(5) == 128 + sig
         wait_gone(children, 5)
     finally:
         kill_group(server)
