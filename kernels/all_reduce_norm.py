@@ -71,6 +71,18 @@ def _unpack(pairs, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def send_packets(buffers_ptr, parity, source_packets, row_start, pair, packets, mask, RANK, WORLD):
+    """Store `packets` (pairs `pair` of the rows starting at packet `row_start`) in this rank's
+    region (parity, RANK) of every peer's receive buffer: the one layout this kernel and a pushing
+    GEMV (kernels/gemv.py) send in."""
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
+            region = buffer + (parity * WORLD + RANK) * source_packets
+            tl.store(region + row_start + pair, packets, mask=mask)
+
+
+@triton.jit
 def _all_reduce_norm_kernel(
     h_ptr,
     x_ptr,
@@ -125,11 +137,10 @@ def _all_reduce_norm_kernel(
         for row in range(program, rows, programs):
             pairs = tl.load(h_pairs + row * (stride_h // 2) + pair, mask=pair_mask)
             packets = stamp | (pairs.to(tl.int64) & 0xFFFFFFFF)
-            for peer in tl.static_range(WORLD):
-                if peer != RANK:
-                    buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
-                    region = buffer + (parity * WORLD + RANK) * source_packets
-                    tl.store(region + row * (n // 2) + pair, packets, mask=pair_mask)
+            send_packets(
+                buffers_ptr, parity, source_packets, row * (n // 2), pair, packets, pair_mask,
+                RANK, WORLD,
+            )  # fmt: skip
     own = tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int64))
     for row in range(program, rows, programs):
         total = tl.zeros([BLOCK], tl.float32)

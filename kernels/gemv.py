@@ -22,7 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from ._common import dot_in_fp32, next_pow2, pdl_args, round_to, sm_count, wait_for_producer
 from .activation import gelu_times
-from .all_reduce_norm import PeerBuffers
+from .all_reduce_norm import PeerBuffers, send_packets
 
 MAX_ROWS = 16  # the dot's row tile; larger M goes to cuBLAS
 
@@ -107,11 +107,10 @@ def _store_tile(
         packets = (epoch << 32) | (high << 16) | low
         pair = first_col // 2 + tl.arange(0, BN // 2)
         pair_ok = (m < M)[:, None] & (pair < N // 2)[None, :]
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(tl.int64))
-                region = buffer + ((epoch & 1) * WORLD + RANK) * source_packets
-                tl.store(region + m[:, None] * (N // 2) + pair[None, :], packets, mask=pair_ok)
+        send_packets(
+            buffers_ptr, epoch & 1, source_packets, m[:, None] * (N // 2), pair[None, :], packets,
+            pair_ok, RANK, WORLD,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["k_per_split", "flag_cols"])
