@@ -1,7 +1,7 @@
 """A stand-in for `gemma4serve.engine_process.client.EngineProcessClient`: same interface, canned
 text, a trivial tokenizer, and page accounting, so that the HTTP layer can be tested fast and
-without weights. Also the harness both server test modules share: a server subprocess, SSE and
-/metrics readers.
+without weights. Also the harness the server test modules share: a server subprocess, SSE and
+/metrics readers, the wait for KV pages to come back.
 
 The fake records what the server did to it (aborts, closed generators, the threads that rendered
 templates) for the tests to assert on. Run as a script it serves itself through
@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemma4serve.engine.outputs import (
@@ -448,6 +449,20 @@ def metric(text: str, sample_name: str, **labels) -> float:
             if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     raise KeyError(f"{sample_name} {labels} not in /metrics")
+
+
+def free_pages(server: ServerProcess) -> float:
+    """The server's free KV pages, from /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return metric(text, "gemma4serve:kv_cache_free_pages")
+
+
+def wait_for_free_pages(server: ServerProcess, expected: float, timeout: float = 60) -> None:
+    """Until every page a test took is back (aborts and finishes return them asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while (now := free_pages(server)) != expected:
+        assert time.monotonic() < deadline, f"KV pages not returned: {now} != {expected}"
+        time.sleep(0.2)
 
 
 # --------------------------------------------------------------------------------------------------

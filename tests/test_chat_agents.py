@@ -9,12 +9,11 @@ its drafts are accepted, so the server commits several tokens per step, markers 
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
-from fake_engine import ServerProcess, metric
+from fake_engine import ServerProcess, free_pages, metric, wait_for_free_pages
 from trained_chat import (
     EXAMPLES,
     NUM_DRAFT_TOKENS,
@@ -132,11 +131,6 @@ def server(request, trained_chat_checkpoint):
         process.mtp = request.param == "mtp"
         process.free_pages_at_start = free_pages(process)
         yield process
-
-
-def free_pages(server) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return metric(text, "gemma4serve:kv_cache_free_pages")
 
 
 @pytest.fixture
@@ -305,7 +299,4 @@ def test_agent_loop_with_thinking(client):
 
 def test_every_kv_page_comes_back(server):
     """Runs after the tests above on the same server: nothing they ran holds a page."""
-    deadline = time.monotonic() + 60
-    while free_pages(server) != server.free_pages_at_start:
-        assert time.monotonic() < deadline, "KV pages not returned"
-        time.sleep(0.2)
+    wait_for_free_pages(server, server.free_pages_at_start)

@@ -20,7 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from fake_engine import REPO_ROOT, ServerProcess, metric, sse_data
+from fake_engine import (
+    REPO_ROOT,
+    ServerProcess,
+    free_pages,
+    metric,
+    sse_data,
+    wait_for_free_pages,
+)
 
 from gemma4serve.engine_process.messages import AddRequest, Codec
 from gemma4serve.sampling_params import SamplingParams
@@ -116,18 +123,6 @@ def process_exists(pid: int) -> bool:
 def server(demo_model):
     with start_server(demo_model) as proc:
         yield proc
-
-
-def free_pages(server) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return metric(text, "gemma4serve:kv_cache_free_pages")
-
-
-def wait_for_free_pages(server, expected: float) -> None:
-    deadline = time.monotonic() + 60
-    while (now := free_pages(server)) != expected:
-        assert time.monotonic() < deadline, f"KV pages not returned: {now} != {expected}"
-        time.sleep(0.2)
 
 
 def test_engine_runs_in_a_child_process(server):

@@ -9,8 +9,9 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
+from fake_engine import free_pages, wait_for_free_pages
 from hypothesis import HealthCheck, settings
-from test_server_real import free_pages, start_server, wait_for_free_pages
+from test_server_real import start_server
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,12 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
-from fake_engine import ServerProcess, metric, sse_data
+from fake_engine import ServerProcess, free_pages, metric, sse_data, wait_for_free_pages
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -66,18 +65,6 @@ def server(demo_root):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def free_pages(server) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return metric(text, "gemma4serve:kv_cache_free_pages")
-
-
-def wait_for_free_pages(server, expected: float, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while (now := free_pages(server)) != expected:
-        assert time.monotonic() < deadline, f"KV pages not returned: {now} != {expected}"
-        time.sleep(0.2)
 
 
 def test_ready_line_health_and_models(server, client):

@@ -12,8 +12,8 @@ from collections import Counter
 
 import httpx
 import pytest
-from fake_engine import metric
-from test_server_real import start_server, wait_for_free_pages
+from fake_engine import metric, wait_for_free_pages
+from test_server_real import start_server
 
 pytestmark = pytest.mark.timeout(600)
 

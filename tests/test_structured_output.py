@@ -10,7 +10,8 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from test_server_real import MODEL, free_pages, start_server, wait_for_free_pages
+from fake_engine import free_pages, wait_for_free_pages
+from test_server_real import MODEL, start_server
 
 from gemma4serve.engine.llm import LLM
 from gemma4serve.sampling_params import SamplingParams

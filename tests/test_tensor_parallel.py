@@ -21,7 +21,7 @@ import openai
 import pytest
 import torch
 import torch.distributed
-from fake_engine import ServerProcess, metric
+from fake_engine import ServerProcess, free_pages, wait_for_free_pages
 
 from gemma4serve import LLM, SamplingParams
 from gemma4serve.cli import engine_args, parse_args
@@ -282,11 +282,6 @@ def test_server_with_two_ranks_serves_the_one_device_tokens(tp_server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
-def free_pages(server: ServerProcess) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return metric(text, "gemma4serve:kv_cache_free_pages")
-
-
 def test_concurrent_streams_and_disconnects_on_two_ranks(tp_server):
     """Twelve requests at once (four sequences at most: the others wait, long prompts come in
     chunks) and four streams that disconnect after their first tokens: every completed request
@@ -318,10 +313,7 @@ def test_concurrent_streams_and_disconnects_on_two_ranks(tp_server):
         dropped = [pool.submit(disconnect, i) for i in range(4)]
         assert [future.result() for future in completed] == expected
         assert [future.result() for future in dropped] == [3] * 4
-    deadline = time.monotonic() + 60
-    while (now := free_pages(server)) != start:
-        assert time.monotonic() < deadline, f"KV pages not returned: {now} != {start}"
-        time.sleep(0.2)
+    wait_for_free_pages(server, start)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 

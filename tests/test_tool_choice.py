@@ -12,7 +12,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server_real import MODEL, free_pages, start_server, wait_for_free_pages
+from fake_engine import free_pages, wait_for_free_pages
+from test_server_real import MODEL, start_server
 
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.structured.spec import IN_THOUGHT, StructuredOutputsParams
