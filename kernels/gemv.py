@@ -304,10 +304,12 @@ def gemv_config(N: int, K: int, device: torch.device, glu: bool = False) -> tupl
 def mlp_down_config(N: int, K: int, device: torch.device) -> tuple | None:
     """gemv_mlp's down projection, split along K (it awaits the splits one by one).
 
-    None where chaining does not pay (narrow MLPs such as the drafter's), and gemv_mlp runs the two
-    GEMVs instead (bench/bench_gemv.py).
+    None where chaining does not pay, and gemv_mlp runs the two GEMVs instead: where down's column
+    tiles alone do not fill the SMs (narrow MLPs such as the drafter's) or K is short
+    (bench/bench_gemv.py; the 31B's MLP chains on one GPU and on each rank of two).
     """
-    return (32, 256, 4, 3, 7) if K >= 16384 else None
+    wide = triton.cdiv(N, 32) >= sm_count(device)
+    return (32, 256, 4, 3, 7) if wide and K >= 8192 else None
 
 
 def gemv(

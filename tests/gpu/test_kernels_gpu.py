@@ -333,12 +333,12 @@ def test_gemv_gelu_times_equals_activation_kernel(M, N, K):
 
 
 @pytest.mark.parametrize("M", [1, 5, 16])
-@pytest.mark.parametrize("inter,H", [(21504, 5376), (8192, 1024), (6144, 1536)])
+@pytest.mark.parametrize("inter,H", [(21504, 5376), (10752, 5376), (8192, 1024), (6144, 1536)])
 def test_gemv_mlp_equals_two_gemvs(M, inter, H):
     """gemv_mlp = the GLU GEMV then down with the same K splits, bit for bit, launch after launch.
 
-    In gemv_mlp down awaits gate_up's flags under PDL. At the shapes of the 31B, its drafter and the
-    E2B; the narrow two chained with an explicit down tile.
+    In gemv_mlp down awaits gate_up's flags under PDL. At the shapes of the 31B (on one GPU and on
+    a rank of two), its drafter and the E2B; the narrow two chained with an explicit down tile.
     """
     generator = torch.Generator(DEV).manual_seed(M)
     x = torch.randn(M, H, generator=generator, device=DEV).to(BF16)
