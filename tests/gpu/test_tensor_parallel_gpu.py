@@ -199,7 +199,7 @@ def _fused_all_reduce_norm_checks(rank: int, port: int) -> list[float]:
 
     from gemma4serve.parallel.group import FusedAllReduceNorm
     from gemma4serve.parallel.workers import init_group
-    from gemma4serve_kernels import gemv, rmsnorm_residual_add
+    from gemma4serve_kernels import gemv, gemv_mlp, rmsnorm_residual_add
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -251,6 +251,15 @@ def _fused_all_reduce_norm_checks(rank: int, port: int) -> list[float]:
         y, _ = fused(x, h, w, eps, None, None, pushed=True)
         assert torch.equal(y, reference(x, h, None, None)[0])
         assert torch.equal(h, gemv(a, w_row, config=config))
+        sums.append(y.float().sum().item())
+    # The chained MLP (gate_up then down split along K) at a rank's shape of the 31B sends too.
+    gate_up, down = rand(own, 2 * 10752, hidden, scale=0.02), rand(own, hidden, 10752, scale=0.02)
+    for rows in (1, 5):
+        x, a = rand(shared, rows, hidden, scale=4), rand(own, rows, hidden)
+        h = gemv_mlp(a, gate_up, down, push=fused.peers)
+        y, _ = fused(x, h, w, eps, None, None, pushed=True)
+        assert torch.equal(y, reference(x, h, None, None)[0])
+        assert torch.equal(h, gemv_mlp(a, gate_up, down))
         sums.append(y.float().sum().item())
     static_x, static_h = rand(shared, 5, hidden), rand(own, 5, hidden)
     static_a = rand(own, 5, 1024)
