@@ -6,7 +6,8 @@
 Startup prints the engine's progress (resolve/download, load, KV sizing, graph capture) and ends
 with exactly one line `gemma4serve ready: http://HOST:PORT (model NAME)`. SIGTERM (or Ctrl-C)
 drains: new requests get 503, running ones finish for up to --drain-timeout seconds, the rest are
-aborted, and the process exits 0.
+aborted, and the process exits 0. A second Ctrl-C aborts the running requests at once (their
+streams still end), a third skips the shutdown.
 """
 
 from __future__ import annotations
@@ -693,8 +694,16 @@ def serve(
             # refused, not the 503 of a drain) and re-raise the signal after its shutdown (exit
             # 143). The app drains with the listener open, then sets should_exit; we exit 0.
             if state.draining:
-                if sig == signal.SIGINT:  # a second Ctrl-C: stop waiting
+                if sig != signal.SIGINT:
+                    return
+                # Ctrl-C again: abort the running requests (their streams still end with
+                # [DONE]) and shut down as usual; a third time: stop at once, skipping the
+                # app's shutdown (uvicorn's force exit).
+                if state.drain_cut:
                     self.should_exit = self.force_exit = True
+                else:
+                    logger.info("SIGINT again: aborting the running requests")
+                    state.cut_drain()
                 return
             logger.info(
                 "%s: draining (up to %.0fs for running requests)",

@@ -987,6 +987,42 @@ def test_sigint_drains_too():
         assert proc.wait(15) == 0
 
 
+def test_a_second_ctrl_c_aborts_the_running_streams_and_exits_cleanly():
+    """Ctrl-C twice: the first drains, the second stops waiting for the running requests. Their
+    streams still end well-formed ("abort", then [DONE]), the app's shutdown runs, no traceback
+    is logged, and the process exits 0 long before the drain timeout."""
+    with _fake_server("--token-delay", "0.05", "--drain-timeout", "30") as proc:
+        body = {"messages": HI, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proc.url + CHAT, json=body, timeout=20) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            started = time.monotonic()
+            proc.signal(signal.SIGINT)
+            wait_until(lambda: any("SIGINT: draining" in line for line in proc.lines))
+            proc.signal(signal.SIGINT)
+            payloads = sse_data([first, *lines])
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(15) == 0
+        assert time.monotonic() - started < 10
+        assert any("Application shutdown complete" in line for line in proc.lines)
+        assert not any("Traceback" in line for line in proc.lines), proc.lines
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.05, 0.3])
+def test_ctrl_c_twice_on_an_idle_server_exits_without_a_traceback(gap_s):
+    """A second Ctrl-C while an idle server is already stopping (a double tap, or a supervisor
+    that forwards the terminal's signal) is no error: exit 0, the app's shutdown run, no
+    traceback."""
+    with _fake_server() as proc:
+        proc.signal(signal.SIGINT)
+        time.sleep(gap_s)
+        proc.signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+        assert any("Application shutdown complete" in line for line in proc.lines)
+        assert not any("Traceback" in line for line in proc.lines), proc.lines
+
+
 # --------------------------------------------------------------------------------------------------
 # CLI
 

@@ -21,18 +21,20 @@ POLL_S = 0.05  # draining is switched on in a signal handler, where asyncio obje
 
 async def drain_when_asked(state: ServerState) -> None:
     """Wait for `state.draining`, let running requests finish for up to `state.drain_timeout`
-    seconds, abort the rest, then call `state.on_drained` (the CLI's: close the listener)."""
+    seconds (or until `state.cut_drain()`), abort the rest, then call `state.on_drained` (the
+    CLI's: close the listener)."""
     while not state.draining:
         await asyncio.sleep(POLL_S)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + state.drain_timeout
-    while state.inflight and loop.time() < deadline:
+    started = loop.time()
+    while state.inflight and not state.drain_cut and loop.time() < started + state.drain_timeout:
         await asyncio.sleep(POLL_S)
     if state.inflight:
         logger.warning(
-            "drain timeout (%.0fs): aborting %d running request(s)",
-            state.drain_timeout,
+            "aborting %d running request(s) after %.1fs of drain (timeout %.0fs)",
             len(state.inflight),
+            loop.time() - started,
+            state.drain_timeout,
         )
         state.abort_inflight()
     if state.on_drained is not None:

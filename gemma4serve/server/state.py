@@ -46,6 +46,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False  # the engine thread runs
     draining: bool = False  # shutting down: refuse new work, let running requests finish
+    drain_cut: bool = False  # stop waiting for running requests: the drain aborts them
     inflight: set[str] = field(
         default_factory=set
     )  # request ids being generated (touched on the loop only)
@@ -66,6 +67,11 @@ class ServerState:
     def begin_drain(self) -> None:
         """Stop admitting requests (503) and fail health checks; safe in a signal handler."""
         self.draining = True
+
+    def cut_drain(self) -> None:
+        """Stop waiting for running requests: the drain aborts them at its next poll; safe in a
+        signal handler."""
+        self.drain_cut = True
 
     def abort_inflight(self) -> None:
         """Abort every running request: the engine ends each with finish_reason "abort", so that
