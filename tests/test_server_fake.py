@@ -963,20 +963,24 @@ def test_sigterm_keeps_the_listener_open_with_503_until_the_drain_ends():
         assert proc.wait(15) == 0
 
 
+def _stream_aborted_by(proc, stop) -> float:
+    """Start a long stream, call `stop()` after its first event and check that the stream still
+    ends well-formed (an "abort" chunk, then [DONE]); the seconds from `stop()` to that end."""
+    body = {"messages": HI, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proc.url + CHAT, json=body, timeout=20) as r:
+        lines = r.iter_lines()
+        first = next(lines)
+        started = time.monotonic()
+        stop()
+        payloads = sse_data([first, *lines])
+    assert payloads[-1] == "[DONE]"
+    assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "abort"
+    return time.monotonic() - started
+
+
 def test_sigterm_aborts_what_outlives_the_drain_timeout():
     with _fake_server("--token-delay", "0.05", "--drain-timeout", "1") as proc:
-        body = {"messages": HI, "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", proc.url + CHAT, json=body, timeout=20) as r:
-            lines = r.iter_lines()
-            first = next(lines)
-            started = time.monotonic()
-            proc.signal(signal.SIGTERM)
-            payloads = sse_data(
-                [first, *lines]
-            )  # still a well-formed end: an "abort" chunk, then [DONE]
-        assert payloads[-1] == "[DONE]"
-        assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "abort"
-        assert 0.8 < time.monotonic() - started < 5
+        assert 0.8 < _stream_aborted_by(proc, lambda: proc.signal(signal.SIGTERM)) < 5
         assert proc.wait(15) == 0
         assert any("aborting 1 running request" in line for line in proc.lines)
 
@@ -992,17 +996,14 @@ def test_a_second_ctrl_c_aborts_the_running_streams_and_exits_cleanly():
     streams still end well-formed ("abort", then [DONE]), the app's shutdown runs, no traceback
     is logged, and the process exits 0 long before the drain timeout."""
     with _fake_server("--token-delay", "0.05", "--drain-timeout", "30") as proc:
-        body = {"messages": HI, "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", proc.url + CHAT, json=body, timeout=20) as r:
-            lines = r.iter_lines()
-            first = next(lines)
-            started = time.monotonic()
+
+        def ctrl_c_twice():
             proc.signal(signal.SIGINT)
             wait_until(lambda: any("SIGINT: draining" in line for line in proc.lines))
             proc.signal(signal.SIGINT)
-            payloads = sse_data([first, *lines])
-        assert payloads[-1] == "[DONE]"
-        assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "abort"
+
+        started = time.monotonic()
+        _stream_aborted_by(proc, ctrl_c_twice)
         assert proc.wait(15) == 0
         assert time.monotonic() - started < 10
         assert any("Application shutdown complete" in line for line in proc.lines)
