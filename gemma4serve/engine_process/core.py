@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 from pathlib import Path
 
 import zmq
@@ -30,7 +29,7 @@ from gemma4serve.engine_process.messages import (
     StartupFailed,
     StopChoices,
 )
-from gemma4serve.parallel.workers import exit_with_parent
+from gemma4serve.parallel.workers import stopped_by_parent
 from gemma4serve.validation import RequestError
 
 log = logging.getLogger("gemma4serve")
@@ -48,11 +47,7 @@ def run_engine_core(
         from gemma4serve.cli import setup_logging
 
         setup_logging(log_level)
-        # A stop reaches every process of the service (Ctrl-C the process group, systemd the
-        # control group): the server drains and stops this process itself.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        exit_with_parent(os.getppid())  # also while it loads, which takes minutes
+        stopped_by_parent(os.getppid())  # also while it loads, which takes minutes
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)

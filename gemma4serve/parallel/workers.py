@@ -210,10 +210,14 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def exit_with_parent(parent_pid: int) -> None:
-    """This process exits once `parent_pid` is no longer its parent, whatever it is doing (loading
-    weights, inside a collective that would wait): a worker whose rank 0 is gone, an engine whose
-    server is gone."""
+def stopped_by_parent(parent_pid: int) -> None:
+    """For a process its parent stops (an engine process, a tensor-parallel worker): the stop
+    signals that reach every process of the service (Ctrl-C the process group, systemd the
+    control group) are ignored, the parent drains and stops it; and it exits once `parent_pid` is
+    no longer its parent, whatever it is doing (loading weights, inside a collective that would
+    wait)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
     def watch():
         while os.getppid() == parent_pid:
@@ -237,9 +241,7 @@ def run_worker(
 
         # Rank 0 logs what every rank does (loading, KV sizing); workers only their problems.
         setup_logging(log_level if log_level == "debug" else "warning")
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a stop for the whole service: rank 0 stops us
-        signal.signal(sig, signal.SIG_IGN)
-    exit_with_parent(leader_pid)
+    stopped_by_parent(leader_pid)
     from gemma4serve.engine.cuda_graphs import capture_graphs
     from gemma4serve.engine.models import load_models
     from gemma4serve.engine.runner import ModelRunner
