@@ -143,10 +143,13 @@ def _all_reduce_norm_kernel(
             )  # fmt: skip
     own = tl.load(buffers_ptr + RANK).to(tl.pointer_type(tl.int64))
     for row in range(program, rows, programs):
+        # Every load that needs no peer is issued before the spins, so that none waits after them.
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        own_pairs = tl.load(h_pairs + row * (stride_h // 2) + pair, mask=pair_mask, other=0)
         total = tl.zeros([BLOCK], tl.float32)
-        for source in tl.static_range(WORLD):
+        for source in tl.static_range(WORLD):  # summed in rank order on every rank
             if source == RANK:
-                pairs = tl.load(h_pairs + row * (stride_h // 2) + pair, mask=pair_mask, other=0)
+                pairs = own_pairs
             else:
                 region = own + (parity * WORLD + source) * source_packets + row * (n // 2)
                 pairs = tl.load(region + pair, mask=pair_mask, other=stamp, volatile=True)
@@ -154,7 +157,6 @@ def _all_reduce_norm_kernel(
                     pairs = tl.load(region + pair, mask=pair_mask, other=stamp, volatile=True)
             total += _unpack(pairs, BLOCK)
         h = round_to(total, tl.bfloat16)  # the all-reduced tensor's dtype, as an all-reduce gives
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         o_row, o2_row = o_ptr + row * stride_o, o2_ptr + row * stride_o2
         residual_norm_row(
             x, h, w, scalar, w2, o_row, o2_row, offs, mask, n, eps, HAS_SCALAR, HAS_NEXT
