@@ -56,7 +56,7 @@ SWEEP_ONLY = {  # the LM head, and the 31B drafter's projections (H 1024, I 8192
     "draft post": (H, 1024),
     "draft lm_head": (262144, 1024),
 }
-CONFIGS = list(itertools.product((32, 64, 128), (128, 256), (4,), (3, 4, 5)))
+CONFIGS = list(itertools.product((32, 64, 128), (128, 256), (2, 4), (3, 4, 5)))
 MLP_DOWN_CONFIGS = list(itertools.product((32, 64, 128), (256,), (4,), (3, 4), (3, 4, 6, 7, 12)))
 
 
@@ -164,10 +164,9 @@ def main() -> None:
         t_cublas = replay_ms(lambda: [F.linear(x, wi) for wi in ws])
         t_default = replay_ms(lambda: [gemv(x, wi) for wi in ws])
         results = []
-        # each tile with its K splits, and long-K shapes also with two
-        for cfg in [(*c, splits_for(triton.cdiv(n, c[0]), k, x.device)) for c in CONFIGS] + [
-            (*c, 2) for c in CONFIGS if k >= 16384
-        ]:
+        # each tile with its K splits and with two (a grid of 1-2 waves evens out its SMs' share)
+        splits = lambda c: {splits_for(triton.cdiv(n, c[0]), k, x.device), 2}  # noqa: E731
+        for cfg in [(*c, split) for c in CONFIGS for split in sorted(splits(c))]:
             try:
                 y = gemv(x, ws[0], config=cfg).float()
             except Exception as e:  # a tile that does not fit (shared memory): skip it
