@@ -137,16 +137,18 @@ def idle_gaps(prof, steps: int, top: int = 8) -> None:
         for event in prof.events()
         if event.device_type == torch.autograd.DeviceType.CUDA
     )
-    gaps, last_end, last_name = {}, spans[0][1], spans[0][2]
+    gaps, last_end, last_name = {}, spans[0][1], spans[0][2]  # pair -> every gap's length
     for start, end, name in spans[1:]:
         if start > last_end:
-            key = f"{last_name[:50]} -> {name[:50]}"
-            gaps[key] = gaps.get(key, 0.0) + start - last_end
+            gaps.setdefault(f"{last_name[:50]} -> {name[:50]}", []).append(start - last_end)
         if end > last_end:
             last_end, last_name = end, name
-    print(f"\nGPU idle: {sum(gaps.values()) / steps / 1e3:.3f} ms per step; the longest, per step:")
-    for key, t in sorted(gaps.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"{t / steps:9.1f} us  {key}")
+    idle = sum(sum(lengths) for lengths in gaps.values())
+    # times seen and the longest tell a gap in every step from a rare long one
+    print(f"\nGPU idle: {idle / steps / 1e3:.3f} ms per step; the longest, per step:")
+    print("  us/step  times  longest us  kernels before -> after")
+    for key, lengths in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"{sum(lengths) / steps:9.1f} {len(lengths):6d} {max(lengths):11.1f}  {key}")
 
 
 def host_time(engine, steps: int) -> None:
