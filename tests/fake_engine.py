@@ -1,7 +1,7 @@
 """A stand-in for `gemma4serve.engine_process.client.EngineProcessClient`: same interface, canned
 text, a trivial tokenizer, and page accounting, so that the HTTP layer can be tested fast and
 without weights. Also the harness the server test modules share: a server subprocess, SSE and
-/metrics readers, the wait for KV pages to come back.
+/metrics readers, waits for a condition and for KV pages to come back.
 
 The fake records what the server did to it (aborts, closed generators, the threads that rendered
 templates) for the tests to assert on. Run as a script it serves itself through
@@ -449,6 +449,13 @@ def metric(text: str, sample_name: str, **labels) -> float:
             if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     raise KeyError(f"{sample_name} {labels} not in /metrics")
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def free_pages(server: ServerProcess) -> float:

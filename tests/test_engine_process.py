@@ -27,6 +27,7 @@ from fake_engine import (
     metric,
     sse_data,
     wait_for_free_pages,
+    wait_until,
 )
 
 from gemma4serve.engine_process.messages import AddRequest, Codec
@@ -350,10 +351,8 @@ def kill_group(server: subprocess.Popen) -> None:
 
 
 def wait_gone(pids: list[int], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while any(process_exists(pid) for pid in pids):
-        assert time.monotonic() < deadline, "a process outlived its server"
-        time.sleep(0.2)
+    gone = lambda: not any(process_exists(pid) for pid in pids)  # noqa: E731
+    wait_until(gone, seconds, "the server's processes to exit")
 
 
 def test_an_engine_still_loading_exits_with_its_server(demo_model, tmp_path):

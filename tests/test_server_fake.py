@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from fake_engine import REPLY, REPO_ROOT, FakeEngine, ServerProcess, metric, sse_data
+from fake_engine import REPLY, REPO_ROOT, FakeEngine, ServerProcess, metric, sse_data, wait_until
 
 from gemma4serve.server.app import build_app
 
@@ -58,13 +58,6 @@ class ThreadServer:
 def serve_fake(engine: FakeEngine, **kwargs) -> ThreadServer:
     kwargs.setdefault("served_model_name", ["fake", "fake-alias"])
     return ThreadServer(build_app(engine, **kwargs))
-
-
-def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import subprocess
 import httpx
 import openai
 import pytest
-from fake_engine import ServerProcess, metric
+from fake_engine import ServerProcess, free_pages
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -510,13 +510,9 @@ def test_min_tokens_holds_back_stop_tokens(base):
 # Batched prompts on /v1/completions
 
 
-def free_pages(base) -> float:
-    return metric(httpx.get(base + "/metrics", timeout=30).text, "gemma4serve:kv_cache_free_pages")
-
-
-def test_batched_prompts_are_indexed_prompt_major(base):
+def test_batched_prompts_are_indexed_prompt_major(server, base):
     prompts = [FOX, "Once upon a time"]
-    idle = free_pages(base)
+    idle = free_pages(server)
     singles = [complete(base, prompt=p, max_tokens=8)[0] for p in prompts]
     r = httpx.post(
         base + "/v1/completions",
@@ -563,7 +559,7 @@ def test_batched_prompts_are_indexed_prompt_major(base):
                 finishes.append(choice.index)
     assert sorted(finishes) == [0, 1, 2, 3]
     assert streamed == {i: singles[i // 2]["text"] for i in range(4)}
-    assert free_pages(base) == idle
+    assert free_pages(server) == idle
 
 
 def test_a_refused_prompt_fails_the_whole_batch(base):
