@@ -13,6 +13,7 @@ streams still end), a third skips the shutdown.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -689,6 +690,15 @@ def serve(
                 url = _url(host, bound, scheme)
                 print(f"gemma4serve ready: {url} (model {names[0]})", flush=True)
 
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # Ours stay installed until serve ignores the signals at its end: uvicorn's would put
+            # Python's back while the event loop closes, and a Ctrl-C then would end the process
+            # by SIGINT instead of exit 0.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self.handle_exit)
+            yield
+
         def handle_exit(self, sig, frame):
             # Not super(): uvicorn would close the listener at once (new clients get connection
             # refused, not the 503 of a drain) and re-raise the signal after its shutdown (exit
@@ -734,6 +744,10 @@ def serve(
     try:
         server.run(sockets=[sock])
     finally:
+        # Stopped, and the process exits next: a late Ctrl-C is ignored, not left to the handlers
+        # Python resets to the default while it finalizes (death by SIGINT instead of exit 0).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         state.stop_engine(
             drain_timeout=0.0
         )  # no-op after a normal shutdown; stops the engine after a forced exit
