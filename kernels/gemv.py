@@ -306,8 +306,9 @@ def mlp_down_config(N: int, K: int, device: torch.device) -> tuple | None:
 
     None where chaining does not pay, and gemv_mlp runs the two GEMVs instead: where down's column
     tiles alone do not fill the SMs (narrow MLPs such as the drafter's) or K is short
-    (bench/bench_gemv.py; the 31B's MLP chains on one GPU and on each rank of two). A rank's
-    shorter K (10752) starts down sooner in 12 splits (11 of 1024 columns) than in 7.
+    (bench/bench_gemv.py; the 31B's MLP chains on one GPU and on each rank of two). A rank's K
+    (10752) runs faster in 12 splits (11 of 1024 columns) than in the 7 of K = 21504
+    (docs/performance.md).
     """
     if triton.cdiv(N, 32) < sm_count(device) or K < 8192:
         return None
