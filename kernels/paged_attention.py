@@ -498,13 +498,11 @@ def paged_attention(
             num_splits = choose_splits(programs, q.device, max_splits, waves)
     if not config:
         # Short decode splits want their few tiles in flight at once: a sliding split of at most 64
-        # keys as 32-key tiles, all in flight, on 8 warps where the grid is one wave or less (small
-        # batches of every model but the 31B on one GPU); a full layer's 32-key split as two
-        # 16-key tiles, deeper. Not for long full-layer splits, where it was slower
-        # (docs/performance.md).
+        # keys as 32-key tiles, all in flight; a full layer's 32-key split as two 16-key tiles,
+        # deeper. Not for long full-layer splits, where it was slower. 8 warps for small sliding
+        # grids win alone and lose inside a step (docs/performance.md).
         if window > 0 and max_q_len == 1 and triton.cdiv(window, num_splits) <= 64:
-            one_wave = G * nkv * num_splits <= sm_count(q.device)
-            cfg.update(block_n=32, num_stages=3, num_warps=8 if one_wave else cfg["num_warps"])
+            cfg.update(block_n=32, num_stages=3)
         if window == 0 and max_q_len == 1 and num_splits >= 16:
             cfg.update(block_n=16, num_stages=4)
         if q.dtype == torch.float32 and not INTERPRET:
