@@ -34,6 +34,7 @@ API_KEY_ENV = "GEMMA4SERVE_API_KEY"
 DRAIN_TIMEOUT_ENV = "GEMMA4SERVE_DRAIN_TIMEOUT"  # the Docker image sets it to fit `docker stop`
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 SHUTDOWN_BACKSTOP_S = 5.0  # after the drain timeout's aborts, how long aborted requests get to end
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a supervisor's stop
 
 
 # ----------------------------------------------------------------------------------------------
@@ -695,7 +696,7 @@ def serve(
             # Ours stay installed until serve ignores the signals at its end: uvicorn's would put
             # Python's back while the event loop closes, and a Ctrl-C then would end the process
             # by SIGINT instead of exit 0.
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 signal.signal(sig, self.handle_exit)
             yield
 
@@ -746,7 +747,7 @@ def serve(
     finally:
         # Stopped, and the process exits next: a late Ctrl-C is ignored, not left to the handlers
         # Python resets to the default while it finalizes (death by SIGINT instead of exit 0).
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         state.stop_engine(
             drain_timeout=0.0
@@ -794,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gemma4serve.engine_process.client import EngineProcessClient, EngineStartupError
 
-    stops = {sig: signal.signal(sig, _stop_starting) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stops = {sig: signal.signal(sig, _stop_starting) for sig in STOP_SIGNALS}
     try:
         engine = EngineProcessClient(args, in_process=not ns.engine_process, log_level=ns.log_level)
     except EngineStartupError as e:  # bad path, no GPU, out of memory...: one clear line
