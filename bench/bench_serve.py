@@ -78,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--matmul-tflops", type=float, help="matmul rate for the roofline (default: measured)"
     )
     p.add_argument("--result-file", help="write every level's numbers here as JSON")
+    p.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="with --result-file: each request's send time, TTFT, ITLs and error as well",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if not args.model and not args.base_url:
@@ -248,6 +253,19 @@ def summarize(
     return summary
 
 
+def per_request(results: list[RequestResult]) -> dict:
+    """Each request's times in seconds, in the order sent (vLLM's --save-detailed fields, plus
+    each request's send time from the level's first): which requests set a percentile."""
+    first = min(r.start for r in results)
+    return {
+        "start_times": [r.start - first for r in results],
+        "ttfts": [r.ttft if r.deliveries else None for r in results],
+        "itls": [r.itls() for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "errors": [r.error or "" for r in results],
+    }
+
+
 # ---- the roofline --------------------------------------------------------------------------------
 
 
@@ -414,7 +432,7 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
             summary["roofline_output_throughput"] = bounds[0]
             summary["roofline_in_waves_output_throughput"] = bounds[1]
         summary["roofline_tpot_ms"] = roof_tpot_ms
-        levels.append(summary)
+        levels.append(summary | per_request(results) if args.save_detailed else summary)
         save(args, command, levels)
         print(table_row(summary, roof_tpot_ms), flush=True)
         if bounds is not None:

@@ -102,7 +102,8 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         [sys.executable, str(ROOT / "bench" / "bench_serve.py"), "--model", str(target),
          "--draft", str(assistant), "--server-args", server_args, "--input-len", "60",
          "--output-len", "12", "--concurrency", "1", "3", "--num-prompts", "3",
-         "--bandwidth-gbps", "50", "--matmul-tflops", "5", "--result-file", str(result_file)],
+         "--bandwidth-gbps", "50", "--matmul-tflops", "5", "--result-file", str(result_file),
+         "--save-detailed"],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -127,6 +128,12 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         assert 0 <= level["mean_queue_ms"] <= level["p99_ttft_ms"]  # from the server's histogram
         assert level["prompt_tokens"] == 3 * 60 and level["prefix_cache_hit_tokens"] == 0
         assert level["roofline_tpot_ms"] > 0
+        # --save-detailed: each request's own times, which the level's percentiles are made of.
+        assert level["output_lens"] == [12] * 3 and level["errors"] == [""] * 3
+        assert min(level["start_times"]) == 0 and all(0 < len(x) <= 11 for x in level["itls"])
+        ttfts_ms = sorted(t * 1e3 for t in level["ttfts"])
+        assert level["p50_ttft_ms"] == pytest.approx(ttfts_ms[1])
+        assert ttfts_ms[0] <= level["p99_ttft_ms"] <= ttfts_ms[-1]
         # Overlapping the prompts' GEMMs with the decode steps can only beat running them in turn.
         waves, overlapped = (
             level["roofline_in_waves_output_throughput"],
