@@ -12,7 +12,8 @@ tokens per step; under each row, the level's output tokens/s bounds (`output_bou
 GEMMs at a measured matmul rate with the decode steps at that roofline, overlapped and in waves).
 On CUDA each level also prints its GPU timeline: CUDA events around every launch give the GPU's
 idle time before continued, scheduled-decode and prefill-carrying launches, the host's time
-queueing them and the span each covers.
+queueing them and the span each covers. `--sync-debug` adds the host synchronisations that torch
+made implicitly during the level, by engine line (the rule: none inside a step).
 
     # CPU, seconds: a tiny random checkpoint
     python bench/bench_offline.py --tiny --input-len 64 --output-len 32 --concurrency 1 4 \\
@@ -38,6 +39,10 @@ import shlex
 import sys
 import tempfile
 import time
+import traceback
+import warnings
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +52,8 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parent.parent)
 )  # run from a checkout without installing
 
+import gemma4serve  # noqa: E402
+import gemma4serve_kernels  # noqa: E402
 from gemma4serve.config import FULL, SLIDING  # noqa: E402
 from gemma4serve.engine.args import EngineArgs  # noqa: E402
 from gemma4serve.engine.engine import LLMEngine  # noqa: E402
@@ -131,12 +138,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=1,
         help="split over this many GPUs; parameters and the roofline are then one rank's share",
     )
+    p.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="CUDA: count the host synchronisations torch makes implicitly during each level "
+        "(its sync debug mode), by the engine line that asked for them",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if bool(args.model) == bool(args.tiny) or (args.tiny and args.draft):
         p.error("give --model (and optionally --draft), or --tiny")
     if min(args.concurrency) < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--concurrency, --input-len and --output-len must be positive")
+    if args.sync_debug and not torch.cuda.is_available():
+        p.error("--sync-debug needs CUDA")
     return args
 
 
@@ -280,6 +295,34 @@ def run_level(
         StepSplit.of([t for t, _, _ in step_times], prefill_tokens),
         gpu_timeline(engine.runner.launch_records, elapsed),
     )  # fmt: skip
+
+
+ENGINE_DIRS = tuple(  # where a sync's site is looked for: the engine and its kernels
+    os.path.dirname(module.__file__) + os.sep for module in (gemma4serve, gemma4serve_kernels)
+)
+
+
+@contextmanager
+def implicit_syncs(sites: Counter):
+    """Count, by the innermost gemma4serve frame, every operation that made the host wait for the
+    GPU without asking (torch's sync debug mode: `.item()`, a copy to pageable memory, ...). The
+    engine's own waits for a step's outputs (CUDA events) are not counted."""
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack() if f.filename.startswith(ENGINE_DIRS)]
+        where = frames[-1] if frames else traceback.FrameSummary(filename, lineno, "?")
+        sites[f"{Path(where.filename).name}:{where.lineno} {where.name}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 # ---- the roofline --------------------------------------------------------------------------------
@@ -835,8 +878,12 @@ def main(argv=None) -> None:
                 run_level(
                     engine, warm_prompts, c, min(args.output_len, 4), f"warm-{tag}", constrained
                 )
-            compiled = triton_cache_entries()
-            level = run_level(engine, prompts, c, args.output_len, tag, constrained)
+            compiled, syncs = triton_cache_entries(), Counter()
+            if args.sync_debug:
+                with implicit_syncs(syncs):
+                    level = run_level(engine, prompts, c, args.output_len, tag, constrained)
+            else:
+                level = run_level(engine, prompts, c, args.output_len, tag, constrained)
             compiled = triton_cache_entries() - compiled
             roof = roofline(engine, c, args.input_len + args.output_len // 2, bw)
             levels.append((level, roof))
@@ -847,6 +894,10 @@ def main(argv=None) -> None:
                 output_bounds(roof, c, args.input_len, args.output_len, level.accepted_len, k, rate)
             )
             print_level_details(level, compiled)
+            if args.sync_debug:
+                print(f"      implicit host syncs: {sum(syncs.values())}", flush=True)
+                for site, count in syncs.most_common(10):
+                    print(f"        {count:6d}  {site}", flush=True)
 
     print(
         "\ndecode-step roofline "
