@@ -42,7 +42,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -304,9 +304,9 @@ ENGINE_DIRS = tuple(  # where a sync's site is looked for: the engine and its ke
 
 @contextmanager
 def implicit_syncs(sites: Counter):
-    """Count, by the innermost gemma4serve frame, every operation that made the host wait for the
-    GPU without asking (torch's sync debug mode: `.item()`, a copy to pageable memory, ...). The
-    engine's own waits for a step's outputs (CUDA events) are not counted."""
+    """Count, by the innermost frame of the engine or its kernels, every operation that made the
+    host wait for the GPU without asking (torch's sync debug mode: `.item()`, a copy to pageable
+    memory, ...). The engine's own waits for a step's outputs (CUDA events) are not counted."""
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchronizing CUDA operation" not in str(message):
@@ -879,10 +879,7 @@ def main(argv=None) -> None:
                     engine, warm_prompts, c, min(args.output_len, 4), f"warm-{tag}", constrained
                 )
             compiled, syncs = triton_cache_entries(), Counter()
-            if args.sync_debug:
-                with implicit_syncs(syncs):
-                    level = run_level(engine, prompts, c, args.output_len, tag, constrained)
-            else:
+            with implicit_syncs(syncs) if args.sync_debug else nullcontext():
                 level = run_level(engine, prompts, c, args.output_len, tag, constrained)
             compiled = triton_cache_entries() - compiled
             roof = roofline(engine, c, args.input_len + args.output_len // 2, bw)

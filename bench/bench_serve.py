@@ -87,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.model and not args.base_url:
         p.error("give --model (the server is started) or --base-url")
+    if args.save_detailed and not args.result_file:
+        p.error("--save-detailed needs --result-file")
     if min(args.concurrency) < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--concurrency, --input-len and --output-len must be positive")
     return args
