@@ -302,21 +302,26 @@ ENGINE_DIRS = tuple(  # where a sync's site is looked for: the engine and its ke
 )
 
 
+SYNC_WARNING = "synchronizing CUDA operation"  # torch's text in its sync debug mode
+
+
 @contextmanager
 def implicit_syncs(sites: Counter):
     """Count, by the innermost frame of the engine or its kernels, every operation that made the
     host wait for the GPU without asking (torch's sync debug mode: `.item()`, a copy to pageable
     memory, ...). The engine's own waits for a step's outputs (CUDA events) are not counted."""
 
+    show = warnings.showwarning
+
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing CUDA operation" not in str(message):
-            return
+        if SYNC_WARNING not in str(message):  # any other warning is shown as before
+            return show(message, category, filename, lineno, file, line)
         frames = [f for f in traceback.extract_stack() if f.filename.startswith(ENGINE_DIRS)]
         where = frames[-1] if frames else traceback.FrameSummary(filename, lineno, "?")
         sites[f"{Path(where.filename).name}:{where.lineno} {where.name}"] += 1
 
     with warnings.catch_warnings():
-        warnings.simplefilter("always")
+        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")  # every one, not the first
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
