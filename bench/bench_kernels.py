@@ -48,7 +48,6 @@ from bench_step import copy_bandwidth  # noqa: E402
 PAGE = 16
 DT = torch.bfloat16
 PREFILL_ROWS = 1024  # query rows of one prefill chunk
-MIXED_TOKENS = EngineArgs.max_num_batched_tokens  # the server's default token budget
 
 
 def text_config(model: str, tp: int) -> TextConfig:
@@ -139,10 +138,12 @@ def build(shape: dict, batch: int, ctx: int, rows: int, arena: KVCache | None = 
     return args, nbytes
 
 
-def prompt_chunks(batch: int, verify_rows: int, prompt_len: int | None) -> list[tuple[int, int]]:
-    """The prompt chunks that fill the token budget beside `batch` verifications: one first chunk,
-    or whole prompts of `prompt_len` and the first piece of the next."""
-    budget = MIXED_TOKENS - batch * verify_rows
+def prompt_chunks(
+    batch: int, verify_rows: int, prompt_len: int | None, tokens: int
+) -> list[tuple[int, int]]:
+    """The prompt chunks that fill a step of `tokens` beside `batch` verifications: one first
+    chunk, or whole prompts of `prompt_len` and the first piece of the next."""
+    budget = tokens - batch * verify_rows
     if prompt_len is None:
         return [(budget, budget)]
     pieces = [prompt_len] * (budget // prompt_len) + [budget % prompt_len]
@@ -155,6 +156,7 @@ def build_mixed(
     ctx: int,
     verify_rows: int,
     prompt_len: int | None,
+    tokens: int,
     arena: KVCache | None = None,
 ):
     """`batch` verifying sequences at `ctx` and the prompt chunks beside them, with empty groups
@@ -163,12 +165,12 @@ def build_mixed(
     from gemma4serve.engine.cuda_graphs import mixed_group_buckets
 
     verify = [(ctx, verify_rows)] * batch
-    groups = verify + prompt_chunks(batch, verify_rows, prompt_len)
+    groups = verify + prompt_chunks(batch, verify_rows, prompt_len, tokens)
     args, nbytes, flops = build_groups(shape, groups, arena)
     bucket = next(g for g in mixed_group_buckets(256) if g >= len(groups))
     cu = args[6]
-    cu = torch.cat([cu, cu.new_full((bucket + 1 - len(groups),), MIXED_TOKENS)])
-    return (*args[:6], cu, MIXED_TOKENS, args[8]), nbytes, flops
+    cu = torch.cat([cu, cu.new_full((bucket + 1 - len(groups),), tokens)])
+    return (*args[:6], cu, tokens, args[8]), nbytes, flops
 
 
 def time_case(args, **kw):
@@ -279,6 +281,12 @@ def main():
     parser.add_argument(
         "--verify-rows", type=int, default=3, help="query rows of a verifying sequence"
     )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineArgs.max_num_batched_tokens,
+        help="mixed and prompts: the step's tokens (the server's token budget)",
+    )
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--layers", default="full,sliding")
@@ -344,14 +352,26 @@ def main():
                     parts, flops = {}, None
                     if phase == "mixed":
                         args, nbytes, flops = build_mixed(
-                            shape, batch, ctx, cli.verify_rows, cli.prompt_len, arena
+                            shape,
+                            batch,
+                            ctx,
+                            cli.verify_rows,
+                            cli.prompt_len,
+                            cli.max_num_batched_tokens,
+                            arena,
                         )
                         parts["verify"] = build(shape, batch, ctx, cli.verify_rows, arena)[0]
                         parts["prompts"] = build_groups(
-                            shape, prompt_chunks(batch, cli.verify_rows, cli.prompt_len), arena
+                            shape,
+                            prompt_chunks(
+                                batch, cli.verify_rows, cli.prompt_len, cli.max_num_batched_tokens
+                            ),
+                            arena,
                         )[0]
                     elif phase == "prompts":
-                        groups = prompt_chunks(batch, cli.verify_rows, cli.prompt_len)
+                        groups = prompt_chunks(
+                            batch, cli.verify_rows, cli.prompt_len, cli.max_num_batched_tokens
+                        )
                         args, nbytes, flops = build_groups(shape, groups, arena)
                     else:
                         args, nbytes = build(shape, batch, ctx, phase_rows[phase], arena)

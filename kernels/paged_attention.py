@@ -15,7 +15,8 @@ decode of a long context); a second kernel merges the partial results through th
 Decode and verification give each group max_q_len rows of programs (one block). Prefill chunks
 number the query blocks of all groups in one flat axis instead: a grid of groups x the longest
 chunk's blocks would be mostly programs with no rows when a long chunk shares the step with many
-short groups.
+short groups. In such a launch the groups of a few rows (decodes, verifications) take short tiles
+of their own, and the blocks run from the last on, so the chunks' long programs start first.
 The grid depends only on host ints (tokens, groups, max_q_len, heads, splits) and the loop bounds
 come from the metadata tensors, so there is no host synchronisation and CUDA graphs can capture the
 launch.
@@ -126,12 +127,8 @@ def _group_of_block(cu_ptr, num_groups, block, BLOCK_T: tl.constexpr):
     return count - 1
 
 
-# Arguments that change from step to step are not specialised (Triton would compile a variant per
-# value ==1 / divisible by 16, each a multi-second stall while serving): the window (the target's W,
-# the drafter's W_a + 1), the split count, the group count, and the page-table width of an eager
-# step.
-@triton.jit(do_not_specialize=["window", "num_splits", "num_groups", "stride_table"])
-def _attn_kernel(
+@triton.jit
+def _attend_rows(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -141,8 +138,10 @@ def _attn_kernel(
     token_seq_ptr,
     kv_end_ptr,
     table_ptr,
-    cu_ptr,
-    num_groups,
+    row0,
+    row_end,
+    kvh,
+    split,
     window,
     num_q_heads,
     num_splits,
@@ -171,22 +170,10 @@ def _attn_kernel(
     TABLE_CHUNK: tl.constexpr,
     CHUNK_TILES: tl.constexpr,
     LAUNCH_NEXT_LATE: tl.constexpr,
-    PREFILL: tl.constexpr,
+    PAGES_IN_REGISTERS: tl.constexpr,
 ):
-    kvh = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
-    if PREFILL:
-        block = tl.program_id(0)
-        g = _group_of_block(cu_ptr, num_groups, block, BLOCK_T)
-        first_row = tl.load(cu_ptr + g)
-        row0 = first_row + (block - first_row // BLOCK_T - g) * BLOCK_T
-    else:
-        g = tl.program_id(0)
-        row0 = tl.load(cu_ptr + g) + tl.program_id(1) * BLOCK_T
-    row_end = tl.load(cu_ptr + g + 1)
-    if row0 >= row_end:
-        return
-
+    """Query rows [row0, min(row0 + BLOCK_T, row_end)) of one group, all heads of KV head `kvh`,
+    over this program's split of their keys."""
     # Rows of the dot: token-major, GROUP_P head slots per token (padding slots and tokens masked).
     offs_m = tl.arange(0, BLOCK_M)
     tok = row0 + offs_m // GROUP_P
@@ -207,14 +194,14 @@ def _attn_kernel(
     b_lo = first + split * per_split
     b_hi = tl.minimum(b_lo + per_split, first + n_blocks)
     table_row = table_ptr + tl.load(token_seq_ptr + row0).to(tl.int64) * stride_table
-    # Decode and verification (latency-bound): the page numbers of the first CHUNK_TILES key tiles,
-    # in registers: a K/V address then needs no table read in the loop, so the pipelined loads of
-    # the next tiles issue at once instead of one table read (an L2 round trip) after another.
+    # Few rows (latency-bound): the page numbers of the first CHUNK_TILES key tiles, in registers:
+    # a K/V address then needs no table read in the loop, so the pipelined loads of the next tiles
+    # issue at once instead of one table read (an L2 round trip) after another.
     # Entries outside the pages of [lo, hi) are not read (null or past the row).
     entries = tl.arange(0, TABLE_CHUNK)
     p_lo = lo // PAGE
     p_hi = tl.cdiv(hi, PAGE)
-    if not PREFILL:
+    if PAGES_IN_REGISTERS:
         p0 = b_lo * BLOCK_N // PAGE
         pages = tl.load(
             table_row + p0 + entries, mask=(p0 + entries >= p_lo) & (p0 + entries < p_hi), other=0
@@ -239,41 +226,7 @@ def _attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if PREFILL:
-        # Long query blocks are bound by the tiles' math, not by latency: each tile reads its pages
-        # from the table (two cached entries), and tiles every row sees whole skip the score mask.
-        whole_lo = tl.max(tl.where(row_ok, start, 0), axis=0)
-        whole_hi = tl.min(tl.where(row_ok, end, hi), axis=0)
-        for b in range(b_lo, b_hi):
-            pos = b * BLOCK_N + tl.arange(0, BLOCK_N)
-            kv_ok = (pos >= lo) & (pos < hi)
-            page = tl.load(table_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-            masked = (b * BLOCK_N < whole_lo) | ((b + 1) * BLOCK_N > whole_hi)
-            m_i, l_i, acc = _attend_keys(
-                q,
-                k_ptr,
-                v_ptr,
-                m_i,
-                l_i,
-                acc,
-                pos,
-                kv_ok,
-                page,
-                masked,
-                start,
-                end,
-                kvh,
-                d,
-                stride_kp,
-                stride_ks,
-                stride_kh,
-                stride_vp,
-                stride_vs,
-                stride_vh,
-                PAGE,
-                DOT_FP32,
-            )
-    else:
+    if PAGES_IN_REGISTERS:
         for c_lo in range(b_lo, b_hi, CHUNK_TILES):
             # Most splits fit in one chunk; longer ones read the next chunk's pages while this one's
             # tiles run.
@@ -317,6 +270,40 @@ def _attn_kernel(
                     DOT_FP32,
                 )
             pages = next_pages
+    else:
+        # Long query blocks are bound by the tiles' math, not by latency: each tile reads its pages
+        # from the table (two cached entries), and tiles every row sees whole skip the score mask.
+        whole_lo = tl.max(tl.where(row_ok, start, 0), axis=0)
+        whole_hi = tl.min(tl.where(row_ok, end, hi), axis=0)
+        for b in range(b_lo, b_hi):
+            pos = b * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_ok = (pos >= lo) & (pos < hi)
+            page = tl.load(table_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+            masked = (b * BLOCK_N < whole_lo) | ((b + 1) * BLOCK_N > whole_hi)
+            m_i, l_i, acc = _attend_keys(
+                q,
+                k_ptr,
+                v_ptr,
+                m_i,
+                l_i,
+                acc,
+                pos,
+                kv_ok,
+                page,
+                masked,
+                start,
+                end,
+                kvh,
+                d,
+                stride_kp,
+                stride_ks,
+                stride_kh,
+                stride_vp,
+                stride_vs,
+                stride_vh,
+                PAGE,
+                DOT_FP32,
+            )
     if LAUNCH_NEXT_LATE:
         if PDL:
             gdc_launch_dependents()
@@ -337,6 +324,114 @@ def _attn_kernel(
         tl.store(
             part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=(row_ok & has)[:, None]
         )
+
+
+# Arguments that change from step to step are not specialised (Triton would compile a variant per
+# value ==1 / divisible by 16, each a multi-second stall while serving): the window (the target's W,
+# the drafter's W_a + 1), the split count, the group count, and the page-table width of an eager
+# step.
+@triton.jit(do_not_specialize=["window", "num_splits", "num_groups", "stride_table"])
+def _attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    token_seq_ptr,
+    kv_end_ptr,
+    table_ptr,
+    cu_ptr,
+    num_groups,
+    window,
+    num_q_heads,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_table,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr,
+    TABLE_CHUNK: tl.constexpr,
+    CHUNK_TILES: tl.constexpr,
+    SHORT_T: tl.constexpr,
+    SHORT_M: tl.constexpr,
+    SHORT_N: tl.constexpr,
+    SHORT_MIN_BLOCKS: tl.constexpr,
+    SHORT_TABLE_CHUNK: tl.constexpr,
+    SHORT_CHUNK_TILES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
+    LAUNCH_NEXT_LATE: tl.constexpr,
+    PREFILL: tl.constexpr,
+):
+    if PREFILL:
+        # Every head's programs of a query block before the next block's, from the last block on:
+        # the prompt chunks (packed after the decoding groups) start first and the short groups
+        # fill the GPU around them, instead of the chunks' long programs starting last.
+        kvh = tl.program_id(0) // num_splits
+        split = tl.program_id(0) % num_splits
+        block = tl.num_programs(1) - 1 - tl.program_id(1)
+        g = _group_of_block(cu_ptr, num_groups, block, BLOCK_T)
+        first_row = tl.load(cu_ptr + g)
+        row0 = first_row + (block - first_row // BLOCK_T - g) * BLOCK_T
+    else:
+        kvh = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+        g = tl.program_id(0)
+        first_row = tl.load(cu_ptr + g)
+        row0 = first_row + tl.program_id(1) * BLOCK_T
+    row_end = tl.load(cu_ptr + g + 1)
+    if row0 >= row_end:
+        return
+    # In a prefill launch the decoding and verifying groups beside the prompt chunks take the
+    # short tiles (SHORT_T tokens): on the prompt's 64-row tiles their few rows would cost the MMA
+    # work of 64 (docs/performance.md).
+    # fmt: off
+    if PREFILL:
+        if row_end - first_row > SHORT_T:
+            _attend_rows(
+                q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, token_seq_ptr, kv_end_ptr,
+                table_ptr, row0, row_end, kvh, split, window, num_q_heads, num_splits,
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+                stride_vp, stride_vs, stride_vh, stride_table,
+                GROUP, GROUP_P, HEAD_DIM, PAGE, BLOCK_T, BLOCK_M, BLOCK_N, SPLIT, MIN_BLOCKS,
+                DOT_FP32, PDL, TABLE_CHUNK, CHUNK_TILES, LAUNCH_NEXT_LATE, False,
+            )
+        else:
+            _attend_rows(
+                q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, token_seq_ptr, kv_end_ptr,
+                table_ptr, row0, row_end, kvh, split, window, num_q_heads, num_splits,
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+                stride_vp, stride_vs, stride_vh, stride_table,
+                GROUP, GROUP_P, HEAD_DIM, PAGE, SHORT_T, SHORT_M, SHORT_N, SPLIT,
+                SHORT_MIN_BLOCKS, DOT_FP32, PDL, SHORT_TABLE_CHUNK, SHORT_CHUNK_TILES,
+                LAUNCH_NEXT_LATE, True,
+            )
+    else:
+        _attend_rows(
+            q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, token_seq_ptr, kv_end_ptr,
+            table_ptr, row0, row_end, kvh, split, window, num_q_heads, num_splits,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+            stride_vp, stride_vs, stride_vh, stride_table,
+            GROUP, GROUP_P, HEAD_DIM, PAGE, BLOCK_T, BLOCK_M, BLOCK_N, SPLIT, MIN_BLOCKS,
+            DOT_FP32, PDL, TABLE_CHUNK, CHUNK_TILES, LAUNCH_NEXT_LATE, True,
+        )
+    # fmt: on
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -383,10 +478,16 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
         # program and 32-key tiles, 2 K/V buffers; 8 warps only for the 512-wide tiles.
         block_t = max(1, min(next_pow2(max_q_len), 64 // group_p))
         block_m = max(16, block_t * group_p)
+        # Decoding and verifying groups beside the chunks: the fewest rows an MMA takes, with
+        # the chunks' key tiles (the same shared memory).
+        short_m = max(16, group_p)
         return dict(
             block_t=block_t,
             block_m=block_m,
             block_n=32,
+            short_block_t=short_m // group_p,
+            short_block_m=short_m,
+            short_block_n=32,
             num_warps=8 if block_m * head_dim > 16384 else 4,
             num_stages=2,
         )
@@ -477,6 +578,8 @@ def paged_attention(
         cfg.update(config)
         if "block_m" not in config:
             cfg["block_m"] = max(16, cfg["block_t"] * next_pow2(group))
+        if "short_block_t" in cfg:  # a short group fits one query block
+            cfg["short_block_t"] = min(cfg["short_block_t"], cfg["block_t"])
     assert cfg["block_m"] >= cfg["block_t"] * next_pow2(group)
     prefill = max_q_len > 8
     # Prefill: one flat axis of query blocks, T // block_t + G numbers (see _group_of_block).
@@ -507,8 +610,12 @@ def paged_attention(
             cfg.update(block_n=16, num_stages=4)
         if q.dtype == torch.float32 and not INTERPRET:
             # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
-            cfg.update(block_n=16, num_stages=1)
+            cfg.update(block_n=16, short_block_n=16, num_stages=1)
     entries, chunk = table_chunk(page_size, cfg["block_n"])
+    # Decode and verification launches have no short groups: their short tiles repeat the main
+    # ones (one compiled variant).
+    short = {key: cfg.get(f"short_{key}", cfg[key]) for key in ("block_t", "block_m", "block_n")}
+    short_entries, short_chunk = table_chunk(page_size, short["block_n"])
     if num_splits > 1:
         part_o = torch.empty(T, nh, num_splits, hd, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
@@ -518,7 +625,8 @@ def paged_attention(
     # Single-query grids of at most two programs per SM let it launch only after their key loops,
     # which pays there and costs verification and larger decode grids (docs/performance.md).
     late = max_q_len == 1 and G * nkv * num_splits <= 2 * sm_count(q.device)
-    _attn_kernel[(*grid_blocks, nkv * num_splits)](
+    grid = (nkv * num_splits, grid_blocks[0], 1) if prefill else (*grid_blocks, nkv * num_splits)
+    _attn_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -551,11 +659,17 @@ def paged_attention(
         BLOCK_T=cfg["block_t"],
         BLOCK_M=cfg["block_m"],
         BLOCK_N=cfg["block_n"],
-        SPLIT=num_splits > 1,
         MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
-        DOT_FP32=dot_in_fp32(q.dtype),
         TABLE_CHUNK=entries,
         CHUNK_TILES=chunk,
+        SHORT_T=short["block_t"],
+        SHORT_M=short["block_m"],
+        SHORT_N=short["block_n"],
+        SHORT_MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, short["block_n"])),
+        SHORT_TABLE_CHUNK=short_entries,
+        SHORT_CHUNK_TILES=short_chunk,
+        SPLIT=num_splits > 1,
+        DOT_FP32=dot_in_fp32(q.dtype),
         LAUNCH_NEXT_LATE=late,
         PREFILL=prefill,  # prefill chunks: the flat grid, the key loop without register-held pages
         num_warps=cfg["num_warps"],

@@ -269,6 +269,28 @@ def test_attention_prefill_flat_grid_many_groups():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_short_groups_beside_a_prompt_chunk(num_splits, monkeypatch):
+    """In a prefill launch, groups of at most the short tiles' tokens (8 here: 16 rows of a
+    2-head group) run the few-row key loop, longer ones the chunk's: groups of 1, 8 and 9 rows
+    beside a chunk, over splits, with the page table read in chunks of 4 entries."""
+    monkeypatch.setattr(
+        importlib.import_module("gemma4serve_kernels.paged_attention"), "TABLE_CHUNK", 4
+    )
+    seqs = [(70, list(range(31, 71))), (23, [23]), (37, list(range(30, 38)))]
+    seqs += [(44, list(range(36, 45))), (5, [5])]
+    q, kc, vc, meta = build_paged_batch(
+        seqs, nh=4, nkv=2, hd=16, page_size=4, window=20, dtype=torch.float32, seed=13
+    )
+    ref = reference_attention(q, kc, vc, meta)
+    out = torch.full_like(q, float("nan"))
+    kernel_attention(
+        q, kc, vc, meta, 20, out=out, num_splits=num_splits, min_split_keys=1,
+        config=dict(block_n=16, short_block_n=8),
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_attention_drafter_batch():
     """The drafter's reads: one row per sequence at kv_end = P, window W_a + 1.
 
