@@ -218,6 +218,7 @@ def sweep(
     block_n_opts=(16, 32, 64),
     split_opts=DEFAULT_SPLITS,
     block_t_opts=None,
+    short_block_n_opts=None,
 ):
     """Time tile configs and split counts around the defaults, fastest first: [(ms, settings)].
 
@@ -231,10 +232,11 @@ def sweep(
     warps_opts = warps_opts or (base["num_warps"],)
     stages_opts = stages_opts or (base["num_stages"],)
     block_t_opts = block_t_opts or (base["block_t"],)
+    short_block_n_opts = short_block_n_opts or (base.get("short_block_n"),)
     results = []
     out = torch.empty_like(args[0])
-    for block_t, block_n, warps, stages, split in itertools.product(
-        block_t_opts, block_n_opts, warps_opts, stages_opts, split_opts
+    for block_t, block_n, short_block_n, warps, stages, split in itertools.product(
+        block_t_opts, block_n_opts, short_block_n_opts, warps_opts, stages_opts, split_opts
     ):
         # query tokens per program (times the GQA group: the accumulator's rows)
         cfg = dict(
@@ -245,6 +247,8 @@ def sweep(
             num_warps=warps,
             num_stages=stages,
         )
+        short = {} if short_block_n is None else dict(short_block_n=short_block_n)
+        cfg.update(short)
         fn = lambda: paged_attention(*args, out=out, config=cfg, **split)  # noqa: E731
         try:
             fn()
@@ -256,7 +260,14 @@ def sweep(
         results.append(
             (
                 ms,
-                dict(block_t=block_t, block_n=block_n, num_warps=warps, num_stages=stages, **split),
+                dict(
+                    block_t=block_t,
+                    block_n=block_n,
+                    **short,
+                    num_warps=warps,
+                    num_stages=stages,
+                    **split,
+                ),
             )
         )
     return sorted(results, key=lambda r: r[0])
@@ -303,6 +314,10 @@ def main():
         "--block-t", help="query tokens per program options of the sweep (default: the engine's)"
     )
     parser.add_argument(
+        "--short-block-n",
+        help="mixed: key tile options of the decoding and verifying groups' short tiles",
+    )
+    parser.add_argument(
         "--splits", help='split settings of the sweep, "num_splits:min_split_keys,..." or "default"'
     )
     parser.add_argument(
@@ -331,6 +346,8 @@ def main():
         options.update(split_opts=parse_splits(cli.splits))
     if cli.block_t:
         options.update(block_t_opts=tuple(map(int, cli.block_t.split(","))))
+    if cli.short_block_n:
+        options.update(short_block_n_opts=tuple(map(int, cli.short_block_n.split(","))))
 
     torch.manual_seed(0)
     bw = copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s
