@@ -380,12 +380,14 @@ def _attn_kernel(
     PREFILL: tl.constexpr,
 ):
     if PREFILL:
-        # Every head's programs of a query block before the next block's, from the last block on:
-        # the prompt chunks (packed after the decoding groups) start first and the short groups
-        # fill the GPU around them, instead of the chunks' long programs starting last.
-        kvh = tl.program_id(0) // num_splits
+        # One axis (no 65535 bound on the blocks), every head's programs of a query block before
+        # the next block's, from the last block on: the prompt chunks (packed after the decoding
+        # groups) start first and the short groups fill the GPU around them, instead of the
+        # chunks' long programs starting last.
+        heads_splits = (num_q_heads // GROUP) * num_splits
+        kvh = tl.program_id(0) % heads_splits // num_splits
         split = tl.program_id(0) % num_splits
-        block = tl.num_programs(1) - 1 - tl.program_id(1)
+        block = tl.num_programs(0) // heads_splits - 1 - tl.program_id(0) // heads_splits
         g = _group_of_block(cu_ptr, num_groups, block, BLOCK_T)
         first_row = tl.load(cu_ptr + g)
         row0 = first_row + (block - first_row // BLOCK_T - g) * BLOCK_T
@@ -625,7 +627,7 @@ def paged_attention(
     # Single-query grids of at most two programs per SM let it launch only after their key loops,
     # which pays there and costs verification and larger decode grids (docs/performance.md).
     late = max_q_len == 1 and G * nkv * num_splits <= 2 * sm_count(q.device)
-    grid = (nkv * num_splits, grid_blocks[0], 1) if prefill else (*grid_blocks, nkv * num_splits)
+    grid = (grid_blocks[0] * nkv * num_splits,) if prefill else (*grid_blocks, nkv * num_splits)
     _attn_kernel[grid](
         q,
         k_cache,

@@ -291,6 +291,40 @@ def test_attention_short_groups_beside_a_prompt_chunk(num_splits, monkeypatch):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+def test_attention_grid_within_cuda_limits_for_a_huge_step(monkeypatch):
+    """A step of 600,000 prompt tokens (a large --max-num-batched-tokens) on 8-head groups is
+    75,000 query blocks: past CUDA's 65,535 on a grid's second and third axes, so they go on the
+    first. The launch is recorded, not run."""
+    module = importlib.import_module("gemma4serve_kernels.paged_attention")
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(module, "_attn_kernel", Recorder())
+    T, nh, nkv, hd = 600_000, 8, 1, 16
+    q = torch.zeros(1, nh, hd).expand(T, nh, hd)  # one row's storage, seen T times
+    cache = torch.zeros(4, 16, nkv, hd)
+    i32 = dict(dtype=torch.int32)
+    paged_attention(
+        q,
+        cache,
+        cache,
+        torch.zeros(T, **i32).expand(T),
+        torch.zeros(1, **i32).expand(T),
+        torch.zeros(1, 4, **i32),
+        torch.tensor([0, T], **i32),
+        T,
+        0,
+        out=q,
+        num_splits=1,
+    )
+    (grid,) = grids
+    assert grid[0] < 2**31 and all(axis <= 65535 for axis in grid[1:])
+
+
 def test_attention_drafter_batch():
     """The drafter's reads: one row per sequence at kv_end = P, window W_a + 1.
 
