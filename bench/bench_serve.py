@@ -15,7 +15,9 @@ bandwidth roofline next to the TPOT (the bytes one step must read over the bandw
 docs/architecture.md; computed from the configs as bench/bench_offline.py does, so it needs
 --model). Under each row, the level's output tokens/s bounds: the prompts' GEMMs at the matmul rate
 and the decode steps at the bandwidth, overlapped (whichever takes longer) and in waves (one after
-the other, as a closed loop of equal requests runs them).
+the other, as a closed loop of equal requests runs them); without --request-rate, the TTFT of the
+level's first `concurrency` requests (sent together, so queued for prefill at once: they set p99
+over a few hundred requests) apart from the rest.
 
     # starts the server (bench/server_process.py), E4B shapes with dummy weights
     python bench/bench_serve.py --model configs/gemma-4-E4B-it \\
@@ -255,6 +257,22 @@ def summarize(
     return summary
 
 
+def first_wave(results: list[RequestResult], concurrency: int) -> dict | None:
+    """TTFT of the first `concurrency` requests, sent together, against the rest, in ms (None
+    when every request is in the first wave): the first wave's prompts all queue for prefill at
+    once, so at a level of a few hundred requests they alone set p99 TTFT."""
+    first = [r.ttft for r in results[:concurrency] if r.error is None]
+    rest = [r.ttft for r in results[concurrency:] if r.error is None]
+    if not first or not rest:
+        return None
+    return {
+        "first_wave_p50_ttft_ms": percentile(first, 50) * 1e3,
+        "first_wave_max_ttft_ms": max(first) * 1e3,
+        "after_first_wave_p50_ttft_ms": percentile(rest, 50) * 1e3,
+        "after_first_wave_p99_ttft_ms": percentile(rest, 99) * 1e3,
+    }
+
+
 def per_request(results: list[RequestResult]) -> dict:
     """Each request's times in seconds, in the order sent (vLLM's --save-detailed fields, plus
     each request's send time from the level's first): which requests set a percentile."""
@@ -421,6 +439,8 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
         after = server_counters(url)
         counters = {name: after[name] - before[name] for name in COUNTERS}
         summary = summarize(results, elapsed, concurrency, counters, sum(map(len, prompts)))
+        wave = first_wave(results, concurrency) if args.request_rate == float("inf") else None
+        summary |= wave or {}
         roof_tpot_ms = bounds = None
         if roof is not None:
             step = roof.step(concurrency, args.input_len + args.output_len // 2)
@@ -439,6 +459,15 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
         print(table_row(summary, roof_tpot_ms), flush=True)
         if bounds is not None:
             print_output_bounds(bounds)
+        if wave is not None:
+            print(
+                f"      TTFT of the first {concurrency} requests (sent together) p50 / max "
+                f"{wave['first_wave_p50_ttft_ms']:.0f} / {wave['first_wave_max_ttft_ms']:.0f} ms;"
+                f" of the other {len(results) - concurrency} p50 / p99 "
+                f"{wave['after_first_wave_p50_ttft_ms']:.0f} / "
+                f"{wave['after_first_wave_p99_ttft_ms']:.0f} ms",
+                flush=True,
+            )
         if summary["failed"]:
             print(f"      {summary['failed']} failed: {summary['errors']}", flush=True)
     return levels

@@ -134,6 +134,15 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         ttfts_ms = sorted(t * 1e3 for t in level["ttfts"])
         assert level["p50_ttft_ms"] == pytest.approx(ttfts_ms[1])
         assert ttfts_ms[0] <= level["p99_ttft_ms"] <= ttfts_ms[-1]
+        # The first wave (the level's first `concurrency` requests, sent together) apart.
+        sent_ms = [t * 1e3 for t in level["ttfts"]]
+        if level["concurrency"] == 1:
+            assert level["first_wave_max_ttft_ms"] == pytest.approx(sent_ms[0])
+            assert level["after_first_wave_p50_ttft_ms"] == pytest.approx(
+                (sent_ms[1] + sent_ms[2]) / 2
+            )
+        else:  # every request is in the first wave
+            assert "first_wave_max_ttft_ms" not in level
         # Overlapping the prompts' GEMMs with the decode steps can only beat running them in turn.
         waves, overlapped = (
             level["roofline_in_waves_output_throughput"],
@@ -145,6 +154,7 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
     assert (
         sum("out tok/s (prompts' GEMMs and decode steps overlapped)" in line for line in lines) == 2
     )
+    assert sum("TTFT of the first 1 requests (sent together)" in line for line in lines) == 1
 
 
 def test_bench_with_json_object_constrains_every_request():
