@@ -15,8 +15,9 @@ decode of a long context); a second kernel merges the partial results through th
 Decode and verification give each group max_q_len rows of programs (one block). Prefill chunks
 number the query blocks of all groups in one flat axis instead: a grid of groups x the longest
 chunk's blocks would be mostly programs with no rows when a long chunk shares the step with many
-short groups. In such a launch the groups of a few rows (decodes, verifications) take short tiles
-of their own, and the blocks run from the last on, so the chunks' long programs start first.
+short groups. In such a launch the groups of a few rows (decodes, verifications, a prompt's short
+tail) take short tiles of their own, and the blocks run from the last on, so the chunks' long
+programs start first.
 The grid depends only on host ints (tokens, groups, max_q_len, heads, splits) and the loop bounds
 come from the metadata tensors, so there is no host synchronisation and CUDA graphs can capture the
 launch.
@@ -400,9 +401,9 @@ def _attn_kernel(
     row_end = tl.load(cu_ptr + g + 1)
     if row0 >= row_end:
         return
-    # In a prefill launch the decoding and verifying groups beside the prompt chunks take the
-    # short tiles (SHORT_T tokens): on the prompt's 64-row tiles their few rows would cost the MMA
-    # work of 64 (docs/performance.md).
+    # In a prefill launch the groups of at most SHORT_T tokens (decodes, verifications, a prompt's
+    # short tail) take the short tiles: on the chunks' 64-row tiles their few rows would cost the
+    # MMA work of 64 (docs/performance.md).
     # fmt: off
     if PREFILL:
         if row_end - first_row > SHORT_T:
@@ -480,8 +481,8 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
         # program and 32-key tiles, 2 K/V buffers; 8 warps only for the 512-wide tiles.
         block_t = max(1, min(next_pow2(max_q_len), 64 // group_p))
         block_m = max(16, block_t * group_p)
-        # Decoding and verifying groups beside the chunks: the fewest rows an MMA takes, with
-        # the chunks' key tiles (the same shared memory).
+        # Groups of a few rows beside the chunks (decodes, verifications): the fewest rows an MMA
+        # takes, with the chunks' key tiles (the same shared memory).
         short_m = max(16, group_p)
         return dict(
             block_t=block_t,
@@ -582,7 +583,10 @@ def paged_attention(
             cfg["block_m"] = max(16, cfg["block_t"] * next_pow2(group))
         if "short_block_t" in cfg:  # a short group fits one query block
             cfg["short_block_t"] = min(cfg["short_block_t"], cfg["block_t"])
+            if "short_block_m" not in config:
+                cfg["short_block_m"] = max(16, cfg["short_block_t"] * next_pow2(group))
     assert cfg["block_m"] >= cfg["block_t"] * next_pow2(group)
+    assert cfg.get("short_block_m", 16) >= cfg.get("short_block_t", 0) * next_pow2(group)
     prefill = max_q_len > 8
     # Prefill: one flat axis of query blocks, T // block_t + G numbers (see _group_of_block).
     grid_blocks = (
@@ -673,7 +677,7 @@ def paged_attention(
         SPLIT=num_splits > 1,
         DOT_FP32=dot_in_fp32(q.dtype),
         LAUNCH_NEXT_LATE=late,
-        PREFILL=prefill,  # prefill chunks: the flat grid, the key loop without register-held pages
+        PREFILL=prefill,  # prefill chunks: the flat grid, the long groups' table-read key loop
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),

@@ -269,25 +269,31 @@ def test_attention_prefill_flat_grid_many_groups():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("tiles", [{}, dict(block_t=16), dict(short_block_t=16)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_attention_short_groups_beside_a_prompt_chunk(num_splits, monkeypatch):
+def test_attention_short_groups_beside_a_prompt_chunk(num_splits, tiles, monkeypatch):
     """In a prefill launch, groups of at most the short tiles' tokens (8 here: 16 rows of a
-    2-head group) run the few-row key loop, longer ones the chunk's: groups of 1, 8 and 9 rows
-    beside a chunk, over splits, with the page table read in chunks of 4 entries."""
-    monkeypatch.setattr(
-        importlib.import_module("gemma4serve_kernels.paged_attention"), "TABLE_CHUNK", 4
-    )
-    seqs = [(70, list(range(31, 71))), (23, [23]), (37, list(range(30, 38)))]
-    seqs += [(44, list(range(36, 45))), (5, [5])]
+    2-head group) run the few-row key loop, longer ones the chunk's: groups of 1, 9, 1 and 8 rows
+    (with 16-token query blocks the 8 rows cross a block's edge; 16-token short tiles, their rows
+    sized to fit, take the 9 too) before a chunk, then empty
+    groups as a mixed graph pads them; over splits whose partials start as NaN, with the page
+    table read in chunks of 4 entries. The output starts as NaN: every row is written."""
+    module = importlib.import_module("gemma4serve_kernels.paged_attention")
+    monkeypatch.setattr(module, "TABLE_CHUNK", 4)
+    seqs = [(23, [23]), (44, list(range(36, 45))), (5, [5]), (37, list(range(30, 38)))]
+    seqs += [(70, list(range(31, 71)))]
     q, kc, vc, meta = build_paged_batch(
         seqs, nh=4, nkv=2, hd=16, page_size=4, window=20, dtype=torch.float32, seed=13
     )
     ref = reference_attention(q, kc, vc, meta)
+    meta.cu_seqlens_q = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q.new_full((2,), q.shape[0])])
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     out = torch.full_like(q, float("nan"))
+    config = dict(block_n=16, short_block_n=8) | tiles
     kernel_attention(
-        q, kc, vc, meta, 20, out=out, num_splits=num_splits, min_split_keys=1,
-        config=dict(block_n=16, short_block_n=8),
-    )  # fmt: skip
+        q, kc, vc, meta, 20, out=out, num_splits=num_splits, min_split_keys=1, config=config
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
