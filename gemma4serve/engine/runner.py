@@ -587,13 +587,16 @@ class ModelRunner:
             drafts=int64(plan.drafts).view(B, K),
             num_drafts=int64(plan.drafted),
             table_rows=to_device(torch.tensor(plan.table_rows, dtype=torch.int32), device),
-            sampling=SamplingBatch.build(
-                plan.params,
-                plan.seeds,
-                plan.output_ids,
-                plan.prompt_ids,
+            sampling=_queued_to(
+                SamplingBatch.build(
+                    plan.params,
+                    plan.seeds,
+                    plan.output_ids,
+                    plan.prompt_ids,
+                    "cpu",
+                    plan.token_rules,
+                ),
                 device,
-                plan.token_rules,
             ),
             drafted=plan.drafted,
             rows_are_all=plan.rows_are_all,

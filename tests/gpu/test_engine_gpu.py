@@ -310,6 +310,28 @@ def test_adaptive_draft_length_switches_graphs(ckpt):
     assert 2 * stats.spec_num_steps < stats.spec_drafted_tokens < 3 * stats.spec_num_steps
 
 
+def test_steps_make_no_implicit_host_sync(ckpt):
+    """After start-up no step waits for the GPU without asking (each builds and queues its inputs
+    while the step before still runs): under torch's sync debug mode, set to raise, prompts arrive
+    and come in chunks beside running sequences, with greedy and sampled rows, drafts and their
+    verification. The engine's own waits for a step's outputs (CUDA events) are outside what the
+    mode watches."""
+    variant, target, assistant = ckpt
+    llm = gpu_llm(target, assistant, num_draft_tokens=3, max_num_seqs=3, max_num_batched_tokens=64)
+    llm.generate([prompt_of(20, seed=1)], SamplingParams(max_tokens=4, ignore_eos=True))
+    prompts = [prompt_of(n, seed=200 + n) for n in (90, 7, 150, 33)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True)
+        for i, temperature in enumerate((0.0, 0.8, 0.0, 1.0))
+    ]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [12] * 4
+
+
 def _jit_functions():
     from triton.runtime.jit import JITFunction
 
