@@ -274,10 +274,10 @@ def test_attention_prefill_flat_grid_many_groups():
 def test_attention_short_groups_beside_a_prompt_chunk(num_splits, tiles, monkeypatch):
     """In a prefill launch, groups of at most the short tiles' tokens (8 here: 16 rows of a
     2-head group) run the few-row key loop, longer ones the chunk's: groups of 1, 9, 1 and 8 rows
-    (with 16-token query blocks the 8 rows cross a block's edge; 16-token short tiles, their rows
-    sized to fit, take the 9 too) before a chunk, then empty
-    groups as a mixed graph pads them; over splits whose partials start as NaN, with the page
-    table read in chunks of 4 entries. The output starts as NaN: every row is written."""
+    before a chunk, then empty groups as a mixed graph pads them. With 16-token query blocks the
+    8 rows cross a block's edge; 16-token short tiles (their rows sized to fit) take the 9 too.
+    Splits' partials start as NaN, the page table is read in chunks of 4 entries, and the output
+    starts as NaN: every row is written."""
     module = importlib.import_module("gemma4serve_kernels.paged_attention")
     monkeypatch.setattr(module, "TABLE_CHUNK", 4)
     seqs = [(23, [23]), (44, list(range(36, 45))), (5, [5]), (37, list(range(30, 38)))]
@@ -318,7 +318,7 @@ def test_attention_grid_within_cuda_limits_for_a_huge_step(monkeypatch):
         q,
         cache,
         cache,
-        torch.zeros(T, **i32).expand(T),
+        torch.zeros(T, **i32),
         torch.zeros(1, **i32).expand(T),
         torch.zeros(1, 4, **i32),
         torch.tensor([0, T], **i32),
