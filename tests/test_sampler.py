@@ -25,7 +25,6 @@ def batch(params, seeds=None, outputs=None, prompts=None) -> SamplingBatch:
         seeds if seeds is not None else list(range(n)),
         outputs if outputs is not None else [[] for _ in range(n)],
         prompts if prompts is not None else [[] for _ in range(n)],
-        "cpu",
     )
 
 
@@ -474,7 +473,7 @@ def lossless_pvalues(tokens, probs, drafts) -> tuple[float, float]:
 
 def sampler_tokens(p: SamplingParams, drafts) -> torch.Tensor:
     sampling = SamplingBatch.build(
-        [p] * N, [1_000_003 * i + 17 for i in range(N)], [HISTORY] * N, [PROMPT] * N, "cpu"
+        [p] * N, [1_000_003 * i + 17 for i in range(N)], [HISTORY] * N, [PROMPT] * N
     )
     out = accept(
         TARGET.expand(N, K + 1, V),
@@ -639,7 +638,7 @@ def test_token_rules_on_verify_rows_read_the_drafts_ahead():
         bias={6: 5.0}, allowed=None, bad_sequences=[[3, 4]], end_ids=[1], min_tokens_position=12
     )
     params = [SamplingParams(temperature=0.0)]
-    sampling = SamplingBatch.build(params, [0], [[2]], [[0] * 10], "cpu", [rules])
+    sampling = SamplingBatch.build(params, [0], [[2]], [[0] * 10], [rules])
     logits = torch.zeros(3, V)
     logits[:, 4] = 10.0  # the model's favourite
     logits[:, 1] = 9.0

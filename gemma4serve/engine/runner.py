@@ -589,12 +589,7 @@ class ModelRunner:
             table_rows=to_device(torch.tensor(plan.table_rows, dtype=torch.int32), device),
             sampling=_queued_to(
                 SamplingBatch.build(
-                    plan.params,
-                    plan.seeds,
-                    plan.output_ids,
-                    plan.prompt_ids,
-                    "cpu",
-                    plan.token_rules,
+                    plan.params, plan.seeds, plan.output_ids, plan.prompt_ids, plan.token_rules
                 ),
                 device,
             ),
@@ -715,12 +710,7 @@ class ModelRunner:
             ),
             sampling=_queued_to(
                 SamplingBatch.build(
-                    changes.params,
-                    changes.seeds,
-                    no_history,
-                    no_history,
-                    "cpu",
-                    changes.token_rules,
+                    changes.params, changes.seeds, no_history, no_history, changes.token_rules
                 ),
                 device,
             ),

@@ -64,9 +64,13 @@ def needs_host_between_steps(params: SamplingParams, rules: TokenRules | None) -
     )
 
 
+HOST = "cpu"  # where build() makes its tensors: explicit, whatever torch's default device
+
+
 @dataclass
 class TokenRuleTensors:
-    """TokenRules of a batch on the device, one row per sequence, -1 padded."""
+    """TokenRules of a batch, one row per sequence, -1 padded (built on the host; the runner
+    queues the copies to the device)."""
 
     bias_ids: torch.Tensor  # [B, M] int64
     bias_values: torch.Tensor  # [B, M] f32
@@ -86,7 +90,7 @@ class TokenRuleTensors:
 
     @classmethod
     def build(
-        cls, rules: list[TokenRules | None], output_tokens: list[list[int]], device
+        cls, rules: list[TokenRules | None], output_tokens: list[list[int]]
     ) -> TokenRuleTensors:
         none = TokenRules({}, None, [], [], 0)
         rules = [rule or none for rule in rules]
@@ -101,28 +105,26 @@ class TokenRuleTensors:
         ]
 
         def f32(rows):
-            return torch.tensor(rows, dtype=torch.float32, device=device)
+            return torch.tensor(rows, dtype=torch.float32, device=HOST)
 
         return cls(
-            bias_ids=_pad([list(rule.bias) for rule in rules], device),
+            bias_ids=_pad([list(rule.bias) for rule in rules]),
             bias_values=f32(_padded([list(rule.bias.values()) for rule in rules], 0.0)),
-            allowed_ids=_pad([rule.allowed or [] for rule in rules], device),
+            allowed_ids=_pad([rule.allowed or [] for rule in rules]),
             restricted=torch.tensor(
-                [rule.allowed is not None for rule in rules], dtype=torch.bool, device=device
+                [rule.allowed is not None for rule in rules], dtype=torch.bool, device=HOST
             ),
-            end_ids=_pad([rule.end_ids for rule in rules], device),
+            end_ids=_pad([rule.end_ids for rule in rules]),
             min_tokens_position=torch.tensor(
-                [rule.min_tokens_position for rule in rules], dtype=torch.int64, device=device
+                [rule.min_tokens_position for rule in rules], dtype=torch.int64, device=HOST
             ),
             bad_prefixes=torch.tensor(
                 [rows + [[-1] * width] * (most_words - len(rows)) for rows in prefixes],
                 dtype=torch.int64,
-                device=device,
+                device=HOST,
             ).view(len(rules), most_words, width),
-            bad_last=_pad([[seq[-1] for seq in rule.bad_sequences] for rule in rules], device),
-            output_tail=torch.tensor(tails, dtype=torch.int64, device=device).view(
-                len(rules), width
-            ),
+            bad_last=_pad([[seq[-1] for seq in rule.bad_sequences] for rule in rules]),
+            output_tail=torch.tensor(tails, dtype=torch.int64, device=HOST).view(len(rules), width),
         )
 
 
@@ -131,7 +133,8 @@ ANY_TOKEN = -2  # a bad-word prefix position that matches whatever token is ther
 
 @dataclass
 class SamplingBatch:
-    """One row per sequence in the step (B sequences); tensors live on the device."""
+    """One row per sequence in the step (B sequences); the runner's copy has its tensors on the
+    device."""
 
     temperature: torch.Tensor  # [B] f32, 0 = greedy
     top_k: torch.Tensor  # [B] int32, 0 = off
@@ -181,10 +184,10 @@ class SamplingBatch:
         seeds: list[int],
         output_tokens: list[list[int]],
         prompt_tokens: list[list[int]],
-        device: torch.device | str,
         rules: list[TokenRules | None] | None = None,
     ) -> SamplingBatch:
-        """Host-side: pack per-request settings into device tensors (one H2D copy per field)."""
+        """Pack per-request settings into host tensors; the runner queues their copies to the
+        device (built there directly, each would wait for the step in flight)."""
         greedy = [request.temperature == 0.0 for request in params]
         # Greedy rows skip truncation; neutral values keep that true even if a caller ignores the
         # flags.
@@ -214,29 +217,25 @@ class SamplingBatch:
             sort_width = -1
 
         def f32(values):
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return torch.tensor(values, dtype=torch.float32, device=HOST)
 
         return cls(
             temperature=f32([request.temperature for request in params]),
-            top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int32, device=HOST),
             top_p=f32(top_p),
             min_p=f32(min_p),
-            seed=torch.tensor(
-                [_to_int64(seed) for seed in seeds], dtype=torch.int64, device=device
-            ),
+            seed=torch.tensor([_to_int64(seed) for seed in seeds], dtype=torch.int64, device=HOST),
             presence_penalty=f32([request.presence_penalty for request in params]),
             frequency_penalty=f32([request.frequency_penalty for request in params]),
             repetition_penalty=f32([request.repetition_penalty for request in params]),
-            output_tokens=_pad(outputs, device),
-            prompt_tokens=_pad(prompts, device),
+            output_tokens=_pad(outputs),
+            prompt_tokens=_pad(prompts),
             any_penalty=any_penalty,
             all_greedy=all(greedy),
             any_truncation=sort_width != 0 or any(row_min_p > 0.0 for row_min_p in min_p),
             sort_width=sort_width,
             num_logprobs=max(logprobs, default=-1),
-            rules=TokenRuleTensors.build(rules, output_tokens, device)
-            if rules and any(rules)
-            else None,
+            rules=TokenRuleTensors.build(rules, output_tokens) if rules and any(rules) else None,
             constrained=any(request.structured_outputs is not None for request in params),
         )
 
@@ -252,9 +251,9 @@ def _padded(rows: list[list], fill) -> list[list]:
     return [row + [fill] * (width - len(row)) for row in rows]
 
 
-def _pad(rows: list[list[int]], device) -> torch.Tensor:
+def _pad(rows: list[list[int]]) -> torch.Tensor:
     width = max((len(row) for row in rows), default=0)
-    return torch.tensor(_padded(rows, -1), dtype=torch.int64, device=device).view(len(rows), width)
+    return torch.tensor(_padded(rows, -1), dtype=torch.int64, device=HOST).view(len(rows), width)
 
 
 # --------------------------------------------------------------------------------------------------
