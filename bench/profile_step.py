@@ -272,6 +272,9 @@ def mixed_step(args) -> None:
             forced_acceptance=args.forced_acceptance,
         )
     )
+    graphs = engine.runner.graphs
+    if args.eager_mixed and graphs is not None:
+        graphs.fits_mixed = lambda *_: False  # the runner's one graph-or-eager choice
     decoding = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(
@@ -299,9 +302,16 @@ def mixed_step(args) -> None:
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
     wall = sorted(walls)[probes // 2]
+    rows = args.mixed + args.batch * (k + 1)
+    if args.eager_mixed or graphs is None:
+        how = "eager, exact rows"
+    else:
+        bucket = next(t for t in graphs.mixed_tokens if t >= rows)
+        how = f"the {bucket}-row mixed graph, {bucket - rows} rows padding"
     print(
-        f"\n## steps with prompts of {lengths} tokens beside {args.batch} decodes (k={k}): "
-        f"{wall * 1e3:.2f} ms wall for the probe's two steps (median of {probes})"
+        f"\n## steps with prompts of {lengths} tokens beside {args.batch} decodes (k={k}; {rows} "
+        f"rows if one step takes them all: {how}): {wall * 1e3:.2f} ms wall for the probe's two "
+        f"steps (median of {probes})"
     )
     report(prof, "each probe and the decode step after it", probes)
 
@@ -334,6 +344,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--prompt-len", type=int, help="with --mixed: prompts of this length (default: one prompt)"
+    )
+    parser.add_argument(
+        "--eager-mixed",
+        action="store_true",
+        help="with --mixed: run the steps with prompts eagerly at their exact rows, not on the "
+        "padded mixed graphs",
     )
     args = parser.parse_args()
     if args.mixed:
