@@ -185,6 +185,8 @@ COUNTERS = (  # read from /metrics before and after each level
     "prefix_cache_hits",  # prompt tokens served from the prefix cache
     "request_queue_time_seconds_sum",  # arrival to first scheduled, summed over finished requests
     "request_queue_time_seconds_count",
+    "iteration_tokens_total_sum",  # the engine's steps, by their tokens (rows)
+    "iteration_tokens_total_count",
 )
 
 
@@ -236,6 +238,7 @@ def summarize(
     accepted = counters["spec_decode_num_accepted_tokens"]
     queued = counters["request_queue_time_seconds_sum"]
     num_queued = counters["request_queue_time_seconds_count"]
+    num_steps, step_tokens = (counters[f"iteration_tokens_total_{x}"] for x in ("count", "sum"))
     summary = {
         "concurrency": concurrency,
         "completed": len(done),
@@ -249,6 +252,9 @@ def summarize(
         "preemptions": int(counters["num_preemptions"]),
         "prefix_cache_hit_tokens": int(counters["prefix_cache_hits"]),
         "prompt_tokens": prompt_tokens,
+        "engine_steps": int(num_steps),
+        "mean_step_tokens": step_tokens / num_steps if num_steps else None,
+        "mean_step_ms": 1e3 * elapsed / num_steps if num_steps else None,
     }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         summary[f"mean_{name}_ms"] = mean(values) * 1e3
@@ -459,6 +465,13 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
         print(table_row(summary, roof_tpot_ms), flush=True)
         if bounds is not None:
             print_output_bounds(bounds)
+        if summary["engine_steps"]:
+            print(
+                f"      engine steps {summary['engine_steps']}: {summary['mean_step_tokens']:.0f} "
+                f"tokens and {summary['mean_step_ms']:.2f} ms each on average (the level's time "
+                "over its steps)",
+                flush=True,
+            )
         if wave is not None:
             print(
                 f"      TTFT of the first {concurrency} requests (sent together) p50 / max "

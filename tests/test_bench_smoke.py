@@ -128,6 +128,13 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         assert 0 <= level["mean_queue_ms"] <= level["p99_ttft_ms"]  # from the server's histogram
         assert level["prompt_tokens"] == 3 * 60 and level["prefix_cache_hit_tokens"] == 0
         assert level["roofline_tpot_ms"] > 0
+        # The server's steps: every prompt row and at least one row per output token after the
+        # first; a request needs at least 4 steps (12 outputs, at most 4 a verify step), one at a
+        # time at c = 1.
+        steps = level["engine_steps"]
+        assert steps >= 4 * (3 if level["concurrency"] == 1 else 1)
+        assert level["mean_step_tokens"] * steps >= 3 * (60 + 11)
+        assert level["mean_step_ms"] == pytest.approx(1e3 * level["duration_s"] / steps)
         # --save-detailed: each request's own times, which the level's percentiles are made of.
         assert level["output_lens"] == [12] * 3 and level["errors"] == [""] * 3
         assert min(level["start_times"]) == 0 and all(0 < len(x) <= 11 for x in level["itls"])
@@ -155,6 +162,7 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
         sum("out tok/s (prompts' GEMMs and decode steps overlapped)" in line for line in lines) == 2
     )
     assert sum("TTFT of the first 1 requests (sent together)" in line for line in lines) == 1
+    assert sum(line.lstrip().startswith("engine steps ") for line in lines) == 2
 
 
 def test_bench_with_json_object_constrains_every_request():

@@ -24,7 +24,7 @@ from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.llm import LLM
 from gemma4serve.engine.output_processor import OutputProcessor
-from gemma4serve.engine.outputs import RequestOutput
+from gemma4serve.engine.outputs import ITERATION_TOKEN_BUCKETS, RequestOutput
 from gemma4serve.engine.spec import DraftLength, StepCost, draft_choices
 from gemma4serve.engine_process.client import EngineProcessClient
 from gemma4serve.sampling_params import SamplingParams
@@ -1208,3 +1208,34 @@ def test_finished_requests_are_counted_once_whatever_n(engine):
     after = engine.stats.requests_finished
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert {k: v for k, v in delta.items() if v} == {"length": 1, "abort": 1}
+
+
+def test_iteration_tokens_count_the_rows_each_step_ran(tiny_checkpoints):
+    """The step-size histogram (/metrics' iteration_tokens_total) holds, for every forward the
+    runner ran, its rows: prompt chunks beside decodes and verifications, scheduled and continued
+    steps alike."""
+    args = engine_args(
+        tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4, max_num_batched_tokens=16
+    )
+    engine = LLMEngine(args)
+    rows = []
+    forward = engine.runner.forward
+
+    def counted(batch, **kw):
+        rows.append(batch.token_ids.shape[0])
+        return forward(batch, **kw)
+
+    engine.runner.forward = counted
+    run = Run()
+    engine.add_request("first", prompt_of(9, 75), greedy(30))
+    while engine.num_continued_steps < 2:
+        step(engine, run)
+    engine.add_request("long", prompt_of(45, 76), greedy(10))
+    while engine.has_unfinished():
+        step(engine, run)
+    stats = engine.snapshot()
+    assert engine.num_continued_steps > 5 and max(rows) == 16 and min(rows) < 16
+    assert stats.iteration_tokens_sum == sum(rows)
+    edges = (0, *ITERATION_TOKEN_BUCKETS, float("inf"))
+    want = [sum(1 for r in rows if lower < r <= upper) for lower, upper in zip(edges, edges[1:])]
+    assert stats.iteration_tokens_counts == want

@@ -203,13 +203,15 @@ def test_request_success_counts_requests_not_choices(server, client):
 
 def test_spec_decode_metrics_move(server, client):
     before = httpx.get(server.url + "/metrics").text
-    client.chat.completions.create(
+    response = client.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=20, extra_body={"ignore_eos": True}
     )
     after = httpx.get(server.url + "/metrics").text
 
     def delta(name: str) -> float:
-        return metric(after, "gemma4serve:" + name) - metric(before, "gemma4serve:" + name)
+        # A labelled histogram has no series before its first observation (this test alone).
+        start = metric(before, "gemma4serve:" + name) if name in before else 0.0
+        return metric(after, "gemma4serve:" + name) - start
 
     assert delta("spec_decode_num_drafts_total") > 0  # the drafter is on
     assert (
@@ -218,6 +220,13 @@ def test_spec_decode_metrics_move(server, client):
     assert delta("spec_decode_num_draft_tokens_total") > 0
     assert delta("generation_tokens_total") >= 20
     assert delta("e2e_request_latency_seconds_count") == 1
+    # Steps by their tokens: the prompt's rows, then one verify step per draft round at least.
+    steps = delta("iteration_tokens_total_count")
+    assert steps > delta("spec_decode_num_drafts_total")
+    assert delta("iteration_tokens_total_sum") >= response.usage.prompt_tokens + steps - 1
+    assert metric(after, "gemma4serve:iteration_tokens_total_bucket", le="+Inf") == metric(
+        after, "gemma4serve:iteration_tokens_total_count"
+    )
 
 
 def test_100_concurrent_streams(server):

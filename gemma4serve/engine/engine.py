@@ -414,6 +414,7 @@ class LLMEngine:
         self.stats.draft_length = draft_len
         for chunk in chunks:  # verify as many drafts as the step proposes: its rows stay uniform
             chunk.drafts = chunk.drafts[:draft_len]
+        self.stats.record_step(sum(chunk.num_query for chunk in chunks))
         handle = self.runner.launch(chunks, draft_len)
         for chunk in chunks:
             if not chunk.samples:
@@ -467,6 +468,7 @@ class LLMEngine:
         self.num_continued_steps += 1
         self.draft_length.launched(draft_len)
         self.stats.draft_length = draft_len
+        self.stats.record_step(len(seqs) * rows_next + sum(chunk.num_query for chunk in chunks))
         handle = self.runner.launch_continued(
             previous,
             [s.pages for s in seqs] + [chunk.seq.pages for chunk in chunks],
@@ -602,6 +604,7 @@ class LLMEngine:
             stats,
             requests_finished=dict(stats.requests_finished),
             spec_accepted_per_position=list(stats.spec_accepted_per_position),
+            iteration_tokens_counts=list(stats.iteration_tokens_counts),
         )
 
     def kv_pool_free(self) -> int:

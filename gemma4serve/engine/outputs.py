@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from gemma4serve.chat.output import ToolCall
@@ -58,6 +59,10 @@ class RequestOutput:
         return self.outputs[0].text
 
 
+# vLLM's buckets for the tokens of one engine step.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class EngineStats:
     """A snapshot the server turns into Prometheus metrics at scrape time."""
@@ -82,6 +87,16 @@ class EngineStats:
     draft_length: int = (
         0  # drafts the latest step proposed (0: no drafter, or drafting off at this load)
     )
+    # Steps launched, by their tokens (prompt chunks' tokens, decode and verify rows): one count
+    # per ITERATION_TOKEN_BUCKETS bound (tokens <= bound, not cumulative), then one past the last.
+    iteration_tokens_counts: list = field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    )
+    iteration_tokens_sum: int = 0
+
+    def record_step(self, tokens: int) -> None:
+        self.iteration_tokens_counts[bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self.iteration_tokens_sum += tokens
 
     @property
     def spec_mean_accepted_length(self) -> float:

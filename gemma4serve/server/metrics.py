@@ -11,13 +11,19 @@ Everything lives on a registry of its own: two apps in one process (tests) never
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from gemma4serve.engine.outputs import EngineStats, RequestOutput
+from gemma4serve.engine.outputs import ITERATION_TOKEN_BUCKETS, EngineStats, RequestOutput
 
 PREFIX = "gemma4serve:"
 FINISH_REASONS = (
@@ -144,6 +150,16 @@ class EngineStatsCollector(Collector):
         yield counter(
             "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits
         )
+
+        iteration = HistogramMetricFamily(
+            PREFIX + "iteration_tokens_total",
+            "Tokens per engine step: prompt chunks' tokens, decode and verify rows.",
+            labels=["model_name"],
+        )
+        bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+        cumulative = itertools.accumulate(s.iteration_tokens_counts)
+        iteration.add_metric(m, list(zip(bounds, cumulative)), s.iteration_tokens_sum)
+        yield iteration
 
         yield counter("num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions)
         yield counter("prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
