@@ -25,6 +25,7 @@ import math
 import torch
 
 from gemma4serve.config import load_config
+from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import Sequence
 from gemma4serve.kv.cache import KVCache, page_tokens
@@ -50,7 +51,10 @@ def make_scheduler(args) -> Scheduler:
         max_model_len=None,
     )
     scheduler = Scheduler(
-        KVManager.for_plan(plan, "replay"), args.max_num_seqs, args.max_num_batched_tokens
+        KVManager.for_plan(plan, "replay"),
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.max_prefill_tokens_while_decoding,
     )
     if args.no_reservation:
         scheduler.expected_end = lambda seq: seq.num_tokens
@@ -130,7 +134,12 @@ def main(argv=None) -> None:
     p.add_argument("--acceptance", type=float, default=3.1, help="tokens per verify step")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    p.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=EngineArgs.max_prefill_tokens_while_decoding,
+    )
     p.add_argument("--no-reservation", action="store_true", help="reserve nothing for the outputs")
     args = p.parse_args(argv)
     print(f"{'conc':>5} {'reqs':>5} {'steps':>6} {'mixed':>6} {'prefill tokens':>15} "

@@ -1239,3 +1239,40 @@ def test_iteration_tokens_count_the_rows_each_step_ran(tiny_checkpoints):
     edges = (0, *ITERATION_TOKEN_BUCKETS, float("inf"))
     want = [sum(1 for r in rows if lower < r <= upper) for lower, upper in zip(edges, edges[1:])]
     assert stats.iteration_tokens_counts == want
+
+
+def test_prefill_cap_beside_decodes_changes_no_output(tiny_checkpoints):
+    """--max-prefill-tokens-while-decoding: a prompt arriving beside a decoding request advances
+    at most the cap a step, on scheduled and continued steps alike, and every token is the same
+    as without the cap."""
+    args = engine_args(
+        tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4, max_num_batched_tokens=32
+    )
+    reqs = {"first": (prompt_of(9, 77), greedy(40)), "long": (prompt_of(45, 78), greedy(12))}
+
+    def serve(cap: int) -> tuple[Run, list[int]]:
+        engine = LLMEngine(dataclasses.replace(args, max_prefill_tokens_while_decoding=cap))
+        rows, forward = [], engine.runner.forward
+
+        def counted(batch, **kw):
+            rows.append(batch.token_ids.shape[0])
+            return forward(batch, **kw)
+
+        engine.runner.forward = counted
+        run = Run()
+        engine.add_request("first", *reqs["first"])
+        while engine.num_continued_steps < 2:
+            step(engine, run)
+        engine.add_request("long", *reqs["long"])
+        while engine.has_unfinished():
+            step(engine, run)
+        run.check_streams()
+        assert engine.kv_pool_free() == all_free(engine) and not engine.scheduler.has_work()
+        return run, rows
+
+    uncapped, uncapped_rows = serve(0)
+    capped, capped_rows = serve(8)
+    assert max(uncapped_rows) > (K + 1) + 8  # the prompt took more than the cap a step
+    assert max(capped_rows) == (K + 1) + 8  # one decoding request's rows and 8 prompt tokens
+    for rid in reqs:
+        assert choices(capped.final[rid]) == choices(uncapped.final[rid]), rid

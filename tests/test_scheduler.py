@@ -140,3 +140,52 @@ def test_sliding_pages_behind_every_reader_go_back_to_the_arena():
         assert kv.pool.num_free == kv.pool.capacity
         # "b" (the same prompt) starts from "a"'s cached prefix where there is a cache
         assert hits[0] is None and (cache_salt is None) == (hits[1] is None)
+
+
+def test_prompts_beside_decodes_take_the_capped_share_unless_a_burst_waits():
+    """With max_prefill_tokens_while_decoding set: a step where nothing decodes fills the budget;
+    beside decoding sequences a prompt advances at most the cap a step; once several requests
+    wait with more prompt tokens than a full step holds, the steps are full again (one long
+    prompt alone stays capped)."""
+    scheduler = make_scheduler(400)
+    scheduler.max_prefill_tokens_while_decoding = 20
+
+    def add(i: int, prompt: int) -> None:
+        tokens = [(i * 31 + j) % 500 + 5 for j in range(prompt)]
+        scheduler.add(Sequence(str(i), 0, tokens, prompt, SamplingParams(max_tokens=200), 0, i,
+                               prompt + 200))  # fmt: skip
+
+    def step() -> tuple[int, int]:
+        """One step, committed as the engine would (2 drafts accepted): (decode rows, prompt
+        tokens)."""
+        decode_rows = prompt_tokens = 0
+        for chunk in scheduler.schedule():
+            seq = chunk.seq
+            if seq.num_tokens - chunk.start == 1:
+                decode_rows += chunk.num_query
+            else:
+                prompt_tokens += chunk.length
+            if not chunk.samples:
+                seq.num_computed += chunk.length
+                continue
+            accepted = min(2, len(chunk.drafts))
+            seq.num_computed = chunk.start + chunk.length + accepted
+            seq.token_ids += [7] * (accepted + 1)
+            seq.drafts = [8] * K
+        return decode_rows, prompt_tokens
+
+    add(0, 30)
+    add(1, 30)
+    assert step() == (0, 60)  # nothing decodes yet: the whole budget
+    add(2, 50)
+    assert [step() for _ in range(4)] == [(8, 20), (8, 20), (8, 10), (12, 0)]
+    for i in range(3, 7):  # 4 x 30 = 120 prompt tokens waiting: more than the 96 of a step
+        add(i, 30)
+    decode_rows, prompt_tokens = step()
+    assert decode_rows == 12 and prompt_tokens == 96 - 12
+    assert step() == (12 + 8, 20)  # 36 tokens left waiting: the cap again
+    add(7, 150)  # one prompt longer than a step is no burst: the cap holds
+    assert step() == (12 + 8 + 4, 20)
+    scheduler.max_prefill_tokens_while_decoding = 0
+    decode_rows, prompt_tokens = step()
+    assert prompt_tokens == 96 - decode_rows  # no cap: the budget fills
