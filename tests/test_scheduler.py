@@ -144,11 +144,11 @@ def test_sliding_pages_behind_every_reader_go_back_to_the_arena():
 
 def test_prompts_beside_decodes_take_the_capped_share_unless_a_burst_waits():
     """With max_prefill_tokens_while_decoding set: a step where nothing decodes fills the budget;
-    beside decoding sequences a prompt advances at most the cap a step; once several requests
-    wait with more prompt tokens than a full step holds, the steps are full again (one long
-    prompt alone stays capped)."""
-    scheduler = make_scheduler(400)
-    scheduler.max_prefill_tokens_while_decoding = 20
+    beside decoding sequences a prompt advances at most the cap a step, a long one too; while
+    several prompts (part-way or waiting) have more tokens left than a full step holds, the steps
+    are full again."""
+    plan = KVPlan(400, PAGE_TOKENS, 1, KEEP, 1024, peak_sliding_rows=PEAK_ROWS)
+    scheduler = Scheduler(KVManager.for_plan(plan, "test"), 64, 96, 20)
 
     def add(i: int, prompt: int) -> None:
         tokens = [(i * 31 + j) % 500 + 5 for j in range(prompt)]
@@ -174,18 +174,18 @@ def test_prompts_beside_decodes_take_the_capped_share_unless_a_burst_waits():
             seq.drafts = [8] * K
         return decode_rows, prompt_tokens
 
-    add(0, 30)
+    add(0, 130)
+    assert [step() for _ in range(2)] == [(0, 96), (0, 34)]  # nothing decodes: whole budgets
     add(1, 30)
-    assert step() == (0, 60)  # nothing decodes yet: the whole budget
-    add(2, 50)
-    assert [step() for _ in range(4)] == [(8, 20), (8, 20), (8, 10), (12, 0)]
+    assert step() == (4, 20)
+    assert step() == (4, 10)
+    add(2, 110)  # one prompt longer than a step is no burst: the cap holds
+    assert [step() for _ in range(7)] == [(8, 20)] * 5 + [(8, 10), (12, 0)]
+    add(8, 100)
+    add(9, 100)  # a burst of two: full steps while more than one of its prompts is left
+    assert [step() for _ in range(4)] == [(12, 84), (12, 84), (12 + 4, 20), (16, 12)]
     for i in range(3, 7):  # 4 x 30 = 120 prompt tokens waiting: more than the 96 of a step
         add(i, 30)
-    decode_rows, prompt_tokens = step()
-    assert decode_rows == 12 and prompt_tokens == 96 - 12
-    assert step() == (12 + 8, 20)  # 36 tokens left waiting: the cap again
-    add(7, 150)  # one prompt longer than a step is no burst: the cap holds
-    assert step() == (12 + 8 + 4, 20)
+    assert [step() for _ in range(2)] == [(20, 96 - 20), (20 + 8, 20)]  # then 24 tokens left
     scheduler.max_prefill_tokens_while_decoding = 0
-    decode_rows, prompt_tokens = step()
-    assert prompt_tokens == 96 - decode_rows  # no cap: the budget fills
+    assert step()[1] == 24  # no cap: all that is left

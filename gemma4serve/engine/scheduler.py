@@ -16,6 +16,7 @@ expected length is what recent requests used of their max_tokens.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 
@@ -90,16 +91,19 @@ class Scheduler:
 
     def prefill_budget(self, decoding: bool) -> int:
         """The tokens a step's prompt chunks may take: the whole budget when nothing decodes or
-        a burst waits (several requests, more prompt tokens than a full step: cleared in the
-        fewest steps), else `max_prefill_tokens_while_decoding` (one long prompt is a burst of
-        none: it goes in capped chunks, so the decodes beside it keep their pace)."""
+        a burst is pending (several prompts, part-way or admissible, with more tokens left than a
+        full step: cleared in the fewest steps), else `max_prefill_tokens_while_decoding` (one
+        long prompt alone goes in capped chunks, so the decodes beside it keep their pace)."""
         cap = self.max_prefill_tokens_while_decoding
         if not cap or not decoding:
             return self.max_num_batched_tokens
-        waiting = 0
-        for count, seq in enumerate(self.waiting, start=1):
-            waiting += seq.num_tokens - seq.num_computed
-            if count > 1 and waiting > self.max_num_batched_tokens:
+        part_way = (seq for seq in self.running if seq.num_tokens - seq.num_computed > 1)
+        # Requests that cannot be admitted yet (no free sequence slot) are no burst of this step.
+        admissible = self.waiting if len(self.running) < self.max_num_seqs else ()
+        tokens = 0
+        for count, seq in enumerate(itertools.chain(part_way, admissible), start=1):
+            tokens += seq.num_tokens - seq.num_computed
+            if count > 1 and tokens > self.max_num_batched_tokens:
                 return self.max_num_batched_tokens
         return cap
 
