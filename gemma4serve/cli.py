@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count(0),
         default=EngineArgs.max_prefill_tokens_while_decoding,
         help="While requests decode, the most prompt tokens a step carries beside them, unless "
-        "several requests wait with more prompt tokens than --max-num-batched-tokens (0: no cap).",
+        "several prompts have more tokens left than --max-num-batched-tokens (0: no cap).",
     )
     engine.add_argument(
         "--gpu-memory-utilization",
