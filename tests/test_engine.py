@@ -1210,6 +1210,27 @@ def test_finished_requests_are_counted_once_whatever_n(engine):
     assert {k: v for k, v in delta.items() if v} == {"length": 1, "abort": 1}
 
 
+def beside_a_decode(engine: LLMEngine, first: tuple, long: tuple) -> tuple[Run, list[int]]:
+    """Serve `first` (prompt, params) until its steps go on on the device, then `long` beside it;
+    the run and the rows of every forward the runner ran."""
+    rows, forward = [], engine.runner.forward
+
+    def counted(batch, **kw):
+        rows.append(batch.token_ids.shape[0])
+        return forward(batch, **kw)
+
+    engine.runner.forward = counted
+    run = Run()
+    engine.add_request("first", *first)
+    while engine.num_continued_steps < 2:
+        step(engine, run)
+    engine.add_request("long", *long)
+    while engine.has_unfinished():
+        step(engine, run)
+    run.check_streams()
+    return run, rows
+
+
 def test_iteration_tokens_count_the_rows_each_step_ran(tiny_checkpoints):
     """The step-size histogram (/metrics' iteration_tokens_total) holds, for every forward the
     runner ran, its rows: prompt chunks beside decodes and verifications, scheduled and continued
@@ -1218,21 +1239,9 @@ def test_iteration_tokens_count_the_rows_each_step_ran(tiny_checkpoints):
         tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4, max_num_batched_tokens=16
     )
     engine = LLMEngine(args)
-    rows = []
-    forward = engine.runner.forward
-
-    def counted(batch, **kw):
-        rows.append(batch.token_ids.shape[0])
-        return forward(batch, **kw)
-
-    engine.runner.forward = counted
-    run = Run()
-    engine.add_request("first", prompt_of(9, 75), greedy(30))
-    while engine.num_continued_steps < 2:
-        step(engine, run)
-    engine.add_request("long", prompt_of(45, 76), greedy(10))
-    while engine.has_unfinished():
-        step(engine, run)
+    _, rows = beside_a_decode(
+        engine, (prompt_of(9, 75), greedy(30)), (prompt_of(45, 76), greedy(10))
+    )
     stats = engine.snapshot()
     assert engine.num_continued_steps > 5 and max(rows) == 16 and min(rows) < 16
     assert stats.iteration_tokens_sum == sum(rows)
@@ -1252,21 +1261,7 @@ def test_prefill_cap_beside_decodes_changes_no_output(tiny_checkpoints):
 
     def serve(cap: int) -> tuple[Run, list[int]]:
         engine = LLMEngine(dataclasses.replace(args, max_prefill_tokens_while_decoding=cap))
-        rows, forward = [], engine.runner.forward
-
-        def counted(batch, **kw):
-            rows.append(batch.token_ids.shape[0])
-            return forward(batch, **kw)
-
-        engine.runner.forward = counted
-        run = Run()
-        engine.add_request("first", *reqs["first"])
-        while engine.num_continued_steps < 2:
-            step(engine, run)
-        engine.add_request("long", *reqs["long"])
-        while engine.has_unfinished():
-            step(engine, run)
-        run.check_streams()
+        run, rows = beside_a_decode(engine, reqs["first"], reqs["long"])
         assert engine.kv_pool_free() == all_free(engine) and not engine.scheduler.has_work()
         return run, rows
 

@@ -28,6 +28,21 @@ def make_scheduler(num_pages: int) -> Scheduler:
     return Scheduler(KVManager.for_plan(plan, "test"), 64, 96)
 
 
+def commit(chunk) -> bool:
+    """Advance a chunk's sequence as the engine's step would: a prefill chunk computes its tokens;
+    a sampling chunk commits 2 of its drafts and one more token, and holds K new drafts. Whether
+    the chunk sampled."""
+    seq = chunk.seq
+    if not chunk.samples:
+        seq.num_computed += chunk.length
+        return False
+    accepted = min(2, len(chunk.drafts))
+    seq.num_computed = chunk.start + chunk.length + accepted
+    seq.token_ids += [7] * (accepted + 1)
+    seq.drafts = [8] * K
+    return True
+
+
 def run(scheduler: Scheduler, requests: list[tuple[int, int, int]], concurrency: int) -> dict:
     """Serve (prompt length, max_tokens, tokens it stops after) requests, `concurrency` at a time,
     accepting 2 drafts per verify; returns what happened."""
@@ -56,13 +71,8 @@ def run(scheduler: Scheduler, requests: list[tuple[int, int, int]], concurrency:
         peak_running = max(peak_running, len(scheduler.running))
         for chunk in chunks:
             seq = chunk.seq
-            if not chunk.samples:
-                seq.num_computed += chunk.length
+            if not commit(chunk):
                 continue
-            accepted = min(2, len(chunk.drafts))
-            seq.num_computed = chunk.start + chunk.length + accepted
-            seq.token_ids += [7] * (accepted + 1)
-            seq.drafts = [8] * K
             generated = seq.num_tokens - seq.num_prompt
             limit = min(seq.max_len - seq.num_prompt, stop_after[seq.request_id])
             if generated >= limit:
@@ -156,22 +166,14 @@ def test_prompts_beside_decodes_take_the_capped_share_unless_a_burst_waits():
                                prompt + 200))  # fmt: skip
 
     def step() -> tuple[int, int]:
-        """One step, committed as the engine would (2 drafts accepted): (decode rows, prompt
-        tokens)."""
+        """One step, committed: (decode rows, prompt tokens)."""
         decode_rows = prompt_tokens = 0
         for chunk in scheduler.schedule():
-            seq = chunk.seq
-            if seq.num_tokens - chunk.start == 1:
+            if chunk.seq.num_tokens - chunk.start == 1:
                 decode_rows += chunk.num_query
             else:
                 prompt_tokens += chunk.length
-            if not chunk.samples:
-                seq.num_computed += chunk.length
-                continue
-            accepted = min(2, len(chunk.drafts))
-            seq.num_computed = chunk.start + chunk.length + accepted
-            seq.token_ids += [7] * (accepted + 1)
-            seq.drafts = [8] * K
+            commit(chunk)
         return decode_rows, prompt_tokens
 
     add(0, 130)
