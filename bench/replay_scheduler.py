@@ -51,10 +51,7 @@ def make_scheduler(args) -> Scheduler:
         max_model_len=None,
     )
     scheduler = Scheduler(
-        KVManager.for_plan(plan, "replay"),
-        args.max_num_seqs,
-        args.max_num_batched_tokens,
-        args.max_prefill_tokens_while_decoding,
+        KVManager.for_plan(plan, "replay"), args.max_num_seqs, args.max_num_batched_tokens
     )
     if args.no_reservation:
         scheduler.expected_end = lambda seq: seq.num_tokens
@@ -135,11 +132,6 @@ def main(argv=None) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
-    p.add_argument(
-        "--max-prefill-tokens-while-decoding",
-        type=int,
-        default=EngineArgs.max_prefill_tokens_while_decoding,
-    )
     p.add_argument("--no-reservation", action="store_true", help="reserve nothing for the outputs")
     args = p.parse_args(argv)
     print(f"{'conc':>5} {'reqs':>5} {'steps':>6} {'mixed':>6} {'prefill tokens':>15} "

@@ -261,13 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="Token budget of one engine step (longer prompts are prefilled in chunks).",
     )
     engine.add_argument(
-        "--max-prefill-tokens-while-decoding",
-        type=_count(0),
-        default=EngineArgs.max_prefill_tokens_while_decoding,
-        help="While requests decode, the most prompt tokens a step carries beside them, unless "
-        "several prompts have more tokens left than --max-num-batched-tokens (0: no cap).",
-    )
-    engine.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
         default=0.90,
@@ -522,7 +515,6 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
-        max_prefill_tokens_while_decoding=ns.max_prefill_tokens_while_decoding,
         page_size=ns.page_size,
         num_draft_tokens=ns.num_draft_tokens,
         adaptive_draft_length=ns.adaptive_draft_length,

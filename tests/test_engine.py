@@ -1210,27 +1210,6 @@ def test_finished_requests_are_counted_once_whatever_n(engine):
     assert {k: v for k, v in delta.items() if v} == {"length": 1, "abort": 1}
 
 
-def beside_a_decode(engine: LLMEngine, first: tuple, long: tuple) -> tuple[Run, list[int]]:
-    """Serve `first` (prompt, params) until its steps go on on the device, then `long` beside it;
-    the run and the rows of every forward the runner ran."""
-    rows, forward = [], engine.runner.forward
-
-    def counted(batch, **kw):
-        rows.append(batch.token_ids.shape[0])
-        return forward(batch, **kw)
-
-    engine.runner.forward = counted
-    run = Run()
-    engine.add_request("first", *first)
-    while engine.num_continued_steps < 2:
-        step(engine, run)
-    engine.add_request("long", *long)
-    while engine.has_unfinished():
-        step(engine, run)
-    run.check_streams()
-    return run, rows
-
-
 def test_iteration_tokens_count_the_rows_each_step_ran(tiny_checkpoints):
     """The step-size histogram (/metrics' iteration_tokens_total) holds, for every forward the
     runner ran, its rows: prompt chunks beside decodes and verifications, scheduled and continued
@@ -1239,35 +1218,24 @@ def test_iteration_tokens_count_the_rows_each_step_ran(tiny_checkpoints):
         tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4, max_num_batched_tokens=16
     )
     engine = LLMEngine(args)
-    _, rows = beside_a_decode(
-        engine, (prompt_of(9, 75), greedy(30)), (prompt_of(45, 76), greedy(10))
-    )
+    rows, forward = [], engine.runner.forward
+
+    def counted(batch, **kw):
+        rows.append(batch.token_ids.shape[0])
+        return forward(batch, **kw)
+
+    engine.runner.forward = counted
+    run = Run()
+    engine.add_request("first", prompt_of(9, 75), greedy(30))
+    while engine.num_continued_steps < 2:
+        step(engine, run)
+    engine.add_request("long", prompt_of(45, 76), greedy(10))
+    while engine.has_unfinished():
+        step(engine, run)
+    run.check_streams()
     stats = engine.snapshot()
     assert engine.num_continued_steps > 5 and max(rows) == 16 and min(rows) < 16
     assert stats.iteration_tokens_sum == sum(rows)
     edges = (0, *ITERATION_TOKEN_BUCKETS, float("inf"))
     want = [sum(1 for r in rows if lower < r <= upper) for lower, upper in zip(edges, edges[1:])]
     assert stats.iteration_tokens_counts == want
-
-
-def test_prefill_cap_beside_decodes_changes_no_output(tiny_checkpoints):
-    """--max-prefill-tokens-while-decoding: a prompt arriving beside a decoding request advances
-    at most the cap a step, on scheduled and continued steps alike, and every token is the same
-    as without the cap."""
-    args = engine_args(
-        tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4, max_num_batched_tokens=32
-    )
-    reqs = {"first": (prompt_of(9, 77), greedy(40)), "long": (prompt_of(45, 78), greedy(12))}
-
-    def serve(cap: int) -> tuple[Run, list[int]]:
-        engine = LLMEngine(dataclasses.replace(args, max_prefill_tokens_while_decoding=cap))
-        run, rows = beside_a_decode(engine, reqs["first"], reqs["long"])
-        assert engine.kv_pool_free() == all_free(engine) and not engine.scheduler.has_work()
-        return run, rows
-
-    uncapped, uncapped_rows = serve(0)
-    capped, capped_rows = serve(8)
-    assert max(uncapped_rows) > (K + 1) + 8  # the prompt took more than the cap a step
-    assert max(capped_rows) == (K + 1) + 8  # one decoding request's rows and 8 prompt tokens
-    for rid in reqs:
-        assert choices(capped.final[rid]) == choices(uncapped.final[rid]), rid

@@ -1107,9 +1107,6 @@ def test_cli_maps_vllm_flags_to_engine_args(monkeypatch):
     )
     assert engine_args(parse_args(["--model", "m", "--max-model-len", "8k"])).max_model_len == 8000
     assert engine_args(parse_args(["--model", "m"])).num_draft_tokens == 4
-    assert engine_args(parse_args(["--model", "m"])).max_prefill_tokens_while_decoding == 0
-    capped = parse_args(["--model", "m", "--max-prefill-tokens-while-decoding", "224"])
-    assert engine_args(capped).max_prefill_tokens_while_decoding == 224
 
 
 def test_cli_api_key_from_env(monkeypatch):

@@ -24,9 +24,6 @@ class EngineArgs:
     )
     max_num_seqs: int = 256  # a cap on the running batch; nothing is reserved per sequence
     max_num_batched_tokens: int = 4096  # a step's tokens; measured against 2048 and 8192
-    # While sequences decode, the prompt tokens a step may carry beside them (unless several
-    # prompts have more than a full step of tokens left); 0: no cap.
-    max_prefill_tokens_while_decoding: int = 0
     page_size: int = 16
     num_draft_tokens: int = 4  # k; 0 = no speculation (also when no draft model is given)
     adaptive_draft_length: bool = (

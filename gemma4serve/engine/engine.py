@@ -151,12 +151,7 @@ class LLMEngine:
         self.max_model_len = plan.max_model_len
         salt = f"{self.state.target_dir.resolve()}|{self.state.dtype}|{args.load_format}"
         self.kv = KVManager.for_plan(plan, salt if args.enable_prefix_caching else None)
-        self.scheduler = Scheduler(
-            self.kv,
-            args.max_num_seqs,
-            args.max_num_batched_tokens,
-            args.max_prefill_tokens_while_decoding,
-        )
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         k = args.num_draft_tokens if self.state.draft is not None else 0
         self.num_draft_tokens = k
         forced = ForcedAcceptance.from_args(args, k, self.state.device)
@@ -448,7 +443,6 @@ class LLMEngine:
         prompts = [s for s in scheduler.running if s not in continuing]  # part-way through
         if not seqs or budget < 0 or not all(_joins_continued_steps(s) for s in prompts):
             return None
-        budget = min(budget, scheduler.prefill_budget(decoding=True))  # its rows all decode
         dropped = len(seqs) < len(previous.sequences)
         changed = dropped or bool(prompts)
         admits = scheduler.would_admit(budget)  # an upper bound: the prompts' chunks come first

@@ -2,11 +2,8 @@
 
 Each step fills a token budget: running sequences first (a decode is its last token plus its
 drafts: a verify), continuing prefills next, then newly admitted requests, all in one packed
-forward. While sequences decode, the prompts' share of a step may be capped
-(`max_prefill_tokens_while_decoding`): small chunks beside the decodes use compute a decode step
-leaves idle; a burst of prompts (more than a full step's worth waiting) still takes full steps.
-When the full pool runs out, the most recently admitted running sequence gives its pages back and
-is re-queued to be recomputed later (preemption by recompute).
+forward. When the full pool runs out, the most recently admitted running sequence gives its pages
+back and is re-queued to be recomputed later (preemption by recompute).
 
 A request is admitted only if the pages it and the running sequences are expected to draw until
 they finish still fit: a preempted sequence's work is lost, and near a full arena the pages it
@@ -16,7 +13,6 @@ expected length is what recent requests used of their max_tokens.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 
@@ -31,17 +27,10 @@ RECENT_REQUESTS = 64  # finished requests the expected output length is taken fr
 
 
 class Scheduler:
-    def __init__(
-        self,
-        kv: KVManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_prefill_tokens_while_decoding: int = 0,
-    ):
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding  # 0: no cap
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -89,39 +78,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def prefill_budget(self, decoding: bool) -> int:
-        """The tokens a step's prompt chunks may take: the whole budget when nothing decodes or
-        a burst is pending (several prompts, part-way or admissible, with more tokens left than a
-        full step: cleared in the fewest steps), else `max_prefill_tokens_while_decoding` (one
-        long prompt alone goes in capped chunks, so the decodes beside it keep their pace)."""
-        cap = self.max_prefill_tokens_while_decoding
-        if not cap or not decoding:
-            return self.max_num_batched_tokens
-        part_way = (seq for seq in self.running if seq.num_tokens - seq.num_computed > 1)
-        # Requests that cannot be admitted yet (no free sequence slot) are no burst of this step.
-        admissible = self.waiting if len(self.running) < self.max_num_seqs else ()
-        tokens = 0
-        for count, seq in enumerate(itertools.chain(part_way, admissible), start=1):
-            tokens += seq.num_tokens - seq.num_computed
-            if count > 1 and tokens > self.max_num_batched_tokens:
-                return self.max_num_batched_tokens
-        return cap
-
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
-        decoding = any(seq.num_tokens - seq.num_computed == 1 for seq in self.running)
-        prefill = self.prefill_budget(decoding)
         chunks: list[ScheduledChunk] = []
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            decodes = seq.num_tokens - seq.num_computed == 1
-            if not decodes and prefill <= 0:
-                continue
-            limit = budget if decodes else min(budget, prefill)
-            chunk = self._chunk(seq, limit, seq.pages, seq.num_computed, self.kv.pool.num_free)
+            chunk = self._chunk(seq, budget, seq.pages, seq.num_computed, self.kv.pool.num_free)
             while not self.kv.can_grow(seq, chunk.start, chunk.start + chunk.num_query):
                 victim = self.running[-1]  # the most recently admitted one
                 self._preempt(victim)
@@ -132,9 +97,7 @@ class Scheduler:
             self.kv.grow(seq, chunk.start, chunk.start + chunk.num_query)
             chunks.append(chunk)
             budget -= chunk.num_query
-            if not decodes:
-                prefill -= chunk.num_query
-        return chunks + self.admit(min(budget, prefill))
+        return chunks + self.admit(budget)
 
     def continue_prompts(
         self, on_device: set[Sequence], budget: int
