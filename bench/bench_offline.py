@@ -194,6 +194,7 @@ class Level:
     output_tokens: int
     accepted_len: float  # tokens per verify step, bonus included (1.0 without MTP)
     draft_share: float  # of the sequences' token-producing steps, those that verified drafts
+    draft_len: int  # drafts a drafting sequence verified a step, rounded (the adaptive choice)
     slow_steps: list = field(
         default_factory=list
     )  # (seconds, what ran) of steps far above the median
@@ -283,18 +284,26 @@ def run_level(
     after = engine.snapshot()
     steps = after.spec_num_steps - before.spec_num_steps
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    drafted = after.spec_drafted_tokens - before.spec_drafted_tokens
     seq_steps = after.seq_steps - before.seq_steps
     median = sorted(t for t, _, _ in step_times)[len(step_times) // 2]
     slow = sorted(
         (x[:2] for x in step_times if x[0] > 10 * median), key=lambda x: x[0], reverse=True
     )[:3]
     return Level(
-        concurrency, done, elapsed, sum(map(len, prompts)), len(prompts) * output_len,
-        1.0 + accepted / steps if steps else 1.0, steps / seq_steps if seq_steps else 0.0, slow,
-        [t for t, _, delivered in step_times if delivered],
-        StepSplit.of([t for t, _, _ in step_times], prefill_tokens),
-        gpu_timeline(engine.runner.launch_records, elapsed),
-    )  # fmt: skip
+        concurrency=concurrency,
+        reqs=done,
+        elapsed=elapsed,
+        input_tokens=sum(map(len, prompts)),
+        output_tokens=len(prompts) * output_len,
+        accepted_len=1.0 + accepted / steps if steps else 1.0,
+        draft_share=steps / seq_steps if seq_steps else 0.0,
+        draft_len=round(drafted / steps) if steps else 0,
+        slow_steps=slow,
+        step_s=[t for t, _, delivered in step_times if delivered],
+        split=StepSplit.of([t for t, _, _ in step_times], prefill_tokens),
+        timeline=gpu_timeline(engine.runner.launch_records, elapsed),
+    )
 
 
 ENGINE_DIRS = tuple(  # where a sync's site is looked for: the engine and its kernels
@@ -376,6 +385,7 @@ class Roofline:
     bandwidth: float  # bytes / s
     decode_target: float  # bytes per 1-token step (no drafting)
     prompt_flops: float  # matmul FLOPs per prompt token: the layers' weights (not the head's)
+    num_draft_tokens: int  # the drafts of the verify step the bytes above count
 
     @property
     def total(self) -> float:
@@ -390,13 +400,21 @@ class Roofline:
         return (self.decode_target + self.kv) / self.bandwidth
 
 
-def roofline(engine: LLMEngine, concurrency: int, context: int, bandwidth: float) -> Roofline:
+def roofline(
+    engine: LLMEngine,
+    concurrency: int,
+    context: int,
+    bandwidth: float,
+    num_draft_tokens: int | None = None,
+) -> Roofline:
     """The roofline of one decode step of `concurrency` sequences at `context` cached tokens.
 
     The step is a k+1-token verify over the target, then k drafter passes (each reading the
-    target's last sliding and full layer KV).
+    target's last sliding and full layer KV); k is `num_draft_tokens` (what the adaptive draft
+    length chose at this batch), else the engine's.
     """
-    state, k = engine.state, engine.num_draft_tokens
+    state = engine.state
+    k = engine.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
     cfg = state.target.cfg
     elt = torch.finfo(state.dtype).bits // 8
     target = weight_bytes_per_step(
@@ -427,7 +445,16 @@ def roofline(engine: LLMEngine, concurrency: int, context: int, bandwidth: float
     # One multiply-add per weight a token reads (its top-k experts under MoE); attention's are
     # left out (~1% of a 1k-token prompt's on the 31B), so this bounds from above.
     prompt = 2 * weight_bytes_per_step(state.target, 1, skip=("embed_tokens",), cfg=cfg) / elt
-    return Roofline(target, draft, kv, bandwidth, decode, prompt)
+    return Roofline(target, draft, kv, bandwidth, decode, prompt, k)
+
+
+@dataclass
+class OutputBounds:
+    """Output tokens/s bounds of a closed loop of `concurrency` equal requests (`output_bounds`)."""
+
+    overlapped: float  # all GEMMs at the matmul rate or the decode steps' bytes, the longer
+    mixed: float  # all GEMMs, then every step's KV and drafter reads, which no GEMM hides
+    in_waves: float  # the prompts' GEMMs, then the decode steps' bytes
 
 
 def output_bounds(
@@ -436,28 +463,35 @@ def output_bounds(
     input_len: int,
     output_len: int,
     acc: float | None,
-    num_draft_tokens: int,
     matmul_flops: float,
-) -> tuple[float, float]:
-    """Output tokens/s bounds of a closed loop of `concurrency` equal requests: the prompts' GEMMs
-    at `matmul_flops` and the decode steps (acc tokens each; one without drafts) at the bandwidth
-    roofline. (Overlapped: whichever takes longer binds; in waves: one after the other, as such a
-    loop runs them: the prompts of `concurrency` arrivals, then their decode steps.)"""
-    drafting = num_draft_tokens > 0 and acc is not None and acc > 1.0
+) -> OutputBounds:
+    """The bounds of a loop whose decode steps verify `roof.num_draft_tokens` drafts and yield
+    `acc` tokens each (one without drafts). Overlapped: the prompts' and the verify rows' GEMMs
+    at `matmul_flops` against the decode steps at the bandwidth roofline, whichever takes longer.
+    Mixed: steps that carry prompts beside verifications read the target's weights once for both
+    (hidden by the GEMMs), but their attention's KV and the drafter passes are kernels of their
+    own. In waves: one after the other, as such a loop runs them (the prompts of `concurrency`
+    arrivals, then their decode steps)."""
+    drafting = roof.num_draft_tokens > 0 and acc is not None and acc > 1.0
     steps = output_len / acc if drafting else output_len
-    rows = concurrency * (1 + num_draft_tokens if drafting else 1)
+    rows = concurrency * (1 + roof.num_draft_tokens if drafting else 1)
     prefill_flops = concurrency * input_len * roof.prompt_flops
-    flops = prefill_flops + steps * rows * roof.prompt_flops
+    gemm_s = (prefill_flops + steps * rows * roof.prompt_flops) / matmul_flops
     decode_s = steps * (roof.step_s if drafting else roof.decode_s)
+    unhidden_s = steps * (roof.kv + (roof.draft if drafting else 0.0)) / roof.bandwidth
     tokens = concurrency * output_len
-    overlapped = max(flops / matmul_flops, decode_s)
-    return tokens / overlapped, tokens / (prefill_flops / matmul_flops + decode_s)
+    return OutputBounds(
+        overlapped=tokens / max(gemm_s, decode_s),
+        mixed=tokens / max(gemm_s + unhidden_s, decode_s),
+        in_waves=tokens / (prefill_flops / matmul_flops + decode_s),
+    )
 
 
-def print_output_bounds(bounds: tuple[float, float]) -> None:
+def print_output_bounds(bounds: OutputBounds) -> None:
     print(
-        f"      roofline {bounds[0]:.1f} out tok/s (prompts' GEMMs and decode steps overlapped), "
-        f"{bounds[1]:.1f} in waves (one after the other)",
+        f"      roofline {bounds.overlapped:.1f} out tok/s (prompts' GEMMs and decode steps "
+        f"overlapped), {bounds.mixed:.1f} mixed (all GEMMs, then each step's KV and drafter "
+        f"reads), {bounds.in_waves:.1f} in waves (one after the other)",
         flush=True,
     )
 
@@ -887,13 +921,13 @@ def main(argv=None) -> None:
             with implicit_syncs(syncs) if args.sync_debug else nullcontext():
                 level = run_level(engine, prompts, c, args.output_len, tag, constrained)
             compiled = triton_cache_entries() - compiled
-            roof = roofline(engine, c, args.input_len + args.output_len // 2, bw)
+            roof = roofline(engine, c, args.input_len + args.output_len // 2, bw, level.draft_len)
             levels.append((level, roof))
             if args.json_object == "both":
                 print(f"      {'json_object' if constrained else 'plain'}:", flush=True)
             print(table_row(level, roof), flush=True)
             print_output_bounds(
-                output_bounds(roof, c, args.input_len, args.output_len, level.accepted_len, k, rate)
+                output_bounds(roof, c, args.input_len, args.output_len, level.accepted_len, rate)
             )
             print_level_details(level, compiled)
             if args.sync_debug:
@@ -903,11 +937,13 @@ def main(argv=None) -> None:
 
     print(
         "\ndecode-step roofline "
-        "(one verify of k+1 tokens + k drafter passes, context input + output/2):"
+        "(one verify of k+1 tokens + k drafter passes, k the level's mean draft length, "
+        "context input + output/2):"
     )
     for level, roof in levels:
         print(
-            f"  conc {level.concurrency:>3}: {roof.total / 1e9:8.3f} GB/step = "
+            f"  conc {level.concurrency:>3}, k={roof.num_draft_tokens}: "
+            f"{roof.total / 1e9:8.3f} GB/step = "
             f"target {roof.target / 1e9:.3f} + drafter {roof.draft / 1e9:.3f} + "
             f"KV {roof.kv / 1e9:.3f} -> {roof.step_s * 1e3:.3f} ms/step at {bw / 1e9:.0f} GB/s"
         )

@@ -13,11 +13,13 @@ the preemptions and the share of prompt tokens the prefix cache served (0 for
 these random prompts: the warm-up requests have prompts of their own), and the decode-step
 bandwidth roofline next to the TPOT (the bytes one step must read over the bandwidth,
 docs/architecture.md; computed from the configs as bench/bench_offline.py does, so it needs
---model). Under each row, the level's output tokens/s bounds: the prompts' GEMMs at the matmul rate
-and the decode steps at the bandwidth, overlapped (whichever takes longer) and in waves (one after
-the other, as a closed loop of equal requests runs them); without --request-rate, the TTFT of the
-level's first `concurrency` requests (sent together, so queued for prefill at once: they set p99
-over a few hundred requests) apart from the rest.
+--model; its verify steps carry the mean draft length the server's counters report, the adaptive
+length's choice at that load). Under each row, the level's output tokens/s bounds: the prompts' and
+verify rows' GEMMs at the matmul rate and the decode steps at the bandwidth, overlapped (whichever
+takes longer), mixed (the GEMMs, then each step's KV and drafter reads, which steps carrying prompts
+still make) and in waves (one after the other, as a closed loop of equal requests runs them);
+without --request-rate, the TTFT of the level's first `concurrency` requests (sent together, so
+queued for prefill at once: they set p99 over a few hundred requests) apart from the rest.
 
     # starts the server (bench/server_process.py), E4B shapes with dummy weights
     python bench/bench_serve.py --model configs/gemma-4-E4B-it \\
@@ -180,6 +182,7 @@ def mean(xs: list[float]) -> float:
 
 COUNTERS = (  # read from /metrics before and after each level
     "spec_decode_num_drafts",  # verify steps that carried drafts
+    "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens",
     "num_preemptions",
     "prefix_cache_hits",  # prompt tokens served from the prefix cache
@@ -235,6 +238,7 @@ def summarize(
     tpot = [r.tpot for r in done if r.tpot is not None]
     itl = [x for r in done for x in r.itls()]
     steps = counters["spec_decode_num_drafts"]
+    drafted = counters["spec_decode_num_draft_tokens"]
     accepted = counters["spec_decode_num_accepted_tokens"]
     queued = counters["request_queue_time_seconds_sum"]
     num_queued = counters["request_queue_time_seconds_count"]
@@ -248,6 +252,7 @@ def summarize(
         "output_tokens": sum(r.output_tokens for r in done),
         "output_throughput": sum(r.output_tokens for r in done) / elapsed,
         "mean_accepted_length": 1 + accepted / steps if steps else None,
+        "mean_draft_length": drafted / steps if steps else None,  # the adaptive length's choice
         "mean_queue_ms": 1e3 * queued / num_queued if num_queued else None,
         "preemptions": int(counters["num_preemptions"]),
         "prefix_cache_hit_tokens": int(counters["prefix_cache_hits"]),
@@ -297,7 +302,7 @@ def per_request(results: list[RequestResult]) -> dict:
 
 @dataclass
 class Rooflines:
-    step: object  # (concurrency, context) -> bench_offline.Roofline
+    step: object  # (concurrency, context, drafts per verify step) -> bench_offline.Roofline
     bandwidth: float  # bytes / s
     bandwidth_source: str
     matmul_flops: float  # FLOP/s
@@ -323,9 +328,8 @@ def roofline_of(args) -> Rooflines | None:
     with torch.device("meta"):
         target = Gemma4Model(load_config(args.model)).to(dtype)
         draft = Gemma4Assistant(load_config(args.draft)).to(dtype) if args.draft else None
-    k = num_draft_tokens(args) if draft is not None else 0
     state = types.SimpleNamespace(target=target, draft=draft, dtype=dtype)
-    engine = types.SimpleNamespace(state=state, num_draft_tokens=k)
+    engine = types.SimpleNamespace(state=state, num_draft_tokens=0)
     if args.bandwidth_gbps:
         bandwidth, source = args.bandwidth_gbps * 1e9, "given"
     else:
@@ -340,7 +344,7 @@ def roofline_of(args) -> Rooflines | None:
         bandwidth, source = bandwidth * ranks, f"{source}, x{ranks} tensor-parallel ranks"
         flops, flops_source = flops * ranks, f"{flops_source}, x{ranks} ranks"
     return Rooflines(
-        lambda c, context: roofline(engine, c, context, bandwidth),
+        lambda c, context, k: roofline(engine, c, context, bandwidth, k if draft else 0),
         bandwidth,
         source,
         flops,
@@ -355,10 +359,6 @@ def server_flag(args, names: tuple[str, ...], default: int) -> int:
         if name in flags:
             return int(flags[flags.index(name) + 1])
     return default
-
-
-def num_draft_tokens(args) -> int:
-    return server_flag(args, ("--num-draft-tokens", "--num-speculative-tokens"), 4)
 
 
 COLUMNS = ("conc", "reqs", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean",
@@ -449,16 +449,17 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
         summary |= wave or {}
         roof_tpot_ms = bounds = None
         if roof is not None:
-            step = roof.step(concurrency, args.input_len + args.output_len // 2)
-            acc = summary["mean_accepted_length"]
+            acc, drafts = summary["mean_accepted_length"], summary["mean_draft_length"]
+            context = args.input_len + args.output_len // 2
+            step = roof.step(concurrency, context, round(drafts) if drafts else 0)
             roof_tpot_ms = (step.step_s / acc if acc else step.decode_s) * 1e3
             summary["roofline_step_bytes"] = step.total if acc else step.decode_target + step.kv
-            k = num_draft_tokens(args) if args.draft else 0
             bounds = output_bounds(
-                step, concurrency, args.input_len, args.output_len, acc, k, roof.matmul_flops
+                step, concurrency, args.input_len, args.output_len, acc, roof.matmul_flops
             )
-            summary["roofline_output_throughput"] = bounds[0]
-            summary["roofline_in_waves_output_throughput"] = bounds[1]
+            summary["roofline_output_throughput"] = bounds.overlapped
+            summary["roofline_mixed_output_throughput"] = bounds.mixed
+            summary["roofline_in_waves_output_throughput"] = bounds.in_waves
         summary["roofline_tpot_ms"] = roof_tpot_ms
         levels.append(summary | per_request(results) if args.save_detailed else summary)
         save(args, command, levels)

@@ -23,7 +23,7 @@ class EngineArgs:
         None  # default: the config's max_position_embeddings, capped by the KV pool
     )
     max_num_seqs: int = 256  # a cap on the running batch; nothing is reserved per sequence
-    max_num_batched_tokens: int = 4096  # a step's tokens; measured against 2048 and 8192
+    max_num_batched_tokens: int = 2048  # a step's tokens; measured against 512, 4096 and 8192
     page_size: int = 16
     num_draft_tokens: int = 4  # k; 0 = no speculation (also when no draft model is given)
     adaptive_draft_length: bool = (
