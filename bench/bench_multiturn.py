@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
+from request_timing import percentile
 from server_process import start_server
 
 
@@ -90,11 +91,6 @@ def converse(url: str, model: str, user: int, system: list[int], args) -> list[T
     return turns
 
 
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def run(url: str, model: str, args) -> dict:
     rng = random.Random(7)
     system = [2] + [
@@ -117,10 +113,10 @@ def run(url: str, model: str, args) -> dict:
     later = [t.ttft for t in turns if t.turn > 0]
     return {
         "seconds": elapsed,
-        "turn_1_ttft_p50": percentile(first, 0.5),
-        "turn_1_ttft_p99": percentile(first, 0.99),
-        "later_ttft_p50": percentile(later, 0.5),
-        "later_ttft_p99": percentile(later, 0.99),
+        "turn_1_ttft_p50": percentile(first, 50),
+        "turn_1_ttft_p99": percentile(first, 99),
+        "later_ttft_p50": percentile(later, 50),
+        "later_ttft_p99": percentile(later, 99),
         "hit_rate": hits / queries if queries else 0.0,
         "cached_share": sum(t.cached_tokens for t in turns) / sum(t.prompt_tokens for t in turns),
         "mean_prompt_tokens": statistics.mean(t.prompt_tokens for t in turns),

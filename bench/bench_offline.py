@@ -52,6 +52,8 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parent.parent)
 )  # run from a checkout without installing
 
+from request_timing import RequestTiming, mean, percentile  # noqa: E402
+
 import gemma4serve  # noqa: E402
 import gemma4serve_kernels  # noqa: E402
 from gemma4serve.config import FULL, SLIDING  # noqa: E402
@@ -159,36 +161,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 @dataclass
-class Req:
-    added: float
-    events: list = field(
-        default_factory=list
-    )  # (time, tokens delivered) per step that delivered any
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.events)
-
-    @property
-    def ttft(self) -> float:
-        return self.events[0][0] - self.added
-
-    @property
-    def tpot(self) -> float | None:
-        n = self.num_tokens
-        return (self.events[-1][0] - self.events[0][0]) / (n - 1) if n > 1 else None
-
-    def itls(self) -> list[float]:
-        out = []
-        for (t0, _), (t1, n) in zip(self.events, self.events[1:]):
-            out += [(t1 - t0) / n] * n
-        return out
-
-
-@dataclass
 class Level:
     concurrency: int
-    reqs: list[Req]
+    reqs: list[RequestTiming]
     elapsed: float
     input_tokens: int
     output_tokens: int
@@ -226,15 +201,6 @@ class StepSplit:
         )  # fmt: skip
 
 
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    i = (len(xs) - 1) * q / 100
-    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
-
-
 def run_level(
     engine: LLMEngine,
     prompts: list[list[int]],
@@ -250,8 +216,8 @@ def run_level(
     )
     before = engine.snapshot()
     pending = list(enumerate(prompts))[::-1]
-    inflight: dict[str, Req] = {}
-    done: list[Req] = []
+    inflight: dict[str, RequestTiming] = {}
+    done: list[RequestTiming] = []
     start = time.perf_counter()
     step_times = []
     engine.runner.launch_records = []
@@ -261,7 +227,7 @@ def run_level(
         while pending and len(inflight) < concurrency:
             i, prompt = pending.pop()
             rid = f"{tag}-{i}"
-            inflight[rid] = Req(added=time.perf_counter())
+            inflight[rid] = RequestTiming(start=time.perf_counter())
             engine.add_request(rid, prompt, params)
         t0 = time.perf_counter()
         outs = engine.step()  # returns after the step's device -> host copy: the tokens exist now
@@ -272,11 +238,11 @@ def run_level(
             req = inflight[out.request_id]
             n = len(out.outputs[0].new_token_ids)
             if n:
-                req.events.append((now, n))
+                req.deliveries.append((now, n))
             if out.finished:
-                assert req.num_tokens == output_len, (
+                assert req.output_tokens == output_len, (
                     out.request_id,
-                    req.num_tokens,
+                    req.output_tokens,
                     out.outputs[0].finish_reason,
                 )
                 done.append(inflight.pop(out.request_id))
@@ -667,10 +633,6 @@ def build_tiny(variant: str) -> tuple[str, str]:
 COLUMNS = ("conc", "reqs", "out tok/s", "tot tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
            "ITL p50", "ITL p99", "acc len", "draft %", "roof TPOT", "% roof")  # fmt: skip
 WIDTHS = [max(len(c), 7) for c in COLUMNS]
-
-
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def table_row(level: Level, roof: Roofline) -> str:

@@ -40,7 +40,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -48,6 +48,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from request_timing import RequestTiming, mean, percentile  # noqa: E402
 from server_process import start_server  # noqa: E402
 
 
@@ -101,37 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- one request ---------------------------------------------------------------------------------
 
 
-@dataclass
-class RequestResult:
-    start: float
-    deliveries: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens that came)
-    error: str | None = None
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(n for _, n in self.deliveries)
-
-    @property
-    def ttft(self) -> float:
-        return self.deliveries[0][0] - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.deliveries[-1][0] - self.deliveries[0][0]) / (self.output_tokens - 1)
-
-    def itls(self) -> list[float]:
-        return [
-            (now - before) / count
-            for (before, _), (now, count) in zip(self.deliveries, self.deliveries[1:])
-            for _ in range(count)
-        ]
-
-
 async def run_request(
     http: httpx.AsyncClient, model: str, prompt: list[int], args
-) -> RequestResult:
+) -> RequestTiming:
     body = {
         "model": model,
         "prompt": prompt,
@@ -141,7 +114,7 @@ async def run_request(
         "stream": True,
         "return_token_ids": True,
     }
-    result = RequestResult(time.perf_counter())
+    result = RequestTiming(time.perf_counter())
     try:
         async with http.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -165,19 +138,6 @@ async def run_request(
 
 
 # ---- one level -----------------------------------------------------------------------------------
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    i = (len(xs) - 1) * q / 100
-    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
-
-
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
 
 
 COUNTERS = (  # read from /metrics before and after each level
@@ -227,7 +187,7 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
 
 
 def summarize(
-    results: list[RequestResult],
+    results: list[RequestTiming],
     elapsed: float,
     concurrency: int,
     counters: dict[str, float],
@@ -268,7 +228,7 @@ def summarize(
     return summary
 
 
-def first_wave(results: list[RequestResult], concurrency: int) -> dict | None:
+def first_wave(results: list[RequestTiming], concurrency: int) -> dict | None:
     """TTFT of the first `concurrency` requests, sent together, against the rest, in ms (None
     when every request is in the first wave): the first wave's prompts all queue for prefill at
     once, so at a level of a few hundred requests they alone set p99 TTFT."""
@@ -284,7 +244,7 @@ def first_wave(results: list[RequestResult], concurrency: int) -> dict | None:
     }
 
 
-def per_request(results: list[RequestResult]) -> dict:
+def per_request(results: list[RequestTiming]) -> dict:
     """Each request's times in seconds, in the order sent (vLLM's --save-detailed fields, plus
     each request's send time from the level's first): which requests set a percentile."""
     first = min(r.start for r in results)
