@@ -418,6 +418,7 @@ def roofline(
 class OutputBounds:
     """Output tokens/s bounds of a closed loop of `concurrency` equal requests (`output_bounds`)."""
 
+    num_draft_tokens: int  # drafts per verify step the bounds assume
     overlapped: float  # all GEMMs at the matmul rate or the decode steps' bytes, the longer
     mixed: float  # all GEMMs, then every step's KV and drafter reads, which no GEMM hides
     in_waves: float  # the prompts' GEMMs, then the decode steps' bytes
@@ -447,6 +448,7 @@ def output_bounds(
     unhidden_s = steps * (roof.kv + (roof.draft if drafting else 0.0)) / roof.bandwidth
     tokens = concurrency * output_len
     return OutputBounds(
+        num_draft_tokens=roof.num_draft_tokens if drafting else 0,
         overlapped=tokens / max(gemm_s, decode_s),
         mixed=tokens / max(gemm_s + unhidden_s, decode_s),
         in_waves=tokens / (prefill_flops / matmul_flops + decode_s),
@@ -455,9 +457,10 @@ def output_bounds(
 
 def print_output_bounds(bounds: OutputBounds) -> None:
     print(
-        f"      roofline {bounds.overlapped:.1f} out tok/s (prompts' GEMMs and decode steps "
-        f"overlapped), {bounds.mixed:.1f} mixed (all GEMMs, then each step's KV and drafter "
-        f"reads), {bounds.in_waves:.1f} in waves (one after the other)",
+        f"      roofline at k={bounds.num_draft_tokens}: {bounds.overlapped:.1f} out tok/s "
+        f"(prompts' GEMMs and decode steps overlapped), {bounds.mixed:.1f} mixed (all GEMMs, "
+        f"then each step's KV and drafter reads), {bounds.in_waves:.1f} in waves (one after the "
+        "other)",
         flush=True,
     )
 
