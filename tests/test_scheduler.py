@@ -28,21 +28,6 @@ def make_scheduler(num_pages: int) -> Scheduler:
     return Scheduler(KVManager.for_plan(plan, "test"), 64, 96)
 
 
-def commit(chunk) -> bool:
-    """Advance a chunk's sequence as the engine's step would: a prefill chunk computes its tokens;
-    a sampling chunk commits 2 of its drafts and one more token, and holds K new drafts. Whether
-    the chunk sampled."""
-    seq = chunk.seq
-    if not chunk.samples:
-        seq.num_computed += chunk.length
-        return False
-    accepted = min(2, len(chunk.drafts))
-    seq.num_computed = chunk.start + chunk.length + accepted
-    seq.token_ids += [7] * (accepted + 1)
-    seq.drafts = [8] * K
-    return True
-
-
 def run(scheduler: Scheduler, requests: list[tuple[int, int, int]], concurrency: int) -> dict:
     """Serve (prompt length, max_tokens, tokens it stops after) requests, `concurrency` at a time,
     accepting 2 drafts per verify; returns what happened."""
@@ -71,8 +56,13 @@ def run(scheduler: Scheduler, requests: list[tuple[int, int, int]], concurrency:
         peak_running = max(peak_running, len(scheduler.running))
         for chunk in chunks:
             seq = chunk.seq
-            if not commit(chunk):
+            if not chunk.samples:
+                seq.num_computed += chunk.length
                 continue
+            accepted = min(2, len(chunk.drafts))
+            seq.num_computed = chunk.start + chunk.length + accepted
+            seq.token_ids += [7] * (accepted + 1)
+            seq.drafts = [8] * K
             generated = seq.num_tokens - seq.num_prompt
             limit = min(seq.max_len - seq.num_prompt, stop_after[seq.request_id])
             if generated >= limit:
