@@ -202,7 +202,8 @@ def summarize(
     accepted = counters["spec_decode_num_accepted_tokens"]
     queued = counters["request_queue_time_seconds_sum"]
     num_queued = counters["request_queue_time_seconds_count"]
-    num_steps, step_tokens = (counters[f"iteration_tokens_total_{x}"] for x in ("count", "sum"))
+    num_steps = counters["iteration_tokens_total_count"]
+    step_tokens = counters["iteration_tokens_total_sum"]
     summary = {
         "concurrency": concurrency,
         "completed": len(done),
@@ -289,7 +290,7 @@ def roofline_of(args) -> Rooflines | None:
         target = Gemma4Model(load_config(args.model)).to(dtype)
         draft = Gemma4Assistant(load_config(args.draft)).to(dtype) if args.draft else None
     state = types.SimpleNamespace(target=target, draft=draft, dtype=dtype)
-    engine = types.SimpleNamespace(state=state, num_draft_tokens=0)
+    engine = types.SimpleNamespace(state=state)  # the draft length is each level's, given
     if args.bandwidth_gbps:
         bandwidth, source = args.bandwidth_gbps * 1e9, "given"
     else:
@@ -304,7 +305,7 @@ def roofline_of(args) -> Rooflines | None:
         bandwidth, source = bandwidth * ranks, f"{source}, x{ranks} tensor-parallel ranks"
         flops, flops_source = flops * ranks, f"{flops_source}, x{ranks} ranks"
     return Rooflines(
-        lambda c, context, k: roofline(engine, c, context, bandwidth, k if draft else 0),
+        lambda c, context, k: roofline(engine, c, context, bandwidth, k),
         bandwidth,
         source,
         flops,
