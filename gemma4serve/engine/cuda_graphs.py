@@ -42,9 +42,9 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def mixed_token_buckets(max_tokens: int) -> list[int]:
-    """Rows of the mixed graphs: small steps, then 256-row steps (a budget-filling chunk is the
-    common case, so the padding is rare where it costs compute)."""
-    sizes = [64, 128] + list(range(256, max_tokens, 256))
+    """Rows of the mixed graphs, in 128-row steps from 128 on: a padded row costs a prompt row's
+    GEMM compute, and a lone prompt beside the verifications pads to the next step."""
+    sizes = [64] + list(range(128, max_tokens, 128))
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 
 
