@@ -7,13 +7,19 @@ a new request of --input-len prompt tokens and --output-len output tokens (ignor
 last one finishes. A step does to their state what the engine's does: prefill chunks advance, a
 verify commits its accepted drafts (--acceptance tokens per verify step on average, bonus included)
 and one token. Per level: steps, steps that carried prefill tokens, prefill tokens (prompts, and
-what preempted requests computed again), preemptions, and the running batch's mean.
+what preempted requests computed again), preemptions, the running batch's mean, and the share of
+the steps with prefill's rows that their mixed CUDA graphs add as padding (the graph of the
+smallest token bucket that holds the step's rows).
 
     python bench/replay_scheduler.py --model configs/gemma-4-31B-it \\
         --draft configs/gemma-4-31B-it-assistant --pages 4814 --concurrency 32 64 128
     # the same reserving nothing for the outputs (as if every request stopped at once)
     python bench/replay_scheduler.py --model configs/gemma-4-31B-it \\
         --draft configs/gemma-4-31B-it-assistant --pages 4814 --concurrency 64 --no-reservation
+    # the 31B's c = 32 as served: two drafts a step (the adaptive length), all accepted
+    python bench/replay_scheduler.py --model configs/gemma-4-31B-it \\
+        --draft configs/gemma-4-31B-it-assistant --pages 4814 --num-prompts 1000 \\
+        --num-draft-tokens 2 --acceptance 3.0
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from gemma4serve.config import load_config
 from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.cuda_graphs import mixed_token_buckets
 from gemma4serve.engine.scheduler import Scheduler
 from gemma4serve.engine.sequence import Sequence
 from gemma4serve.kv.cache import KVCache, page_tokens
@@ -79,10 +86,13 @@ def replay(args, concurrency: int) -> dict:
     for _ in range(min(concurrency, num_requests)):
         submit()
     submitted, steps, mixed, prefill_tokens, running = concurrency, 0, 0, 0, 0
+    buckets = mixed_token_buckets(args.max_num_batched_tokens)
+    mixed_rows = padding = 0
     while scheduler.has_work():
         chunks = scheduler.schedule()
         steps += 1
         running += len(scheduler.running)
+        rows = sum(chunk.length for chunk in chunks)
         step_prefill = 0
         for chunk in chunks:
             seq = chunk.seq
@@ -104,7 +114,10 @@ def replay(args, concurrency: int) -> dict:
                     submit()
                     submitted += 1
         prefill_tokens += step_prefill
-        mixed += step_prefill > 0
+        if step_prefill:
+            mixed += 1
+            mixed_rows += rows
+            padding += next(t for t in buckets if t >= rows) - rows
     return dict(
         concurrency=concurrency,
         requests=num_requests,
@@ -113,6 +126,7 @@ def replay(args, concurrency: int) -> dict:
         prefill_tokens=prefill_tokens,
         preemptions=scheduler.num_preemptions,
         mean_running=running / steps,
+        padded_percent=100 * padding / max(1, mixed_rows),
     )
 
 
@@ -135,12 +149,12 @@ def main(argv=None) -> None:
     p.add_argument("--no-reservation", action="store_true", help="reserve nothing for the outputs")
     args = p.parse_args(argv)
     print(f"{'conc':>5} {'reqs':>5} {'steps':>6} {'mixed':>6} {'prefill tokens':>15} "
-          f"{'preempt':>8} {'mean running':>13}")  # fmt: skip
+          f"{'preempt':>8} {'mean running':>13} {'padded %':>9}")  # fmt: skip
     for concurrency in args.concurrency:
         r = replay(args, concurrency)
         print(f"{r['concurrency']:5d} {r['requests']:5d} {r['steps']:6d} {r['mixed']:6d} "
-              f"{r['prefill_tokens']:15d} {r['preemptions']:8d} {r['mean_running']:13.1f}",
-              flush=True)  # fmt: skip
+              f"{r['prefill_tokens']:15d} {r['preemptions']:8d} {r['mean_running']:13.1f} "
+              f"{r['padded_percent']:9.1f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

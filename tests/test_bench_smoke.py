@@ -207,9 +207,22 @@ def test_replay_scheduler_reservation_prevents_preemption():
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows[flag] = proc.stdout.splitlines()[-1].split()
-    conc, reqs, steps, mixed, prefill, preempt, running = rows[""]
+    conc, reqs, steps, mixed, prefill, preempt, running, padded = rows[""]
     assert (int(reqs), int(prefill), int(preempt)) == (24, 24 * 300, 0)
     assert int(rows["--no-reservation"][5]) > 0 and int(rows["--no-reservation"][4]) > 24 * 300
+
+
+def test_replay_scheduler_counts_mixed_graph_padding():
+    """A lone 300-token prompt: its step replays the 384-row mixed graph, 84 rows of padding."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "replay_scheduler.py"),
+         "--model", str(ROOT / "configs" / "gemma-4-31B-it"), "--pages", "700",
+         "--concurrency", "1", "--num-prompts", "1", "--input-len", "300", "--output-len", "4"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    conc, reqs, steps, mixed, prefill, preempt, running, padded = proc.stdout.split()[-8:]
+    assert (int(mixed), int(prefill), float(padded)) == (1, 300, 28.0)
 
 
 def test_output_bounds_by_hand(monkeypatch):
