@@ -117,7 +117,7 @@ def replay(args, concurrency: int) -> dict:
         if step_prefill:
             mixed += 1
             mixed_rows += rows
-            padding += next(t for t in buckets if t >= rows) - rows
+            padding += next((t for t in buckets if t >= rows), rows) - rows  # none: eager
     return dict(
         concurrency=concurrency,
         requests=num_requests,
