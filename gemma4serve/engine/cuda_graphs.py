@@ -42,8 +42,9 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def mixed_token_buckets(max_tokens: int) -> list[int]:
-    """Rows of the mixed graphs, in 128-row steps from 128 on: a padded row costs a prompt row's
-    GEMM compute, and a lone prompt beside the verifications pads to the next step."""
+    """Rows of the mixed graphs: 64, then multiples of 128 up to the budget. A padded row costs
+    the GEMM compute of a prompt row, and a lone prompt beside the verifications (1024 + 32 x 3
+    rows) fell 160 rows short of a 256-row bucket (docs/performance.md)."""
     sizes = [64] + list(range(128, max_tokens, 128))
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 
