@@ -43,8 +43,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 def mixed_token_buckets(max_tokens: int) -> list[int]:
     """Rows of the mixed graphs: 64, then multiples of 128 up to the budget. A padded row costs
-    the GEMM compute of a prompt row, and a lone prompt beside the verifications (1024 + 32 x 3
-    rows) took the 1280-row graph, 160 rows of padding, when buckets were 256 apart."""
+    the GEMM compute of a prompt row, so a lone 1024-token prompt beside 32 three-row
+    verifications (1120 rows) should pad to 1152, not 1280."""
     sizes = [64] + list(range(128, max_tokens, 128))
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 
