@@ -92,7 +92,7 @@ def replay(args, concurrency: int) -> dict:
         chunks = scheduler.schedule()
         steps += 1
         running += len(scheduler.running)
-        rows = sum(chunk.length for chunk in chunks)
+        rows = sum(chunk.num_query for chunk in chunks)  # drafts included
         step_prefill = 0
         for chunk in chunks:
             seq = chunk.seq

@@ -225,6 +225,22 @@ def test_replay_scheduler_counts_mixed_graph_padding():
     assert (int(mixed), int(prefill), float(padded)) == (1, 300, 28.0)
 
 
+def test_replay_scheduler_padding_counts_draft_rows():
+    """Two 300-token prompts in a 400-token budget: step 1 fills its 400-row graph; step 2 takes
+    the first request's verify (1 + 4 drafts) beside the second's last 200 prompt tokens, 205 rows
+    on the 256-row graph: 51 rows of padding over 605, 8.4%."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "replay_scheduler.py"),
+         "--model", str(ROOT / "configs" / "gemma-4-31B-it"), "--pages", "700",
+         "--concurrency", "2", "--num-prompts", "2", "--input-len", "300", "--output-len", "4",
+         "--max-num-batched-tokens", "400"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    conc, reqs, steps, mixed, prefill, preempt, running, padded = proc.stdout.split()[-8:]
+    assert (int(mixed), int(prefill), float(padded)) == (2, 600, 8.4)
+
+
 def test_output_bounds_by_hand(monkeypatch):
     """The three bounds of a loop of 4 requests (100 prompt tokens, 30 outputs, 3 tokens a verify
     step of 2 drafts): GEMMs 0.4 s of prompts + 0.12 s of verify rows at 1 TFLOP/s, decode steps
