@@ -62,14 +62,17 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return gelu_tanh_times(g2[:, :inter], g2[:, inter:]).view(*gate_up.shape[:-1], inter)
 
 
-def gelu_tanh_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up for [T, I] each (rows may be strided) -> [T, I]."""
+def gelu_tanh_times(
+    gate: torch.Tensor, up: torch.Tensor, block: int | None = None, num_warps: int | None = None
+) -> torch.Tensor:
+    """gelu_tanh(gate) * up for [T, I] each (rows may be strided) -> [T, I]. `block` (values a
+    program) and `num_warps` override the launch (benchmarks)."""
     assert gate.shape == up.shape and gate.dim() == 2
     assert gate.stride(1) == 1 and up.stride(1) == 1
     rows, inter = gate.shape
     out = torch.empty(rows, inter, dtype=gate.dtype, device=gate.device)
     if rows:
-        block = min(1024, triton.next_power_of_2(inter))
+        block = block or min(1024, triton.next_power_of_2(inter))
         _gelu_mul_kernel[(rows, triton.cdiv(inter, block))](
             gate,
             up,
@@ -79,7 +82,8 @@ def gelu_tanh_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             up.stride(0),
             out.stride(0),
             BLOCK=block,
-            num_warps=2,  # 8 values a thread: nearer the copy bandwidth (docs/performance.md)
+            # 8 values a thread: nearer the copy bandwidth (docs/performance.md)
+            num_warps=num_warps or 2,
             **pdl_args(gate.device),
         )
     return out

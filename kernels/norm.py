@@ -204,10 +204,11 @@ def rmsnorm_residual_add(
     eps: float,
     layer_scalar: torch.Tensor | None = None,
     next_weight: torch.Tensor | None = None,
+    num_warps: int | None = None,
 ):
     """y = x + RMSNorm(h; weight), then `* layer_scalar` when given (a 1-element tensor), rounded
     like the torch ops. With `next_weight`, returns (y, RMSNorm(y; next_weight)): the next
-    sublayer's normed input too."""
+    sublayer's normed input too. `num_warps` overrides the row's warps (benchmarks)."""
     assert x.shape == h.shape and x.dtype == h.dtype
     x2, h2 = _rows(x), _rows(h)
     n = x2.shape[1]
@@ -232,7 +233,7 @@ def rmsnorm_residual_add(
             HAS_SCALAR=layer_scalar is not None,
             HAS_NEXT=next_weight is not None,
             BLOCK=block,
-            num_warps=row_warps(block),
+            num_warps=num_warps or row_warps(block),
             **pdl_args(x.device),
         )
     if next_weight is None:

@@ -114,11 +114,13 @@ def qkv_epilogue(
     num_kv_heads: int,
     k_eq_v: bool,
     heads_per_program: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """qkv [T, (nh + nkv (+ nkv)) * hd] (q, k, then v unless k_eq_v) -> q [T, nh, hd].
 
     K/V go to the caches [num_pages, page_tokens, nkv, hd] (pages at any stride) at `slots` [T]
-    (-1 = no write). `heads_per_program` (query heads, a divisor of nh) overrides the choice below.
+    (-1 = no write). `heads_per_program` (query heads, a divisor of nh) and `num_warps` override the
+    choices below (benchmarks, tests).
     """
     T = qkv.shape[0]
     hd = k_cache.shape[-1]
@@ -162,7 +164,7 @@ def qkv_epilogue(
             K_EQ_V=k_eq_v,
             # one warp keeps each head's sum of squares in warp shuffles (no barrier); with one head
             # per program (decode) more warps finish the lone head sooner
-            num_warps=1 if heads > 1 else (4 if hd <= 256 else 8),
+            num_warps=num_warps or (1 if heads > 1 else (4 if hd <= 256 else 8)),
             **pdl_args(qkv.device),
         )
     return q
