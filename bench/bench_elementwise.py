@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,18 +134,16 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:,.0f} GB/s")
     # The distinct layer shapes and how many layers have each (KV-shared layers write no K/V, but
     # their epilogue is timed as a producer's: a small overcount on the E models).
-    kinds = {}
-    for layer in cfg.layers:
-        heads = cfg.num_heads, layer.num_kv_heads, layer.head_dim, layer.k_eq_v
-        kinds.setdefault((layer.kind, heads), []).append(layer)
-    widths = {}
-    for layer in cfg.layers:
-        widths[layer.mlp_width] = widths.get(layer.mlp_width, 0) + 1
+    kinds = Counter(
+        (layer.kind, layer.num_kv_heads, layer.head_dim, layer.k_eq_v) for layer in cfg.layers
+    )
+    widths = Counter(layer.mlp_width for layer in cfg.layers)
     for rows in cli.rows:
         cases = [(residual_case(cfg.hidden_size, rows, device), 2 * cfg.num_layers)]
-        for (kind, (nh, nkv, hd, k_eq_v)), layers in kinds.items():
+        for (kind, nkv, hd, k_eq_v), count in kinds.items():
             name = {SLIDING: "sliding", FULL: "full"}[kind]
-            cases.append((qkv_case(name, nh, nkv, hd, k_eq_v, rows, device), len(layers)))
+            case = qkv_case(name, cfg.num_heads, nkv, hd, k_eq_v, rows, device)
+            cases.append((case, count))
         for inter, count in widths.items():
             cases.append((gelu_case(inter, rows, device), count))
         total = 0.0
