@@ -22,7 +22,7 @@ from gemma4serve.config import load_config
 from gemma4serve_kernels.gemv import gemv_mlp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import copy_bandwidth, time_it  # noqa: E402
+from bench_step import copy_bandwidth, replay_seconds  # noqa: E402
 
 CHAINS = 20  # MLP chains per graph replay: a replay's launch cost is spread over them
 
@@ -42,12 +42,8 @@ def time_chain(hidden: int, width: int, layers: int, rows: int) -> tuple[float, 
             for gate_up, down in weights:
                 h = gemv_mlp(h, gate_up, down)
 
-    chain()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
     nbytes = sum(gate_up.numel() + down.numel() for gate_up, down in weights) * 2
-    return time_it(graph.replay) / CHAINS * 1e6, nbytes
+    return replay_seconds(chain) / CHAINS * 1e6, nbytes
 
 
 def main() -> None:

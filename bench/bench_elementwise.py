@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_step import copy_bandwidth, time_it  # noqa: E402
+from bench_step import copy_bandwidth, replay_seconds  # noqa: E402
 
 from gemma4serve.config import FULL, SLIDING, load_config  # noqa: E402
 from gemma4serve_kernels import gelu_tanh_times, qkv_epilogue, rmsnorm_residual_add  # noqa: E402
@@ -104,12 +104,7 @@ def seconds(case: Case, options: dict) -> float:
         for call in calls:
             call(**options)
 
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return time_it(graph.replay, iters=20) / copies
+    return replay_seconds(run, iters=20) / copies
 
 
 def timed(case: Case, options: dict) -> float:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offline import measure_bandwidth, measure_matmul_flops  # noqa: E402
-from bench_step import time_it  # noqa: E402
+from bench_step import replay_seconds  # noqa: E402
 
 from gemma4serve.config import load_config  # noqa: E402
 
@@ -95,12 +95,7 @@ def layers_replay_s(x: torch.Tensor, layers: list[torch.Tensor]) -> float:
         for weight in layers:
             F.linear(x, weight)
 
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return time_it(graph.replay, iters=20)
+    return replay_seconds(run, iters=20)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from gemma4serve_kernels.activation import gelu_tanh_mul
 from gemma4serve_kernels.gemv import gemv, gemv_mlp, mlp_down_config, splits_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import copy_bandwidth, time_it  # noqa: E402
+from bench_step import copy_bandwidth, replay_seconds  # noqa: E402
 
 LAYERS, H, Q, INTERMEDIATE = 60, 5376, 8192, 21504
 
@@ -61,12 +61,8 @@ MLP_DOWN_CONFIGS = list(itertools.product((32, 64, 128), (256,), (4,), (3, 4), (
 
 
 def replay_ms(fn, iters: int = 10) -> float:
-    """Median ms of one replay of a CUDA graph that runs `fn` once (captured after an eager run)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_it(graph.replay, iters) * 1e3
+    """`replay_seconds` in ms."""
+    return replay_seconds(fn, iters) * 1e3
 
 
 def mlp_table(hidden: int, inter: int, M: int, bw: float) -> None:

@@ -56,6 +56,16 @@ def time_it(fn, iters: int = 50) -> float:
     return statistics.median(begin.elapsed_time(finish) for begin, finish in zip(start, end)) / 1e3
 
 
+def replay_seconds(fn, iters: int = 50) -> float:
+    """Median seconds of one replay of a CUDA graph that runs `fn` once, captured after an eager
+    run (which compiles its kernels and picks cuBLAS's algorithms)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_it(graph.replay, iters)
+
+
 def weight_bytes_read(model, batch_tokens: int) -> float:
     """Bytes of weights one forward over `batch_tokens` rows reads from HBM."""
     cfg = getattr(model, "cfg", None)
