@@ -62,9 +62,15 @@ def ptxas_report(ptx: str) -> str:
     raise RuntimeError(run.stderr)
 
 
-def compile_attention(head_dim, group, block_t, block_n, warps, stages, query_rows, page=16):
+def compile_attention(
+    head_dim, group, block_t, block_n, warps, stages, query_rows, page=16, split=False
+):
     group_p = triton.next_power_of_2(group)
     entries, chunk = table_chunk(page, block_n)
+    prefill = query_rows > 8
+    # A prefill launch's short groups take 16-row tiles of their own; elsewhere they repeat the main
+    # tiles (as `paged_attention` launches them).
+    short_m = max(16, group_p) if prefill else max(16, block_t * group_p)
     constants = dict(
         GROUP=group,
         GROUP_P=group_p,
@@ -73,14 +79,20 @@ def compile_attention(head_dim, group, block_t, block_n, warps, stages, query_ro
         BLOCK_T=block_t,
         BLOCK_M=max(16, block_t * group_p),
         BLOCK_N=block_n,
-        SPLIT=False,
+        SPLIT=split,
         MIN_BLOCKS=1,
         DOT_FP32=False,
         PDL=True,
         TABLE_CHUNK=entries,
         CHUNK_TILES=chunk,
+        SHORT_T=short_m // group_p if prefill else block_t,
+        SHORT_M=short_m,
+        SHORT_N=block_n,
+        SHORT_MIN_BLOCKS=1,
+        SHORT_TABLE_CHUNK=entries,
+        SHORT_CHUNK_TILES=chunk,
         LAUNCH_NEXT_LATE=False,
-        PREFILL=query_rows > 8,
+        PREFILL=prefill,
     )
     names = _attn_kernel.arg_names
     signature = {
@@ -138,6 +150,9 @@ def main() -> None:
     parser.add_argument("--warps", **ints, default=[4])
     parser.add_argument("--stages", **ints, default=[2])
     parser.add_argument("--query-rows", type=int, default=1024, help="rows per sequence")
+    parser.add_argument(
+        "--split", action="store_true", help="the split-KV variant (partials for the merge)"
+    )
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90a")
     print(
@@ -148,7 +163,9 @@ def main() -> None:
         args.head_dim, args.block_t, args.block_n, args.warps, args.stages
     ):
         try:
-            r = compile_attention(hd, args.group, bt, bn, warps, stages, args.query_rows)
+            r = compile_attention(
+                hd, args.group, bt, bn, warps, stages, args.query_rows, split=args.split
+            )
             result = (
                 f"{r['registers']:9d} {r['spill_bytes']:11d} {r['shared_kib']:10.0f} "
                 f"{r['async_copies']:12d} {r['code_digest']}"

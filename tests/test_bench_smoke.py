@@ -263,3 +263,21 @@ def test_output_bounds_by_hand(monkeypatch):
     assert plain.overlapped == pytest.approx(120 / 0.52)
     assert plain.mixed == pytest.approx(120 / (0.52 + 30 * 5e9 / 1e12))
     assert plain.in_waves == pytest.approx(120 / (0.4 + 30 * 14e9 / 1e12))
+
+
+def test_kernel_registers_compiles_every_phase_of_the_attention_kernel():
+    """bench/kernel_registers.py compiles the attention kernel for sm_90 on the CPU (outside the
+    interpreter the tests run under): a prefill tile, whose short groups' tiles are constexprs of
+    their own, and a split decode tile."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    tool = str(ROOT / "bench" / "kernel_registers.py")
+    shape = ["--head-dim", "64", "--group", "2", "--block-n", "32", "--warps", "4"]
+    for phase in (["--block-t", "32", "--query-rows", "1024"],
+                  ["--block-t", "1", "--query-rows", "1", "--stages", "3", "--split"]):  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, tool, *shape, *phase], capture_output=True, text=True, timeout=300,
+            env=env, cwd=ROOT,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        row = proc.stdout.strip().splitlines()[-1]
+        assert "|" in row and "fails" not in row, proc.stdout
