@@ -6,6 +6,11 @@ exactly as the model calls it, and decode batches through FlashInfer's decode wr
 time per step, reported apart. The roofline is max(bytes / copy bandwidth, FLOPs / measured bf16
 matmul rate).
 
+For prompts with no cached prefix, torch's own attention kernels (`scaled_dot_product_attention`
+with the flash and the cuDNN backends, GQA, scale 1) time the same attention over the prompt's
+keys gathered into one contiguous tensor (the gather not timed): what a kernel reading a chunk's
+own keys from a contiguous buffer would take.
+
   # The `flashinfer` extra; it JIT-builds its kernels on first use (needs nvcc).
   pip install flashinfer-python
   python bench/bench_attention_backends.py
@@ -18,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,22 +77,54 @@ def make_step(kind: str, seqs: int, q_len: int, ctx: int):
     return q, k, v, meta, flops, bytes_
 
 
-def main() -> None:
-    import flashinfer
+def torch_sdpa_cells(q, k, v, meta, kind: str, seqs: int, q_len: int, ctx: int, ref) -> str:
+    """µs (relative difference to `ref`) of torch's flash and cuDNN attention over the prompts'
+    keys made contiguous; '–' for chunks with a cached prefix or a window shorter than the chunk."""
+    if q_len != ctx or (WINDOW[kind] and WINDOW[kind] < q_len):
+        return "– | –"
+    table = meta.page_table[kind].long()
+    nh, nkv, hd = LAYOUTS[kind]
 
+    def dense(cache):  # [seqs, nkv, q_len, hd]
+        return cache[table].flatten(1, 2)[:, :q_len].transpose(1, 2).contiguous()
+
+    kd, vd = dense(k), dense(v)
+    qd = q.view(seqs, q_len, nh, hd).transpose(1, 2).contiguous()
+    cells = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                run = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                    qd, kd, vd, is_causal=True, scale=1.0, enable_gqa=True
+                )
+                out = run().transpose(1, 2).reshape(q.shape)
+                diff = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                cells.append(f"{median_us(run):.1f} ({diff:.0e})")
+        except Exception as e:  # noqa: BLE001 (no kernel for this shape)
+            cells.append(f"– ({type(e).__name__})")
+    return " | ".join(cells)
+
+
+def main() -> None:
+    try:
+        import flashinfer
+    except ImportError:
+        flashinfer = None
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"flashinfer {flashinfer.__version__}"
+        f"flashinfer {flashinfer.__version__ if flashinfer else 'not installed'}"
     )
     bw, rate = copy_bandwidth(torch.device("cuda")), matmul_rate()
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     triton_attn = TritonAttention()
-    flashinfer_attn = FlashInferAttention(torch.device("cuda"), LAYOUTS, PAGE)
+    flashinfer_attn = (
+        FlashInferAttention(torch.device("cuda"), LAYOUTS, PAGE) if flashinfer else None
+    )
     print(
         "\n| layer | sequences x new tokens @ context | roofline us | Triton us | FlashInfer us "
-        "| plan() ms | rel diff |"
+        "| plan() ms | rel diff | torch flash us (diff) | torch cuDNN us (diff) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind in (SLIDING, FULL):
         for seqs, q_len, ctx in [
             (1, 1000, 1000),
@@ -100,6 +139,8 @@ def main() -> None:
             t_triton = median_us(lambda: triton_attn.forward(q, k, v, meta, kind))
             nh, nkv, hd = LAYOUTS[kind]
             try:
+                if flashinfer is None:
+                    raise RuntimeError("not installed")
                 # FlashInfer's decode wrapper (the backend itself keeps decode on Triton).
                 if q_len == 1:
                     decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -137,8 +178,10 @@ def main() -> None:
                 cells = f"– ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
             fi_cols = f"{cells} | – | –" if cells else f"{t_fi:.1f} | {plan_ms:.2f} | {diff:.1e}"
             shape = f"{seqs} x {q_len} @ {ctx}"
+            sdpa = torch_sdpa_cells(q, k, v, meta, kind, seqs, q_len, ctx, ref)
             print(
-                f"| {kind} hd{hd} | {shape} | {roof:.1f} | {t_triton:.1f} | {fi_cols} |", flush=True
+                f"| {kind} hd{hd} | {shape} | {roof:.1f} | {t_triton:.1f} | {fi_cols} | {sdpa} |",
+                flush=True,
             )
 
 
