@@ -83,7 +83,7 @@ def torch_sdpa_cells(q, k, v, meta, kind: str, seqs: int, q_len: int, ctx: int, 
     if q_len != ctx or (WINDOW[kind] and WINDOW[kind] < q_len):
         return "– | –"
     table = meta.page_table[kind].long()
-    nh, nkv, hd = LAYOUTS[kind]
+    nh, _, hd = LAYOUTS[kind]
 
     def dense(cache):  # [seqs, nkv, q_len, hd]
         return cache[table].flatten(1, 2)[:, :q_len].transpose(1, 2).contiguous()

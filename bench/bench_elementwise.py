@@ -156,8 +156,8 @@ def main() -> None:
         print(f"{rows} rows: {total / rows * 1e6:.2f} us of elementwise kernels a token\n")
 
 
-def rate(case: Case, seconds: float, bandwidth: float) -> str:
-    achieved = case.bytes / seconds
+def rate(case: Case, elapsed: float, bandwidth: float) -> str:
+    achieved = case.bytes / elapsed
     return f"({achieved / 1e9:6,.0f} GB/s, {100 * achieved / bandwidth:3.0f}%)"
 
 

@@ -192,36 +192,35 @@ def test_bench_json_object_both_runs_each_level_plain_then_constrained():
     assert out.count("GB/step") == 2
 
 
+def replay_scheduler_row(*args: str) -> list[str]:
+    """The last table row of bench/replay_scheduler.py on the 31B's page plan in a 700-page arena:
+    conc, reqs, steps, mixed, prefill tokens, preempt, mean running, padded %."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "replay_scheduler.py"),
+         "--model", str(ROOT / "configs" / "gemma-4-31B-it"), "--pages", "700", *args],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()[-1].split()
+
+
 def test_replay_scheduler_reservation_prevents_preemption():
-    """bench/replay_scheduler.py on the 31B's page plan in a tight arena: with the admission
-    reservation no request is preempted and each prompt is computed once; reserving nothing for
-    the outputs preempts and computes prompts again."""
-    rows = {}
-    for flag in ("", "--no-reservation"):
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "bench" / "replay_scheduler.py"),
-             "--model", str(ROOT / "configs" / "gemma-4-31B-it"), "--pages", "700",
-             "--concurrency", "16", "--num-prompts", "24", "--input-len", "300",
-             "--output-len", "600", *filter(None, [flag])],
-            capture_output=True, text=True, timeout=120, cwd=ROOT,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows[flag] = proc.stdout.splitlines()[-1].split()
-    conc, reqs, steps, mixed, prefill, preempt, running, padded = rows[""]
+    """In a tight arena, with the admission reservation no request is preempted and each prompt is
+    computed once; reserving nothing for the outputs preempts and computes prompts again."""
+    level = ["--concurrency", "16", "--num-prompts", "24", "--input-len", "300",
+             "--output-len", "600"]  # fmt: skip
+    conc, reqs, steps, mixed, prefill, preempt, running, padded = replay_scheduler_row(*level)
     assert (int(reqs), int(prefill), int(preempt)) == (24, 24 * 300, 0)
-    assert int(rows["--no-reservation"][5]) > 0 and int(rows["--no-reservation"][4]) > 24 * 300
+    unreserved = replay_scheduler_row(*level, "--no-reservation")
+    assert int(unreserved[5]) > 0 and int(unreserved[4]) > 24 * 300
 
 
 def test_replay_scheduler_counts_mixed_graph_padding():
     """A lone 300-token prompt: its step replays the 384-row mixed graph, 84 rows of padding."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "replay_scheduler.py"),
-         "--model", str(ROOT / "configs" / "gemma-4-31B-it"), "--pages", "700",
-         "--concurrency", "1", "--num-prompts", "1", "--input-len", "300", "--output-len", "4"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    conc, reqs, steps, mixed, prefill, preempt, running, padded = proc.stdout.split()[-8:]
+    row = replay_scheduler_row(
+        "--concurrency", "1", "--num-prompts", "1", "--input-len", "300", "--output-len", "4"
+    )
+    conc, reqs, steps, mixed, prefill, preempt, running, padded = row
     assert (int(mixed), int(prefill), float(padded)) == (1, 300, 28.0)
 
 
@@ -229,15 +228,11 @@ def test_replay_scheduler_padding_counts_draft_rows():
     """Two 300-token prompts in a 400-token budget: step 1 fills its 400-row graph; step 2 takes
     the first request's verify (1 + 4 drafts) beside the second's last 200 prompt tokens, 205 rows
     on the 256-row graph: 51 rows of padding over 605, 8.4%."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "replay_scheduler.py"),
-         "--model", str(ROOT / "configs" / "gemma-4-31B-it"), "--pages", "700",
-         "--concurrency", "2", "--num-prompts", "2", "--input-len", "300", "--output-len", "4",
-         "--max-num-batched-tokens", "400"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    row = replay_scheduler_row(
+        "--concurrency", "2", "--num-prompts", "2", "--input-len", "300", "--output-len", "4",
+        "--max-num-batched-tokens", "400",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    conc, reqs, steps, mixed, prefill, preempt, running, padded = proc.stdout.split()[-8:]
+    conc, reqs, steps, mixed, prefill, preempt, running, padded = row
     assert (int(mixed), int(prefill), float(padded)) == (2, 600, 8.4)
 
 
