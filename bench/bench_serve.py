@@ -299,7 +299,8 @@ def roofline_of(args) -> Rooflines | None:
         flops, flops_source = args.matmul_tflops * 1e12, "given"
     else:
         flops = measure_matmul_flops(device, dtype)
-        flops_source = f"measured by a {device.type} matmul here"
+        held = " held 3 s" if device.type == "cuda" else ""
+        flops_source = f"measured by a {device.type} matmul{held} here"
     ranks = server_flag(args, ("-tp", "--tensor-parallel-size"), 1)
     if ranks > 1:  # each rank reads its 1/N of the bytes and does 1/N of the math at once
         bandwidth, source = bandwidth * ranks, f"{source}, x{ranks} tensor-parallel ranks"
