@@ -40,7 +40,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -48,6 +48,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_power import PowerSampler  # noqa: E402
 from request_timing import RequestTiming, mean, percentile  # noqa: E402
 from server_process import start_server  # noqa: E402
 
@@ -314,12 +315,12 @@ def roofline_of(args) -> Rooflines | None:
     )
 
 
-def server_flag(args, names: tuple[str, ...], default: int) -> int:
-    """An integer flag of --server-args, or the server's default."""
+def server_flag(args, names: tuple[str, ...], default, cast=int):
+    """A flag of --server-args (`cast` from its text), or the server's default."""
     flags = args.server_args.split()
     for name in names:
         if name in flags:
-            return int(flags[flags.index(name) + 1])
+            return cast(flags[flags.index(name) + 1])
     return default
 
 
@@ -389,6 +390,10 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
     )
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, WIDTHS)), flush=True)
     levels = []
+    # The GPUs of the server this run started (its -tp first visible ones); none behind --base-url
+    # or for a server on the CPU.
+    on_gpu = not args.base_url and server_flag(args, ("--device",), "cuda", str) != "cpu"
+    sampled_gpus = server_flag(args, ("-tp", "--tensor-parallel-size"), 1) if on_gpu else 0
 
     def random_prompts(count: int) -> list[list[int]]:
         return [
@@ -403,7 +408,8 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
             # Prompts of their own: measured ones would hit the prefix cache.
             asyncio.run(run_level(url, model, random_prompts(concurrency), concurrency, args))
         before = server_counters(url)
-        results, elapsed = asyncio.run(run_level(url, model, prompts, concurrency, args))
+        with PowerSampler(sampled_gpus) as power:
+            results, elapsed = asyncio.run(run_level(url, model, prompts, concurrency, args))
         after = server_counters(url)
         counters = {name: after[name] - before[name] for name in COUNTERS}
         summary = summarize(results, elapsed, concurrency, counters, sum(map(len, prompts)))
@@ -423,11 +429,14 @@ def bench(url: str, model: str, args, command: list[str]) -> list[dict]:
             summary["roofline_mixed_output_throughput"] = bounds.mixed
             summary["roofline_in_waves_output_throughput"] = bounds.in_waves
         summary["roofline_tpot_ms"] = roof_tpot_ms
+        summary["gpu_power"] = asdict(power.summary) if power.summary else None
         levels.append(summary | per_request(results) if args.save_detailed else summary)
         save(args, command, levels)
         print(table_row(summary, roof_tpot_ms), flush=True)
         if bounds is not None:
             print_output_bounds(bounds)
+        if power.summary:
+            print(f"      {power.summary.line()}", flush=True)
         if summary["engine_steps"]:
             print(
                 f"      engine steps {summary['engine_steps']}: {summary['mean_step_tokens']:.0f} "

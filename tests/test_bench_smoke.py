@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,8 +162,10 @@ def test_bench_serve_over_the_real_server(tiny_checkpoints, tmp_path):
             level["roofline_output_throughput"],
         )
         assert 0 < waves <= overlapped and mixed <= overlapped
+        assert level["gpu_power"] is None  # a server on the CPU: nothing sampled, no line printed
     assert "matmul rate for the roofline: 5 TFLOP/s (given)" in proc.stdout
     assert lines[1].startswith("date: 20") and "device: CPU" in proc.stdout  # what docs record
+    assert "GPU while it ran" not in proc.stdout
     assert (
         sum("out tok/s (prompts' GEMMs and decode steps overlapped)" in line for line in lines) == 2
     )
@@ -234,6 +237,46 @@ def test_replay_scheduler_padding_counts_draft_rows():
     )  # fmt: skip
     conc, reqs, steps, mixed, prefill, preempt, running, padded = row
     assert (int(mixed), int(prefill), float(padded)) == (2, 600, 8.4)
+
+
+def test_power_sampler_summarizes_what_nvidia_smi_printed(monkeypatch, tmp_path):
+    """bench/gpu_power.py over a stand-in nvidia-smi that prints four samples (two held down by
+    power: the software cap, then the cap and the hardware brake; one line that does not parse)
+    and runs until the sampler stops it."""
+    printed = tmp_path / "printed"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo '1980, 300.5, 0x0000000000000000'\n"
+        "echo '1455, 690.9, 0x0000000000000004'\n"
+        "echo '1470, 695.0, 0x0000000000000084'\n"
+        "echo '[N/A], [N/A], [N/A]'\n"
+        f"touch {printed}\n"
+        "exec sleep 60\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_power
+
+    monkeypatch.setattr(gpu_power, "gpu_uuids", lambda devices: ["GPU-0"] * devices)
+    with gpu_power.PowerSampler(devices=1) as power:
+        for _ in range(600):  # until the stand-in has printed (it is stopped right after)
+            if printed.exists():
+                break
+            time.sleep(0.05)
+    assert power.summary == gpu_power.PowerSummary(
+        samples=3, clock_mhz=1470, power_w=690.9, capped_share=pytest.approx(2 / 3)
+    )
+    assert "SM clock median 1470 MHz" in power.summary.line()
+    assert "power cap in 67% of 3 samples" in power.summary.line()
+    # No nvidia-smi, or no devices asked for: the sampler starts nothing.
+    monkeypatch.undo()
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    for devices in (1, 0):
+        with gpu_power.PowerSampler(devices) as power:
+            pass
+        assert power.summary is None
 
 
 def test_output_bounds_by_hand(monkeypatch):
