@@ -15,11 +15,13 @@ bandwidth roofline next to the TPOT (the bytes one step must read over the bandw
 docs/architecture.md; computed from the configs as bench/bench_offline.py does, so it needs
 --model; its verify steps carry the mean draft length the server's counters report, the adaptive
 length's choice at that load). Under each row, the level's output tokens/s bounds: the prompts' and
-verify rows' GEMMs at the matmul rate and the decode steps at the bandwidth, overlapped (whichever
-takes longer), mixed (the GEMMs, then each step's KV and drafter reads, which steps carrying prompts
-still make) and in waves (one after the other, as a closed loop of equal requests runs them);
-without --request-rate, the TTFT of the level's first `concurrency` requests (sent together, so
-queued for prefill at once: they set p99 over a few hundred requests) apart from the rest.
+verify rows' GEMMs at the matmul rate (held 3 s: the board's power cap lowers it) and the decode
+steps at the bandwidth, overlapped (whichever takes longer), mixed (the GEMMs, then each step's KV
+and drafter reads, which steps carrying prompts still make) and in waves (one after the other, as a
+closed loop of equal requests runs them); for a server it started on GPUs, their SM clock, board
+power and share of time at the power cap during the level (bench/gpu_power.py); without
+--request-rate, the TTFT of the level's first `concurrency` requests (sent together, so queued for
+prefill at once: they set p99 over a few hundred requests) apart from the rest.
 
     # starts the server (bench/server_process.py), E4B shapes with dummy weights
     python bench/bench_serve.py --model configs/gemma-4-E4B-it \\

@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -65,10 +66,13 @@ class PowerSampler:
         self.devices, self.period_ms = devices, period_ms
         self.summary: PowerSummary | None = None
         self._process: subprocess.Popen | None = None
+        self._output = None
 
     def __enter__(self) -> PowerSampler:
         ids = gpu_uuids(self.devices)
         if ids:
+            # A file, not a pipe: a level of minutes would fill a pipe nobody reads and stall it.
+            self._output = tempfile.TemporaryFile("w+")
             self._process = subprocess.Popen(
                 [
                     "nvidia-smi",
@@ -77,17 +81,18 @@ class PowerSampler:
                     "--format=csv,noheader,nounits",
                     f"--loop-ms={self.period_ms}",
                 ],
-                stdout=subprocess.PIPE,
+                stdout=self._output,
                 stderr=subprocess.DEVNULL,
-                text=True,
             )
         return self
 
     def __exit__(self, *exc) -> None:
         if self._process is not None:
             self._process.terminate()
-            out, _ = self._process.communicate()
-            self.summary = summarize(out.splitlines())
+            self._process.wait()
+            self._output.seek(0)
+            self.summary = summarize(self._output.read().splitlines())
+            self._output.close()
 
 
 def gpu_uuids(devices: int) -> list[str]:
