@@ -3,8 +3,8 @@
 Prefill chunks (causal, with and without a cached prefix) run through each backend's `forward`,
 exactly as the model calls it, and decode batches through FlashInfer's decode wrapper for comparison
 (the backend keeps decode on Triton). Eager launches, median of 20 after warm-up; `plan()` is host
-time per step, reported apart. The roofline is max(bytes / copy bandwidth, FLOPs / measured bf16
-matmul rate).
+time per step, reported apart. The roofline is max(bytes / copy bandwidth, FLOPs / the bf16
+matmul rate the board holds).
 
 For prompts with no cached prefix, torch's own attention kernels (`scaled_dot_product_attention`
 with the flash and the cuDNN backends, GQA, scale 1) time the same attention over the prompt's
@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_offline import measure_matmul_flops  # noqa: E402
 from bench_step import copy_bandwidth, time_it  # noqa: E402
 
 from gemma4serve.attention.flashinfer_backend import FlashInferAttention, paged_kv, plan  # noqa: E402
@@ -42,11 +43,6 @@ WINDOW = {SLIDING: 1024, FULL: 0}
 
 def median_us(fn, iters: int = 20) -> float:
     return time_it(fn, iters) * 1e6  # (bench_step's timer, in seconds)
-
-
-def matmul_rate() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    return 2 * 8192**3 / (median_us(lambda: a @ a, 10) * 1e-6)
 
 
 def make_step(kind: str, seqs: int, q_len: int, ctx: int):
@@ -114,12 +110,11 @@ def main() -> None:
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"flashinfer {flashinfer.__version__ if flashinfer else 'not installed'}"
     )
-    bw, rate = copy_bandwidth(torch.device("cuda")), matmul_rate()
-    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    device = torch.device("cuda")
+    bw, rate = copy_bandwidth(device), measure_matmul_flops(device, torch.bfloat16)
+    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul held 3 s {rate / 1e12:.0f} TFLOP/s")
     triton_attn = TritonAttention()
-    flashinfer_attn = (
-        FlashInferAttention(torch.device("cuda"), LAYOUTS, PAGE) if flashinfer else None
-    )
+    flashinfer_attn = FlashInferAttention(device, LAYOUTS, PAGE) if flashinfer else None
     print(
         "\n| layer | sequences x new tokens @ context | roofline us | Triton us | FlashInfer us "
         "| plan() ms | rel diff | torch flash us (diff) | torch cuDNN us (diff) |"
