@@ -9,10 +9,11 @@ tokens land at once). Next to the measured TPOT it prints the decode-step bandwi
 (docs/architecture.md, "Performance model: the bandwidth roofline"): the bytes one verify step must
 read (target weights, k drafter passes, KV) over the memory bandwidth, divided by the measured
 tokens per step; under each row, the level's output tokens/s bounds (`output_bounds`: the prompts'
-GEMMs at a measured matmul rate with the decode steps at that roofline, overlapped and in waves).
-On CUDA each level also prints its GPU timeline: CUDA events around every launch give the GPU's
-idle time before continued, scheduled-decode and prefill-carrying launches, the host's time
-queueing them and the span each covers. `--sync-debug` adds the host synchronisations that torch
+GEMMs at the matmul rate the board holds with the decode steps at that roofline, overlapped and
+in waves). On CUDA each level also prints its GPU timeline: CUDA events around every launch give
+the GPU's idle time before continued, scheduled-decode and prefill-carrying launches, the host's
+time queueing them and the span each covers; and the GPUs' SM clock, board power and share of
+time at the power cap (bench/gpu_power.py). `--sync-debug` adds the host synchronisations that torch
 made implicitly during the level, by engine line (the rule: none inside a step).
 
     # CPU, seconds: a tiny random checkpoint
@@ -52,6 +53,7 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parent.parent)
 )  # run from a checkout without installing
 
+from gpu_power import PowerSampler  # noqa: E402
 from request_timing import RequestTiming, mean, percentile  # noqa: E402
 
 import gemma4serve  # noqa: E402
@@ -871,6 +873,7 @@ def main(argv=None) -> None:
         rate = measure_matmul_flops(state.device, state.dtype)
         rate_src = "measured by a matmul" + (" held 3 s" if state.device.type == "cuda" else "")
     print(f"matmul rate for the roofline: {rate / 1e12:.0f} TFLOP/s ({rate_src})")
+    gpus = args.tensor_parallel_size if state.device.type == "cuda" else 0  # clock and power
     V = state.target.cfg.vocab_size
     del state  # --hf-baseline frees the engine's KV pool: keep no reference to it
     trace_launches(engine.runner)
@@ -900,7 +903,10 @@ def main(argv=None) -> None:
                     engine, warm_prompts, c, min(args.output_len, 4), f"warm-{tag}", constrained
                 )
             compiled, syncs = triton_cache_entries(), Counter()
-            with implicit_syncs(syncs) if args.sync_debug else nullcontext():
+            with (
+                implicit_syncs(syncs) if args.sync_debug else nullcontext(),
+                PowerSampler(gpus) as power,
+            ):
                 level = run_level(engine, prompts, c, args.output_len, tag, constrained)
             compiled = triton_cache_entries() - compiled
             roof = roofline(engine, c, args.input_len + args.output_len // 2, bw, level.draft_len)
@@ -912,6 +918,8 @@ def main(argv=None) -> None:
                 output_bounds(roof, c, args.input_len, args.output_len, level.accepted_len, rate)
             )
             print_level_details(level, compiled)
+            if power.summary:
+                print(f"      {power.summary.line()}", flush=True)
             if args.sync_debug:
                 print(f"      implicit host syncs: {sum(syncs.values())}", flush=True)
                 for site, count in syncs.most_common(10):
