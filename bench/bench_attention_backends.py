@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offline import measure_matmul_flops  # noqa: E402
+from bench_offline import MATMUL_HOLD_S, measure_matmul_flops  # noqa: E402
 from bench_step import copy_bandwidth, time_it  # noqa: E402
 
 from gemma4serve.attention.flashinfer_backend import FlashInferAttention, paged_kv, plan  # noqa: E402
@@ -112,7 +112,8 @@ def main() -> None:
     )
     device = torch.device("cuda")
     bw, rate = copy_bandwidth(device), measure_matmul_flops(device, torch.bfloat16)
-    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul held 3 s {rate / 1e12:.0f} TFLOP/s")
+    held = f"held {MATMUL_HOLD_S:g} s"
+    print(f"# copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {held} {rate / 1e12:.0f} TFLOP/s")
     triton_attn = TritonAttention()
     flashinfer_attn = FlashInferAttention(device, LAYOUTS, PAGE) if flashinfer else None
     print(

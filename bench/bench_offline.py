@@ -467,11 +467,15 @@ def print_output_bounds(bounds: OutputBounds) -> None:
     )
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, hold_s: float = 3.0) -> float:
-    """FLOP/s of a large square matmul (cuBLAS on CUDA) held for `hold_s`: what prompt tokens' GEMMs
-    can keep up. A burst of a few calls runs at the boost clock; held, the board reaches its power
-    cap within a second and its clock drops (an H200: ~810 burst, ~680 held; docs/performance.md),
-    so the rate is the one over the second half of the hold."""
+# Seconds a measured matmul runs: long enough for the board to reach its power cap and settle.
+MATMUL_HOLD_S = 3.0
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul (cuBLAS on CUDA) held for MATMUL_HOLD_S: what prompt tokens'
+    GEMMs can keep up. A burst of a few calls runs at the boost clock; held, the board reaches its
+    power cap within a second and its clock drops (an H200: ~810 burst, ~680 held;
+    docs/performance.md), so the rate is the one over the second half of the hold."""
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn_like(a)
@@ -481,8 +485,8 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, hold_s: float
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     calls, settled_at = 0, None
-    while (now := time.perf_counter()) - start < hold_s:
-        if settled_at is None and now - start >= hold_s / 2:
+    while (now := time.perf_counter()) - start < MATMUL_HOLD_S:
+        if settled_at is None and now - start >= MATMUL_HOLD_S / 2:
             calls, settled_at = 0, now
         for _ in range(10):
             a @ b
@@ -871,7 +875,8 @@ def main(argv=None) -> None:
         rate, rate_src = args.matmul_tflops * 1e12, "given"
     else:
         rate = measure_matmul_flops(state.device, state.dtype)
-        rate_src = "measured by a matmul" + (" held 3 s" if state.device.type == "cuda" else "")
+        held = f" held {MATMUL_HOLD_S:g} s" if state.device.type == "cuda" else ""
+        rate_src = f"measured by a matmul{held}"
     print(f"matmul rate for the roofline: {rate / 1e12:.0f} TFLOP/s ({rate_src})")
     gpus = args.tensor_parallel_size if state.device.type == "cuda" else 0  # clock and power
     V = state.target.cfg.vocab_size

@@ -281,7 +281,7 @@ def roofline_of(args) -> Rooflines | None:
     import types
 
     import torch
-    from bench_offline import measure_bandwidth, measure_matmul_flops, roofline
+    from bench_offline import MATMUL_HOLD_S, measure_bandwidth, measure_matmul_flops, roofline
 
     from gemma4serve.config import load_config
     from gemma4serve.model.assistant import Gemma4Assistant
@@ -302,7 +302,7 @@ def roofline_of(args) -> Rooflines | None:
         flops, flops_source = args.matmul_tflops * 1e12, "given"
     else:
         flops = measure_matmul_flops(device, dtype)
-        held = " held 3 s" if device.type == "cuda" else ""
+        held = f" held {MATMUL_HOLD_S:g} s" if device.type == "cuda" else ""
         flops_source = f"measured by a {device.type} matmul{held} here"
     ranks = server_flag(args, ("-tp", "--tensor-parallel-size"), 1)
     if ranks > 1:  # each rank reads its 1/N of the bytes and does 1/N of the math at once
