@@ -5,6 +5,8 @@ Every variant: dense, MoE and PLE, each in the release and the text-only config 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ def engine_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
             length = min(chunk, len(prompt) - start)
             engine.kv.grow(seq, start, start + length)
             batch = scheduled_batch([ScheduledChunk(seq, start, length, [])])
+            batch = dataclasses.replace(batch, readout=None)  # every row's logits are read
             hidden = engine.runner.forward(batch, greedy=False).hidden
             out.append(engine.state.target.logits(hidden).float())
     finally:
@@ -87,4 +90,40 @@ def test_mixed_batch_equals_each_alone(pair):
     together = [o.token_ids for o in llm.generate(prompts, sp)]  # prefill chunks mixed with decodes
     alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
     assert together == alone
+    assert engine.kv_pool_free() == free0
+
+
+@torch.inference_mode()
+def test_shared_layers_run_on_the_read_out_rows_only(tiny_checkpoints):
+    """A prompt step of a KV-shared target runs its shared layers on the rows it samples from
+    alone, and they come out as when every row runs them."""
+    llm = LLM(str(tiny_checkpoints.get("ple")), device="cpu", dtype="float32")
+    engine, cfg = llm.engine, llm.engine.cfg
+    assert 0 < cfg.num_kv_shared_layers < cfg.num_layers
+    free0 = engine.kv_pool_free()
+    prompts = [prompt_of(20, seed=1), prompt_of(9, seed=2)]
+    seqs = [
+        Sequence(f"s{i}", 0, p, len(p), SamplingParams(), 0, i, len(p) + 1)
+        for i, p in enumerate(prompts)
+    ]
+    # The first prompt's first 12 tokens (nothing read), the second prompt whole (its last row).
+    chunks = [ScheduledChunk(seqs[0], 0, 12, []), ScheduledChunk(seqs[1], 0, 9, [])]
+    for chunk in chunks:
+        engine.kv.grow(chunk.seq, 0, chunk.length)
+    batch = scheduled_batch(chunks)
+    assert batch.readout.tolist() == [0, 1]
+    rows_seen = []
+    first_shared = engine.state.target.layers[cfg.first_shared]
+    hook = first_shared.register_forward_pre_hook(lambda _, args: rows_seen.append(len(args[0])))
+    try:
+        read = engine.runner.forward(batch, greedy=False).hidden[20]
+        every = engine.runner.forward(
+            dataclasses.replace(batch, readout=None), greedy=False
+        ).hidden[20]
+    finally:
+        hook.remove()
+        for seq in seqs:
+            engine.kv.free(seq, committed=0)
+    assert rows_seen == [1, 21]
+    torch.testing.assert_close(read, every)
     assert engine.kv_pool_free() == free0

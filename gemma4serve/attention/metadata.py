@@ -59,6 +59,40 @@ class AttentionMetadata:
         return self.token_seq.shape[0]
 
 
+@dataclass
+class Readout:
+    """The rows of a pass whose final hidden states are read (sampled, or scoring the prompt).
+    Layers that write no KV (the KV-shared ones) run on these rows only: no other row's output is
+    ever read (docs/gemma4.md §3.6)."""
+
+    rows: torch.Tensor  # [R] int64, ascending; a padding entry is T (no row: its result is dropped)
+    cu_seqlens_q: torch.Tensor  # [G+1] int32: each group's read-out rows; padding in no group
+    max_q_len: int  # host-side bound on one group's read-out rows
+
+    def metadata(self, meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMetadata:
+        """`meta` restricted to the read-out rows (`rows`: their indices with padding clamped into
+        the pass), for layers that read the KV and write none."""
+        return AttentionMetadata(
+            token_seq=meta.token_seq[rows],
+            kv_end=meta.kv_end[rows],
+            page_table=meta.page_table,
+            write_slot={},
+            window=meta.window,
+            cu_seqlens_q=self.cu_seqlens_q,
+            max_q_len=self.max_q_len,
+        )
+
+
+def readout_layout(group_starts: list[int], counts: list[int]) -> tuple[list[int], list[int]]:
+    """(rows, group starts among them) of the last `counts[g]` rows of each group g of a packed
+    pass whose groups start at `group_starts` [G+1] (host lists: at most a few hundred groups)."""
+    rows, starts = [], [0]
+    for end, count in zip(group_starts[1:], counts):
+        rows += range(end - count, end)
+        starts.append(len(rows))
+    return rows, starts
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device without waiting: a copy from pageable memory first drains the stream, which
     would stall the host while an earlier step still runs; from pinned memory it is queued like a

@@ -14,8 +14,10 @@ first B*Q rows of the outputs are the step's.
 Steps that carry prefill chunks (or uneven draft counts) replay a mixed graph, captured per bucket
 of tokens and of sequences: their rows are packed as in an eager step and padded to the bucket with
 one group of null-page rows at position 0; the attention grid covers the bucket's rows in every
-group, and groups past the step's own are empty. Eagerly, launching such a step cost the host more
-time than the GPU's work for the smaller models. Their draft loop replays the decode graphs' one.
+group, and groups past the step's own are empty. A KV-shared target's shared layers run on the
+step's read-out rows only (`Readout`), padded to the most a bucket's groups can read. Eagerly,
+launching such a step cost the host more time than the GPU's work for the smaller models. Their
+draft loop replays the decode graphs' one.
 
 All graphs share one memory pool, so a graph's outputs are only valid until the next replay of
 any graph: read or copy them first.
@@ -28,7 +30,13 @@ import time
 
 import torch
 
-from gemma4serve.attention.metadata import causal_metadata, copy_into, to_device
+from gemma4serve.attention.metadata import (
+    Readout,
+    causal_metadata,
+    copy_into,
+    readout_layout,
+    to_device,
+)
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.spec import DraftLoop, StepCost, draft_choices
 from gemma4serve.model.gemma4 import ForwardContext
@@ -81,6 +89,12 @@ def capture_graphs(state, args, k: int) -> tuple[CudaGraphs | None, dict[int, St
     return graphs, costs
 
 
+def _readout_counts(batch) -> list[int]:
+    """How many of each group's last rows a packed step reads after the forward."""
+    counts = batch.readout if batch.readout is not None else batch.group_starts.diff()
+    return counts.tolist()
+
+
 class CudaGraphs:
     def __init__(
         self,
@@ -120,6 +134,13 @@ class CudaGraphs:
         self.cu_seqlens = {q: torch.arange(0, B * q + 1, q, **i32) for q in self.q_lens}
         # A mixed step's group starts: its own groups, one of padding rows, then empty ones.
         self.mixed_cu_seqlens = torch.zeros(B + 2, **i32)
+        # Its read-out rows, where the target's KV-shared layers run on those alone: at most
+        # max(q_lens) a group (else the step runs eagerly), padded with the bucket's T, and their
+        # group starts (padding rows in no group).
+        self.readout_max_q_len = max(self.q_lens)
+        self.shares_kv = state.target.cfg.num_kv_shared_layers > 0
+        self.readout_rows = torch.zeros(T, **i64)
+        self.readout_cu_seqlens = torch.zeros(B + 1, **i32)
         H = state.target.cfg.hidden_size
         self.d_token = torch.zeros(B, **i64)
         self.d_hidden = torch.zeros(B, H, dtype=state.dtype, device=dev)
@@ -160,8 +181,18 @@ class CudaGraphs:
 
         return run
 
+    def _mixed_readout_rows(self, T: int, G: int) -> int:
+        return min(T, G * self.readout_max_q_len)
+
     def _mixed_fn(self, T: int, G: int):
         state = self.state
+        readout = None
+        if self.shares_kv:
+            readout = Readout(
+                self.readout_rows[: self._mixed_readout_rows(T, G)],
+                self.readout_cu_seqlens[: G + 1],
+                self.readout_max_q_len,
+            )
 
         def run():
             meta = causal_metadata(
@@ -174,7 +205,7 @@ class CudaGraphs:
                 state.kv.page_tokens,
             )
             return state.target(
-                self.ids[:T], self.pos[:T], ForwardContext(meta, state.kv, state.attn)
+                self.ids[:T], self.pos[:T], ForwardContext(meta, state.kv, state.attn, readout)
             )
 
         return run
@@ -269,14 +300,15 @@ class CudaGraphs:
         wide = any(t.shape[1] >= self.width[kind] for kind, t in tables.items())
         return Q in self.q_lens and self.bucket(n) is not None and not wide
 
-    def fits_mixed(self, num_tokens: int, num_groups: int, tables: dict) -> bool:
-        """Whether a packed step of these rows and sequences, with these host page tables, has a
-        mixed graph."""
+    def fits_mixed(self, batch) -> bool:
+        """Whether a packed step (a TargetBatch packed on the host) has a mixed graph: its rows,
+        sequences, page tables and (KV-shared targets) read-out rows a group."""
         return (
             bool(self.mixed_tokens)
-            and num_tokens <= self.mixed_tokens[-1]
-            and num_groups <= self.mixed_groups[-1]
-            and all(t.shape[1] < self.width[kind] for kind, t in tables.items())
+            and batch.token_ids.shape[0] <= self.mixed_tokens[-1]
+            and batch.num_groups <= self.mixed_groups[-1]
+            and all(t.shape[1] < self.width[kind] for kind, t in batch.page_tables.items())
+            and not (self.shares_kv and max(_readout_counts(batch)) > self.readout_max_q_len)
         )
 
     def run_mixed(self, batch) -> torch.Tensor:
@@ -289,10 +321,22 @@ class CudaGraphs:
         copy_into(self.ids[:T], batch.token_ids)
         copy_into(self.pos[:T], batch.positions)
         self.pos[T:T_bucket].zero_()
-        group_starts = batch.group_starts.tolist() + [T_bucket] * (G_bucket + 1 - G)
+        group_starts = batch.group_starts.tolist()
         copy_into(
-            self.mixed_cu_seqlens[: G_bucket + 2], torch.tensor(group_starts, dtype=torch.int32)
+            self.mixed_cu_seqlens[: G_bucket + 2],
+            torch.tensor(group_starts + [T_bucket] * (G_bucket + 1 - G), dtype=torch.int32),
         )
+        if self.shares_kv:
+            rows, starts = readout_layout(group_starts, _readout_counts(batch))
+            R = self._mixed_readout_rows(T_bucket, G_bucket)
+            copy_into(
+                self.readout_rows[:R],
+                torch.tensor(rows + [T_bucket] * (R - len(rows)), dtype=torch.int64),
+            )
+            copy_into(
+                self.readout_cu_seqlens[: G_bucket + 1],
+                torch.tensor(starts + [len(rows)] * (G_bucket - G), dtype=torch.int32),
+            )
         token_group = torch.repeat_interleave(
             torch.arange(G, device=dev, dtype=torch.int32),
             to_device(batch.group_starts.diff(), dev),

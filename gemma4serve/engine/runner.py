@@ -22,8 +22,10 @@ import torch
 from gemma4serve.attention.metadata import (
     AttentionMetadata,
     HostBatch,
+    Readout,
     causal_metadata,
     page_tables,
+    readout_layout,
     to_device,
 )
 from gemma4serve.config import FULL, SLIDING
@@ -75,6 +77,13 @@ def scheduled_batch(chunks: list[ScheduledChunk]) -> TargetBatch:
     decode = all(
         chunk.length == 1 and chunk.samples and chunk.num_query == query_lens[0] for chunk in chunks
     )
+    # Read after the forward: a sampling chunk's last row and drafts, a scored prompt's every row.
+    readout = [
+        chunk.num_query
+        if chunk.seq.prompt_logprobs is not None
+        else (len(chunk.drafts) + 1 if chunk.samples else 0)
+        for chunk in chunks
+    ]
     return TargetBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
@@ -82,6 +91,7 @@ def scheduled_batch(chunks: list[ScheduledChunk]) -> TargetBatch:
         decode_query_len=query_lens[0] if decode else None,
         group_starts=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
         key_lengths=torch.tensor([c.start + c.num_query for c in chunks], dtype=torch.int32),
+        readout=None if readout == query_lens else torch.tensor(readout, dtype=torch.int32),
     )
 
 
@@ -419,17 +429,29 @@ class ModelRunner:
                 batch.token_ids, batch.positions, Q, batch.page_tables, greedy=greedy
             )
             return TargetOutputs(hidden, logits, tokens, graphs.tables, graphed=True)
-        if graphs is not None and graphs.fits_mixed(
-            batch.token_ids.shape[0], batch.num_groups, batch.page_tables
-        ):
+        if graphs is not None and graphs.fits_mixed(batch):
             hidden = graphs.run_mixed(batch)
             return TargetOutputs(hidden, None, None, graphs.tables, graphed=True)
         state = self.state
         positions = to_device(batch.positions, state.device)
         meta = self._eager_metadata(batch, positions)
         token_ids = to_device(batch.token_ids, state.device)
-        hidden = state.target(token_ids, positions, ForwardContext(meta, state.kv, state.attn))
+        context = ForwardContext(meta, state.kv, state.attn, self._readout(batch))
+        hidden = state.target(token_ids, positions, context)
         return TargetOutputs(hidden, None, None, meta.page_table, graphed=False)
+
+    def _readout(self, batch: TargetBatch) -> Readout | None:
+        """An eager pass's read-out rows, where the target has layers that run on them alone."""
+        if batch.readout is None or not self.state.target.cfg.num_kv_shared_layers:
+            return None
+        counts = batch.readout.tolist()
+        rows, starts = readout_layout(batch.group_starts.tolist(), counts)
+        device = self.state.device
+        return Readout(
+            rows=to_device(torch.tensor(rows, dtype=torch.int64), device),
+            cu_seqlens_q=to_device(torch.tensor(starts, dtype=torch.int32), device),
+            max_q_len=max(counts),
+        )
 
     def _eager_metadata(self, batch: TargetBatch, positions: torch.Tensor) -> AttentionMetadata:
         device = self.state.device
@@ -677,6 +699,9 @@ class ModelRunner:
             )
         else:
             starts = packed.group_starts[1:] + B * Q
+            prompt_readout = (
+                packed.readout if packed.readout is not None else packed.group_starts.diff()
+            )
             batch = TargetBatch(
                 token_ids=torch.cat([token_ids.reshape(-1), to_device(packed.token_ids, device)]),
                 positions=torch.cat([positions.reshape(-1), to_device(packed.positions, device)]),
@@ -684,6 +709,9 @@ class ModelRunner:
                 decode_query_len=None,
                 group_starts=torch.cat(
                     [torch.arange(0, B * Q + 1, Q, dtype=torch.int32), starts.to(torch.int32)]
+                ),
+                readout=torch.cat(
+                    [torch.full((B,), Q, dtype=torch.int32), prompt_readout.to(torch.int32)]
                 ),
             )
         # Prompt chunks that sample (their prompts' last): their last row, repeated as a verify's

@@ -26,6 +26,9 @@ class TargetBatch:
     group_starts: torch.Tensor | None = None  # host [G+1] int32; None: groups of decode_query_len
     # host [G] int32: each group's last position + 1; None where those are on the device only
     key_lengths: torch.Tensor | None = None
+    # host [G] int32: how many of each group's last rows are read after the forward (sampled, or
+    # scoring the prompt); None: every row
+    readout: torch.Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -51,7 +54,7 @@ class SamplingInputs:
 class TargetOutputs:
     """The target forward's results; a CUDA graph also ends in the logits or the greedy tokens."""
 
-    hidden: torch.Tensor  # [T, H] final-normed hidden states
+    hidden: torch.Tensor  # [T, H] final-normed hidden states (of the batch's read-out rows)
     logits: torch.Tensor | None  # [T, V]
     greedy_tokens: torch.Tensor | None  # [T]
     page_tables: dict[str, torch.Tensor]  # the device tables the draft loop reads

@@ -121,7 +121,7 @@ class Gemma4Assistant(nn.Module):
         dtype)`, the same for every step.
         """
         u = self.ops.linear(torch.cat([tok_embed, hprev], dim=-1), self.pre_projection.weight)
-        h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
+        _, h = run_layers(self.model.layers, u, rope, ctx, self.model.norm)
         if self.masked_embedding is not None:
             tokens = self.masked_embedding.best_tokens(h, self.model.embed_tokens.weight).tokens
         else:

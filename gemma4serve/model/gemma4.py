@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from gemma4serve.attention.metadata import AttentionMetadata
+from gemma4serve.attention.metadata import AttentionMetadata, Readout
 from gemma4serve.config import LayerSpec, TextConfig
 from gemma4serve.kv.cache import KVCache
 from gemma4serve.model import fused
@@ -45,6 +45,7 @@ class ForwardContext:
     meta: AttentionMetadata
     kv: KVCache
     attn: object  # an attention backend: .forward(q, k_cache, v_cache, meta, kind)
+    readout: Readout | None = None  # the rows read after the pass (None: every row)
 
 
 class Attention(nn.Module):
@@ -206,16 +207,15 @@ class DecoderLayer(nn.Module):
 
 
 def run_layers(
-    layers, x, rope: dict, ctx: ForwardContext, final_norm: RMSNorm, ple=None
-) -> torch.Tensor:
-    """The decoder stack; each layer also produces the next one's normed input (the last one: the
-    final norm's)."""
-    normed = None
+    layers, x, rope: dict, ctx: ForwardContext, final_norm: RMSNorm, ple=None, normed=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder stack -> (x after it, final_norm of x); each layer also produces the next one's
+    normed input (`normed`: the first one's, when already computed)."""
     for i, layer in enumerate(layers):
         cos, sin = rope[layer.spec.kind]
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
         x, normed = layer(x, cos, sin, ctx, ple[:, i] if ple is not None else None, normed, nxt)
-    return normed
+    return x, normed
 
 
 class Rotary:
@@ -303,11 +303,38 @@ class Gemma4Model(nn.Module):
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        """Final-normed hidden states [T, H]. With `ctx.readout` the KV-shared layers run on its
+        rows only, and the other rows of the result are unspecified."""
         x = self.embed(ids)
         ple = self.per_layer_inputs(ids, x) if self.cfg.ple_dim else None
-        return run_layers(
-            self.layers, x, self.rotary.cos_sin(positions, x.dtype), ctx, self.norm, ple
+        rope = self.rotary.cos_sin(positions, x.dtype)
+        first = self.cfg.first_shared
+        if ctx.readout is None or first == len(self.layers):
+            return run_layers(self.layers, x, rope, ctx, self.norm, ple)[1]
+        producers, shared = self.layers[:first], self.layers[first:]
+        x, normed = run_layers(
+            producers,
+            x,
+            rope,
+            ctx,
+            shared[0].input_layernorm,
+            ple[:, :first] if ple is not None else None,
         )
+        T, readout = x.shape[0], ctx.readout
+        if readout.rows.shape[0] == 0:  # a step that only prefills: no row is read
+            return normed
+        rows = readout.rows.clamp(max=T - 1)  # padding entries run on some row; dropped below
+        _, hidden = run_layers(
+            shared,
+            x[rows],
+            {kind: (cos[rows], sin[rows]) for kind, (cos, sin) in rope.items()},
+            ForwardContext(readout.metadata(ctx.meta, rows), ctx.kv, ctx.attn),
+            self.norm,
+            ple[rows, first:] if ple is not None else None,
+            normed[rows],
+        )
+        out = hidden.new_empty(T + 1, hidden.shape[1])  # row T takes the padding entries
+        return out.index_copy_(0, readout.rows, hidden)[:T]
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Tied LM head and the final softcap, both in the model dtype (three bf16 roundings in the
