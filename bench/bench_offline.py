@@ -352,7 +352,8 @@ class Roofline:
     kv: float
     bandwidth: float  # bytes / s
     decode_target: float  # bytes per 1-token step (no drafting)
-    prompt_flops: float  # matmul FLOPs per prompt token: the layers' weights (not the head's)
+    prompt_flops: float  # matmul FLOPs per prompt token that nothing reads: the producer layers'
+    row_flops: float  # matmul FLOPs per read row (verified, sampled): every layer's, not the head's
     num_draft_tokens: int  # the drafts of the verify step the bytes above count
 
     @property
@@ -411,9 +412,12 @@ def roofline(
         state.target, concurrency, skip=("embed_tokens_per_layer",), cfg=cfg
     )
     # One multiply-add per weight a token reads (its top-k experts under MoE); attention's are
-    # left out (~1% of a 1k-token prompt's on the 31B), so this bounds from above.
-    prompt = 2 * weight_bytes_per_step(state.target, 1, skip=("embed_tokens",), cfg=cfg) / elt
-    return Roofline(target, draft, kv, bandwidth, decode, prompt, k)
+    # left out (~1% of a 1k-token prompt's on the 31B), so this bounds from above. A prompt row
+    # nobody reads skips the KV-shared layers (and a prompt's last row is counted as one of them).
+    row = 2 * weight_bytes_per_step(state.target, 1, skip=("embed_tokens",), cfg=cfg) / elt
+    shared = tuple(f"layers.{i}." for i in range(cfg.first_shared, cfg.num_layers))
+    prompt = 2 * weight_bytes_per_step(state.target, 1, ("embed_tokens", *shared), cfg) / elt
+    return Roofline(target, draft, kv, bandwidth, decode, prompt, row, k)
 
 
 @dataclass
@@ -445,7 +449,7 @@ def output_bounds(
     steps = output_len / acc if drafting else output_len
     rows = concurrency * (1 + roof.num_draft_tokens if drafting else 1)
     prefill_flops = concurrency * input_len * roof.prompt_flops
-    gemm_s = (prefill_flops + steps * rows * roof.prompt_flops) / matmul_flops
+    gemm_s = (prefill_flops + steps * rows * roof.row_flops) / matmul_flops
     decode_s = steps * (roof.step_s if drafting else roof.decode_s)
     unhidden_s = steps * (roof.kv + (roof.draft if drafting else 0.0)) / roof.bandwidth
     tokens = concurrency * output_len

@@ -281,25 +281,26 @@ def test_power_sampler_summarizes_what_nvidia_smi_printed(monkeypatch, tmp_path)
 
 def test_output_bounds_by_hand(monkeypatch):
     """The three bounds of a loop of 4 requests (100 prompt tokens, 30 outputs, 3 tokens a verify
-    step of 2 drafts): GEMMs 0.4 s of prompts + 0.12 s of verify rows at 1 TFLOP/s, decode steps
-    10 x 16 GB at 1 TB/s = 0.16 s, of which the KV and drafter reads (6 GB a step) no GEMM hides."""
+    step of 2 drafts): GEMMs 0.4 s of prompts (1 GFLOP a token: the KV-shared layers' 0.5 left
+    out) + 0.12 s of verify rows (1.5 GFLOP each) at 1 TFLOP/s, decode steps 10 x 16 GB at 1 TB/s
+    = 0.16 s, of which the KV and drafter reads (6 GB a step) no GEMM hides."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     from bench_offline import Roofline, output_bounds
 
     roof = Roofline(
         target=10e9, draft=1e9, kv=5e9, bandwidth=1e12, decode_target=9e9, prompt_flops=1e9,
-        num_draft_tokens=2,
+        row_flops=1.5e9, num_draft_tokens=2,
     )  # fmt: skip
     bounds = output_bounds(roof, 4, 100, 30, 3.0, 1e12)
     assert bounds.num_draft_tokens == 2
-    assert bounds.overlapped == pytest.approx(120 / 0.52)  # the GEMMs bind
-    assert bounds.mixed == pytest.approx(120 / (0.52 + 0.06))
+    assert bounds.overlapped == pytest.approx(120 / 0.58)  # the GEMMs bind
+    assert bounds.mixed == pytest.approx(120 / (0.58 + 0.06))
     assert bounds.in_waves == pytest.approx(120 / (0.4 + 0.16))
     # Without drafts: 30 one-token steps of 14 GB, 120 rows of GEMMs.
     plain = output_bounds(roof, 4, 100, 30, None, 1e12)
     assert plain.num_draft_tokens == 0
-    assert plain.overlapped == pytest.approx(120 / 0.52)
-    assert plain.mixed == pytest.approx(120 / (0.52 + 30 * 5e9 / 1e12))
+    assert plain.overlapped == pytest.approx(120 / 0.58)
+    assert plain.mixed == pytest.approx(120 / (0.58 + 30 * 5e9 / 1e12))
     assert plain.in_waves == pytest.approx(120 / (0.4 + 30 * 14e9 / 1e12))
 
 
