@@ -127,3 +127,15 @@ def test_shared_layers_run_on_the_read_out_rows_only(tiny_checkpoints):
     assert rows_seen == [1, 21]
     torch.testing.assert_close(read, every)
     assert engine.kv_pool_free() == free0
+
+
+def test_prompt_logprobs_match_hf(pair):
+    """Prompt logprobs score every prompt token as the oracle's log-softmax does, over prefill
+    chunks (the KV-shared variant runs its shared layers on the scored rows)."""
+    variant, llm, hf = pair
+    prompt = prompt_of(150, seed=7)  # three chunks of the 64-token budget
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    expected = torch.log_softmax(hf_logits(hf, prompt), dim=-1)
+    expected = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    scored = torch.tensor([entry.logprob for entry in out.prompt_logprobs[1:]])
+    torch.testing.assert_close(scored, expected, atol=1e-4, rtol=1e-4)
