@@ -89,12 +89,6 @@ def capture_graphs(state, args, k: int) -> tuple[CudaGraphs | None, dict[int, St
     return graphs, costs
 
 
-def _readout_counts(batch) -> list[int]:
-    """How many of each group's last rows a packed step reads after the forward."""
-    counts = batch.readout if batch.readout is not None else batch.group_starts.diff()
-    return counts.tolist()
-
-
 class CudaGraphs:
     def __init__(
         self,
@@ -308,7 +302,7 @@ class CudaGraphs:
             and batch.token_ids.shape[0] <= self.mixed_tokens[-1]
             and batch.num_groups <= self.mixed_groups[-1]
             and all(t.shape[1] < self.width[kind] for kind, t in batch.page_tables.items())
-            and not (self.shares_kv and max(_readout_counts(batch)) > self.readout_max_q_len)
+            and not (self.shares_kv and int(batch.readout_counts().max()) > self.readout_max_q_len)
         )
 
     def run_mixed(self, batch) -> torch.Tensor:
@@ -327,7 +321,7 @@ class CudaGraphs:
             torch.tensor(group_starts + [T_bucket] * (G_bucket + 1 - G), dtype=torch.int32),
         )
         if self.shares_kv:
-            rows, starts = readout_layout(group_starts, _readout_counts(batch))
+            rows, starts = readout_layout(group_starts, batch.readout_counts().tolist())
             R = self._mixed_readout_rows(T_bucket, G_bucket)
             copy_into(
                 self.readout_rows[:R],

@@ -699,9 +699,6 @@ class ModelRunner:
             )
         else:
             starts = packed.group_starts[1:] + B * Q
-            prompt_readout = (
-                packed.readout if packed.readout is not None else packed.group_starts.diff()
-            )
             batch = TargetBatch(
                 token_ids=torch.cat([token_ids.reshape(-1), to_device(packed.token_ids, device)]),
                 positions=torch.cat([positions.reshape(-1), to_device(packed.positions, device)]),
@@ -711,7 +708,7 @@ class ModelRunner:
                     [torch.arange(0, B * Q + 1, Q, dtype=torch.int32), starts.to(torch.int32)]
                 ),
                 readout=torch.cat(
-                    [torch.full((B,), Q, dtype=torch.int32), prompt_readout.to(torch.int32)]
+                    [torch.full((B,), Q, dtype=torch.int32), packed.readout_counts().int()]
                 ),
             )
         # Prompt chunks that sample (their prompts' last): their last row, repeated as a verify's

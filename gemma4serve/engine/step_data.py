@@ -34,6 +34,10 @@ class TargetBatch:
     def num_groups(self) -> int:
         return self.page_tables[FULL].shape[0]
 
+    def readout_counts(self) -> torch.Tensor:
+        """Host [G] int32: how many of each group's last rows are read (a packed batch's)."""
+        return self.readout if self.readout is not None else self.group_starts.diff()
+
 
 @dataclass
 class SamplingInputs:
