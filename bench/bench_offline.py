@@ -413,10 +413,17 @@ def roofline(
     )
     # One multiply-add per weight a token reads (its top-k experts under MoE); attention's are
     # left out (~1% of a 1k-token prompt's on the 31B), so this bounds from above. A prompt row
-    # nobody reads skips the KV-shared layers (and a prompt's last row is counted as one of them).
+    # nobody reads stops at the last layer that writes K/V, after its fused Q/K/V projection (and
+    # a prompt's last row is counted as one of them).
     row = 2 * weight_bytes_per_step(state.target, 1, skip=("embed_tokens",), cfg=cfg) / elt
-    shared = tuple(f"layers.{i}." for i in range(cfg.first_shared, cfg.num_layers))
-    prompt = 2 * weight_bytes_per_step(state.target, 1, ("embed_tokens", *shared), cfg) / elt
+    last = cfg.first_shared - 1
+    projection = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.")
+    unread = [f"layers.{i}." for i in range(last + 1, cfg.num_layers)] + [
+        f"layers.{last}.{name}"
+        for name, _ in state.target.layers[last].named_parameters()
+        if not name.startswith(projection)
+    ]
+    prompt = 2 * weight_bytes_per_step(state.target, 1, ("embed_tokens", *unread), cfg) / elt
     return Roofline(target, draft, kv, bandwidth, decode, prompt, row, k)
 
 

@@ -93,13 +93,13 @@ def test_mixed_batch_equals_each_alone(pair):
     assert engine.kv_pool_free() == free0
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @torch.inference_mode()
-def test_shared_layers_run_on_the_read_out_rows_only(tiny_checkpoints):
-    """A prompt step of a KV-shared target runs its shared layers on the rows it samples from
-    alone, and they come out as when every row runs them."""
-    llm = LLM(str(tiny_checkpoints.get("ple")), device="cpu", dtype="float32")
+def test_rows_past_the_last_kv_write_are_the_read_out_rows(variant, tiny_checkpoints):
+    """A prompt step writes the last K/V layer's K/V for every row, runs the rest of the model on
+    the rows it samples from alone, and they come out as when every row runs it."""
+    llm = LLM(str(tiny_checkpoints.get(variant)), device="cpu", dtype="float32")
     engine, cfg = llm.engine, llm.engine.cfg
-    assert 0 < cfg.num_kv_shared_layers < cfg.num_layers
     free0 = engine.kv_pool_free()
     prompts = [prompt_of(20, seed=1), prompt_of(9, seed=2)]
     seqs = [
@@ -112,26 +112,48 @@ def test_shared_layers_run_on_the_read_out_rows_only(tiny_checkpoints):
         engine.kv.grow(chunk.seq, 0, chunk.length)
     batch = scheduled_batch(chunks)
     assert batch.readout.tolist() == [0, 1]
-    rows_seen = []
-    first_shared = engine.state.target.layers[cfg.first_shared]
-    hook = first_shared.register_forward_pre_hook(lambda _, args: rows_seen.append(len(args[0])))
+    writer = engine.state.target.layers[cfg.first_shared - 1]  # the last layer writing K/V
+    rows = {"projected": [], "mlp": []}
+
+    def count(name):
+        return lambda _, args: rows[name].append(len(args[0]))
+
+    hooks = [
+        writer.self_attn.register_forward_pre_hook(count("projected")),
+        writer.mlp.register_forward_pre_hook(count("mlp")),
+    ]
     try:
         read = engine.runner.forward(batch, greedy=False).hidden[20]
         every = engine.runner.forward(
             dataclasses.replace(batch, readout=None), greedy=False
         ).hidden[20]
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         for seq in seqs:
             engine.kv.free(seq, committed=0)
-    assert rows_seen == [1, 21]
+    assert rows == {"projected": [21, 21], "mlp": [1, 21]}
     torch.testing.assert_close(read, every)
     assert engine.kv_pool_free() == free0
 
 
+def test_a_prompt_read_only_in_its_last_chunk_matches_hf(pair):
+    """A prompt over chunks of 64 + 64 + 2 tokens: the first two chunks' rows leave only their K/V
+    (nothing reads them), and the first token's logprobs are the oracle's."""
+    variant, llm, hf = pair
+    prompt = prompt_of(130, seed=9)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=5))[0]
+    got = out.outputs[0].new_logprobs[0].top
+    expected = torch.log_softmax(hf_logits(hf, prompt)[-1], dim=-1).topk(5)
+    assert [token for token, _ in got] == expected.indices.tolist()
+    torch.testing.assert_close(
+        torch.tensor([logprob for _, logprob in got]), expected.values, atol=1e-4, rtol=1e-4
+    )
+
+
 def test_prompt_logprobs_match_hf(pair):
     """Prompt logprobs score every prompt token as the oracle's log-softmax does, over prefill
-    chunks (the KV-shared variant runs its shared layers on the scored rows)."""
+    chunks (every scored row is a read-out row)."""
     variant, llm, hf = pair
     prompt = prompt_of(150, seed=7)  # three chunks of the 64-token budget
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]

@@ -62,8 +62,8 @@ class AttentionMetadata:
 @dataclass
 class Readout:
     """The rows of a pass whose final hidden states are read (sampled, or scoring the prompt).
-    Layers that write no KV (the KV-shared ones) run on these rows only: no other row's output is
-    ever read (docs/gemma4.md §3.6)."""
+    Past the last K/V write the model runs on these rows only: no other row's output is ever read
+    (docs/gemma4.md §3.6)."""
 
     rows: torch.Tensor  # [R] int64, ascending; a padding entry is T (no row: its result is dropped)
     cu_seqlens_q: torch.Tensor  # [G+1] int32: each group's read-out rows; padding in no group
@@ -71,7 +71,7 @@ class Readout:
 
     def metadata(self, meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMetadata:
         """`meta` restricted to the read-out rows (`rows`: their indices with padding clamped into
-        the pass), for layers that read the KV and write none."""
+        the pass), for attention that writes no K/V."""
         return AttentionMetadata(
             token_seq=meta.token_seq[rows],
             kv_end=meta.kv_end[rows],

@@ -128,11 +128,10 @@ class CudaGraphs:
         self.cu_seqlens = {q: torch.arange(0, B * q + 1, q, **i32) for q in self.q_lens}
         # A mixed step's group starts: its own groups, one of padding rows, then empty ones.
         self.mixed_cu_seqlens = torch.zeros(B + 2, **i32)
-        # Its read-out rows, where the target's KV-shared layers run on those alone: at most
+        # Its read-out rows, which the layers past the last K/V write run on alone: at most
         # max(q_lens) a group (else the step runs eagerly), padded with the bucket's T, and their
         # group starts (padding rows in no group).
         self.readout_max_q_len = max(self.q_lens)
-        self.shares_kv = state.target.cfg.num_kv_shared_layers > 0
         self.readout_rows = torch.zeros(T, **i64)
         self.readout_cu_seqlens = torch.zeros(B + 1, **i32)
         H = state.target.cfg.hidden_size
@@ -180,13 +179,11 @@ class CudaGraphs:
 
     def _mixed_fn(self, T: int, G: int):
         state = self.state
-        readout = None
-        if self.shares_kv:
-            readout = Readout(
-                self.readout_rows[: self._mixed_readout_rows(T, G)],
-                self.readout_cu_seqlens[: G + 1],
-                self.readout_max_q_len,
-            )
+        readout = Readout(
+            self.readout_rows[: self._mixed_readout_rows(T, G)],
+            self.readout_cu_seqlens[: G + 1],
+            self.readout_max_q_len,
+        )
 
         def run():
             meta = causal_metadata(
@@ -296,13 +293,13 @@ class CudaGraphs:
 
     def fits_mixed(self, batch) -> bool:
         """Whether a packed step (a TargetBatch packed on the host) has a mixed graph: its rows,
-        sequences, page tables and (KV-shared targets) read-out rows a group."""
+        sequences, page tables and read-out rows a group."""
         return (
             bool(self.mixed_tokens)
             and batch.token_ids.shape[0] <= self.mixed_tokens[-1]
             and batch.num_groups <= self.mixed_groups[-1]
             and all(t.shape[1] < self.width[kind] for kind, t in batch.page_tables.items())
-            and not (self.shares_kv and int(batch.readout_counts().max()) > self.readout_max_q_len)
+            and int(batch.readout_counts().max()) <= self.readout_max_q_len
         )
 
     def run_mixed(self, batch) -> torch.Tensor:
@@ -320,17 +317,16 @@ class CudaGraphs:
             self.mixed_cu_seqlens[: G_bucket + 2],
             torch.tensor(group_starts + [T_bucket] * (G_bucket + 1 - G), dtype=torch.int32),
         )
-        if self.shares_kv:
-            rows, starts = readout_layout(group_starts, batch.readout_counts().tolist())
-            R = self._mixed_readout_rows(T_bucket, G_bucket)
-            copy_into(
-                self.readout_rows[:R],
-                torch.tensor(rows + [T_bucket] * (R - len(rows)), dtype=torch.int64),
-            )
-            copy_into(
-                self.readout_cu_seqlens[: G_bucket + 1],
-                torch.tensor(starts + [len(rows)] * (G_bucket - G), dtype=torch.int32),
-            )
+        rows, starts = readout_layout(group_starts, batch.readout_counts().tolist())
+        R = self._mixed_readout_rows(T_bucket, G_bucket)
+        copy_into(
+            self.readout_rows[:R],
+            torch.tensor(rows + [T_bucket] * (R - len(rows)), dtype=torch.int64),
+        )
+        copy_into(
+            self.readout_cu_seqlens[: G_bucket + 1],
+            torch.tensor(starts + [len(rows)] * (G_bucket - G), dtype=torch.int32),
+        )
         token_group = torch.repeat_interleave(
             torch.arange(G, device=dev, dtype=torch.int32),
             to_device(batch.group_starts.diff(), dev),

@@ -441,8 +441,8 @@ class ModelRunner:
         return TargetOutputs(hidden, None, None, meta.page_table, graphed=False)
 
     def _readout(self, batch: TargetBatch) -> Readout | None:
-        """An eager pass's read-out rows, where the target has layers that run on them alone."""
-        if batch.readout is None or not self.state.target.cfg.num_kv_shared_layers:
+        """An eager pass's read-out rows (None: every row is read)."""
+        if batch.readout is None:
             return None
         counts = batch.readout.tolist()
         rows, starts = readout_layout(batch.group_starts.tolist(), counts)

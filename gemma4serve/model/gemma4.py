@@ -48,6 +48,15 @@ class ForwardContext:
     readout: Readout | None = None  # the rows read after the pass (None: every row)
 
 
+@dataclass
+class ReadRows:
+    """A pass's read-out rows (padding clamped into the pass) and the context of attention
+    restricted to them: what the layers from the last K/V write on run over."""
+
+    rows: torch.Tensor  # [R] int64
+    ctx: ForwardContext
+
+
 class Attention(nn.Module):
     ops: TorchOps = REFERENCE_OPS
 
@@ -78,8 +87,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         ctx: ForwardContext,
         push: PeerBuffers | None = None,
+        read: ReadRows | None = None,
     ) -> torch.Tensor:
-        """`push`: o_proj's rows also go to these tensor-parallel peers (`ops.linear`)."""
+        """`push`: o_proj's rows also go to these tensor-parallel peers (`ops.linear`). `read`:
+        K/V are written for every row of h, the queries onward run on these rows only."""
         T, hd, kind = h.shape[0], self.spec.head_dim, self.spec.kind
         k_cache, v_cache = ctx.kv.layer(self.kv_layer)
         if self.spec.kv_shared:  # reads the K/V of an earlier layer: queries only
@@ -88,10 +99,12 @@ class Attention(nn.Module):
         else:
             slots = ctx.meta.write_slot[kind]
             q = self.ops.project_qkv(self, h, cos, sin, k_cache, v_cache, slots)
+        if read is not None:
+            q, ctx = q[read.rows], read.ctx
         out = ctx.attn.forward(q, k_cache, v_cache, ctx.meta, kind)
         # Under tensor parallelism o_proj is row-parallel: this rank's partial sum (the layer
         # all-reduces it in its norm).
-        return self.ops.linear(out.reshape(T, -1), self.o_proj.weight, push)
+        return self.ops.linear(out.reshape(q.shape[0], -1), self.o_proj.weight, push)
 
 
 class DecoderLayer(nn.Module):
@@ -155,14 +168,19 @@ class DecoderLayer(nn.Module):
         ple: torch.Tensor | None,
         normed: torch.Tensor | None,
         next_norm: RMSNorm,
+        read: ReadRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x -> (x after the layer, next_norm of it). `normed`: this layer's input norm of x, when
-        the previous layer already computed it."""
+        the previous layer already computed it. `read`: the layer writes K/V for every row of x
+        and returns only these rows (its queries, attention and MLP run on them alone)."""
+        normed = normed if normed is not None else self.input_layernorm(x)
+        if read is not None:
+            x = x[read.rows]
+            ple = ple[read.rows] if ple is not None else None
         # Under tensor parallelism the row-parallel GEMVs send their rows to the peers themselves
         # where the fused all-reduce takes them.
         push = self.tp.rows_to_push(self.ops, x) if self.tp is not None else None
-        normed = normed if normed is not None else self.input_layernorm(x)
-        h = self.self_attn(normed, cos, sin, ctx, push)
+        h = self.self_attn(normed, cos, sin, ctx, push, read)
         x, h_ff = self._add_norm(
             x,
             h,
@@ -303,35 +321,46 @@ class Gemma4Model(nn.Module):
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """Final-normed hidden states [T, H]. With `ctx.readout` the KV-shared layers run on its
-        rows only, and the other rows of the result are unspecified."""
+        """Final-normed hidden states [T, H]. With `ctx.readout`, what follows the last K/V write
+        runs on its rows only, and the other rows of the result are unspecified."""
         x = self.embed(ids)
         ple = self.per_layer_inputs(ids, x) if self.cfg.ple_dim else None
         rope = self.rotary.cos_sin(positions, x.dtype)
-        first = self.cfg.first_shared
-        if ctx.readout is None or first == len(self.layers):
+        if ctx.readout is None:
             return run_layers(self.layers, x, rope, ctx, self.norm, ple)[1]
-        producers, shared = self.layers[:first], self.layers[first:]
+        # Rows nobody reads are needed only for the K/V they leave: they stop at the last layer
+        # that writes K/V, after its K/V projection (docs/gemma4.md §3.6).
+        last = self.cfg.first_shared - 1
+        writer, after = self.layers[last], self.layers[last + 1 :]
         x, normed = run_layers(
-            producers,
+            self.layers[:last],
             x,
             rope,
             ctx,
-            shared[0].input_layernorm,
-            ple[:, :first] if ple is not None else None,
+            writer.input_layernorm,
+            ple[:, :last] if ple is not None else None,
         )
         T, readout = x.shape[0], ctx.readout
+        writer_args = (
+            *rope[writer.spec.kind],
+            ctx,
+            ple[:, last] if ple is not None else None,
+            normed,
+            after[0].input_layernorm if after else self.norm,
+        )
         if readout.rows.shape[0] == 0:  # a step that only prefills: no row is read
-            return normed
+            return writer(x, *writer_args)[1]
         rows = readout.rows.clamp(max=T - 1)  # padding entries run on some row; dropped below
+        read = ReadRows(rows, ForwardContext(readout.metadata(ctx.meta, rows), ctx.kv, ctx.attn))
+        x, normed = writer(x, *writer_args, read)
         _, hidden = run_layers(
-            shared,
-            x[rows],
+            after,
+            x,
             {kind: (cos[rows], sin[rows]) for kind, (cos, sin) in rope.items()},
-            ForwardContext(readout.metadata(ctx.meta, rows), ctx.kv, ctx.attn),
+            read.ctx,
             self.norm,
-            ple[rows, first:] if ple is not None else None,
-            normed[rows],
+            ple[rows, last + 1 :] if ple is not None else None,
+            normed,
         )
         out = hidden.new_empty(T + 1, hidden.shape[1])  # row T takes the padding entries
         return out.index_copy_(0, readout.rows, hidden)[:T]
