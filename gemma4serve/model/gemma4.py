@@ -329,7 +329,7 @@ class Gemma4Model(nn.Module):
         if ctx.readout is None:
             return run_layers(self.layers, x, rope, ctx, self.norm, ple)[1]
         # Rows nobody reads are needed only for the K/V they leave: they stop at the last layer
-        # that writes K/V, after its K/V projection (docs/gemma4.md §3.6).
+        # that writes K/V, after its fused Q/K/V projection (docs/gemma4.md §3.6).
         last = self.cfg.first_shared - 1
         writer, after = self.layers[last], self.layers[last + 1 :]
         x, normed = run_layers(
@@ -348,7 +348,7 @@ class Gemma4Model(nn.Module):
             normed,
             after[0].input_layernorm if after else self.norm,
         )
-        if readout.rows.shape[0] == 0:  # a step that only prefills: no row is read
+        if readout.rows.shape[0] == 0:  # a step that only prefills: the writer runs whole
             return writer(x, *writer_args)[1]
         rows = readout.rows.clamp(max=T - 1)  # padding entries run on some row; dropped below
         read = ReadRows(rows, ForwardContext(readout.metadata(ctx.meta, rows), ctx.kv, ctx.attn))
