@@ -14,7 +14,7 @@ first B*Q rows of the outputs are the step's.
 Steps that carry prefill chunks (or uneven draft counts) replay a mixed graph, captured per bucket
 of tokens and of sequences: their rows are packed as in an eager step and padded to the bucket with
 one group of null-page rows at position 0; the attention grid covers the bucket's rows in every
-group, and groups past the step's own are empty. A KV-shared target's shared layers run on the
+group, and groups past the step's own are empty. What follows the last K/V write runs on the
 step's read-out rows only (`Readout`), padded to the most a bucket's groups can read. Eagerly,
 launching such a step cost the host more time than the GPU's work for the smaller models. Their
 draft loop replays the decode graphs' one.
