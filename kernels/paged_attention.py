@@ -478,7 +478,8 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
     group_p = next_pow2(group)
     if max_q_len > 8:
         # Prefill / extend chunks (`bench_kernels.py --phases prefill --sweep`): 64 rows per
-        # program and 32-key tiles, 2 K/V buffers; 8 warps only for the 512-wide tiles.
+        # program and 32-key tiles; 8 warps only for the 512-wide tiles. 3 stages: a mixed step's
+        # launch runs 3-15% faster than on 2 (`--phases mixed --sweep`, docs/performance.md).
         block_t = max(1, min(next_pow2(max_q_len), 64 // group_p))
         block_m = max(16, block_t * group_p)
         # Groups of a few rows beside the chunks (decodes, verifications): the fewest rows an MMA
@@ -492,7 +493,7 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
             short_block_m=short_m,
             short_block_n=32,
             num_warps=8 if block_m * head_dim > 16384 else 4,
-            num_stages=2,
+            num_stages=3,
         )
     max_rows = 64 if head_dim <= 256 else 32
     block_t = max(1, min(next_pow2(max_q_len), max_rows // group_p))
