@@ -478,8 +478,8 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
     group_p = next_pow2(group)
     if max_q_len > 8:
         # Prefill / extend chunks (`bench_kernels.py --phases prefill --sweep`): 64 rows per
-        # program and 32-key tiles; 8 warps only for the 512-wide tiles. 3 stages: a mixed step's
-        # launch runs 3-15% faster than on 2 (`--phases mixed --sweep`, docs/performance.md).
+        # program and 32-key tiles; 8 warps only for the 512-wide tiles; 3 stages, which every
+        # model's mixed-step launch runs faster on than 2 (`--phases mixed --sweep`).
         block_t = max(1, min(next_pow2(max_q_len), 64 // group_p))
         block_m = max(16, block_t * group_p)
         # Groups of a few rows beside the chunks (decodes, verifications): the fewest rows an MMA
