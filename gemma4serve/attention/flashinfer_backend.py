@@ -6,8 +6,8 @@ stays on the Triton kernels:
 - decode, verification and the draft loop run inside CUDA graphs and, under async scheduling,
   without the host-side sequence lengths that FlashInfer's `plan()` needs before every step (its
   decode kernel was also slower at batch 32);
-- the full layers' head_dim 512 has no FlashInfer prefill kernel on Hopper (0.6.1: the FA3 build
-  fails, FA2 rejects the configuration).
+- the full layers' head_dim 512 had no FlashInfer prefill kernel on Hopper in 0.6.1; 0.7.4 builds
+  an FA2 one, not yet measured against ours (`bench/bench_attention_backends.py` times it).
 A head_dim whose kernel fails to build or run in the warm-up (no CUDA compiler, say) falls back to
 Triton too, so installing the extra can never break serving.
 """
@@ -30,16 +30,23 @@ HEAD_DIMS = (64, 128, 256)  # FlashInfer's prefill head dims on Hopper
 class FlashInferAttention(TritonAttention):
     name = "flashinfer"
 
-    def __init__(self, device: torch.device, layouts: dict, page_tokens: dict):
+    def __init__(
+        self,
+        device: torch.device,
+        layouts: dict,
+        page_tokens: dict,
+        head_dims: tuple[int, ...] = HEAD_DIMS,
+    ):
         """layouts: kind -> (num_q_heads, num_kv_heads, head_dim) of the model's layer types;
-        page_tokens: kind -> positions per KV page."""
+        page_tokens: kind -> positions per KV page; head_dims: those FlashInfer may serve (a
+        benchmark asks for more)."""
         import flashinfer
 
         self.page_tokens = page_tokens
         self.wrappers = {}  # kind -> a prefill wrapper, for kinds whose head_dim FlashInfer runs
         self.planned = {}  # kind -> the HostBatch the wrapper was last planned for
         for kind, (nh, nkv, hd) in layouts.items():
-            if hd not in HEAD_DIMS:
+            if hd not in head_dims:
                 continue
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD"

@@ -23,7 +23,7 @@ WINDOW = {SLIDING: 100, FULL: 0}
 
 @pytest.fixture(scope="module")
 def backend():
-    return FlashInferAttention(torch.device("cuda"), LAYOUTS, PAGE)
+    return FlashInferAttention(torch.device("cuda"), LAYOUTS, {kind: PAGE for kind in LAYOUTS})
 
 
 def mixed_step(kind: str, free_old_pages: bool):
