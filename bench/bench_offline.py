@@ -423,7 +423,9 @@ def roofline(
         for name, _ in state.target.layers[last].named_parameters()
         if not name.startswith(projection)
     ]
-    prompt = 2 * weight_bytes_per_step(state.target, 1, ("embed_tokens", *unread), cfg) / elt
+    prompt = (
+        2 * weight_bytes_per_step(state.target, 1, skip=("embed_tokens", *unread), cfg=cfg) / elt
+    )
     return Roofline(target, draft, kv, bandwidth, decode, prompt, row, k)
 
 

@@ -281,9 +281,9 @@ def test_power_sampler_summarizes_what_nvidia_smi_printed(monkeypatch, tmp_path)
 
 def test_output_bounds_by_hand(monkeypatch):
     """The three bounds of a loop of 4 requests (100 prompt tokens, 30 outputs, 3 tokens a verify
-    step of 2 drafts): GEMMs 0.4 s of prompts (1 GFLOP a token: the KV-shared layers' 0.5 left
-    out) + 0.18 s of verify rows (1.5 GFLOP each) at 1 TFLOP/s, decode steps 10 x 16 GB at 1 TB/s
-    = 0.16 s, of which the KV and drafter reads (6 GB a step) no GEMM hides."""
+    step of 2 drafts): GEMMs 0.4 s of prompts (1 GFLOP a token: the 0.5 past the last K/V write
+    left out) + 0.18 s of verify rows (1.5 GFLOP each) at 1 TFLOP/s, decode steps 10 x 16 GB at
+    1 TB/s = 0.16 s, of which the KV and drafter reads (6 GB a step) no GEMM hides."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     from bench_offline import Roofline, output_bounds
 
