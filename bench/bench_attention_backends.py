@@ -36,47 +36,71 @@ from gemma4serve.attention.metadata import HostBatch, causal_metadata  # noqa: E
 from gemma4serve.attention.triton_backend import TritonAttention  # noqa: E402
 from gemma4serve.config import FULL, SLIDING  # noqa: E402
 
-PAGE = 16
+PAGE = {SLIDING: 16, FULL: 32}  # the 31B's served pages: one page's bytes in both kinds
 LAYOUTS = {SLIDING: (32, 16, 256), FULL: (32, 4, 512)}  # the 31B: (q heads, kv heads, head_dim)
 WINDOW = {SLIDING: 1024, FULL: 0}
+# (sequences, new tokens, context) groups of one step
+STEPS = [
+    [(1, 1000, 1000)],
+    [(2, 1024, 1024)],
+    [(1, 2048, 6144)],
+    [(8, 1, 1128)],
+    [(32, 1, 1128)],
+    # the served mixed steps at c = 32: verifications of k = 2 beside a prompt and the next one's
+    # first chunk (MTP, 2048-token budget), or decodes beside a chunk (no MTP, 192-token budget)
+    [(32, 3, 1100), (1, 1024, 1024), (1, 928, 928)],
+    [(32, 1, 1100), (1, 160, 480)],
+]
 
 
 def median_us(fn, iters: int = 20) -> float:
     return time_it(fn, iters) * 1e6  # (bench_step's timer, in seconds)
 
 
-def make_step(kind: str, seqs: int, q_len: int, ctx: int):
-    """`seqs` sequences, each with q_len new tokens ending at position ctx (earlier keys cached)."""
+def make_step(kind: str, groups: list[tuple[int, int, int]]):
+    """One step of `groups` (sequences, new tokens, context): each sequence's new tokens end at
+    position context - 1, the earlier keys cached."""
     nh, nkv, hd = LAYOUTS[kind]
-    pages = -(-ctx // PAGE)
-    k = torch.randn(seqs * pages + 1, PAGE, nkv, hd, dtype=torch.bfloat16, device="cuda")
+    page = PAGE[kind]
+    seqs = [(q_len, ctx) for count, q_len, ctx in groups for _ in range(count)]
+    width = max(-(-ctx // page) for _, ctx in seqs)
+    table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    used = 1  # page 0 is the null page
+    for i, (_, ctx) in enumerate(seqs):
+        pages = -(-ctx // page)
+        table[i, :pages] = used + torch.arange(pages, dtype=torch.int32)
+        used += pages
+    k = torch.randn(used, page, nkv, hd, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
-    table = (1 + torch.arange(seqs * pages, dtype=torch.int32)).view(seqs, pages)
-    q = torch.randn(seqs * q_len, nh, hd, dtype=torch.bfloat16, device="cuda")
-    pos = (ctx - q_len + torch.arange(q_len)).repeat(seqs)
-    cu = torch.arange(seqs + 1, dtype=torch.int32) * q_len
-    host = HostBatch(cu, torch.full((seqs,), ctx, dtype=torch.int32), {kind: table})
+    q_lens = torch.tensor([q_len for q_len, _ in seqs], dtype=torch.int32)
+    q = torch.randn(int(q_lens.sum()), nh, hd, dtype=torch.bfloat16, device="cuda")
+    pos = torch.cat([torch.arange(ctx - q_len, ctx) for q_len, ctx in seqs])
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    torch.cumsum(q_lens, 0, out=cu[1:])
+    host = HostBatch(cu, torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32), {kind: table})
     meta = causal_metadata(
-        torch.arange(seqs, dtype=torch.int32).repeat_interleave(q_len).cuda(),
+        torch.arange(len(seqs), dtype=torch.int32).repeat_interleave(q_lens).cuda(),
         pos.cuda(),
         {kind: table.cuda()},
         WINDOW,
         cu.cuda(),
-        q_len,
-        {kind: PAGE},
+        int(q_lens.max()),
+        {kind: page},
         host,
     )
-    keys = min(ctx, WINDOW[kind] or ctx)
-    visible = sum(min(p + 1, WINDOW[kind] or p + 1) for p in range(ctx - q_len, ctx)) * seqs
+    window = WINDOW[kind]
+    visible = sum(min(p + 1, window or p + 1) for p in pos.tolist())
+    keys = sum(min(ctx, window or ctx) for _, ctx in seqs)
     flops = 4 * nh * hd * visible
-    bytes_ = 2 * (seqs * keys * nkv * hd * 2 + 2 * q.numel())
+    bytes_ = 2 * (keys * nkv * hd * 2 + 2 * q.numel())
     return q, k, v, meta, flops, bytes_
 
 
-def torch_sdpa_cells(q, k, v, meta, kind: str, seqs: int, q_len: int, ctx: int, ref) -> str:
+def torch_sdpa_cells(q, k, v, meta, kind: str, groups: list, ref) -> str:
     """µs (relative difference to `ref`) of torch's flash and cuDNN attention over the prompts'
     keys made contiguous; '–' for chunks with a cached prefix or a window shorter than the chunk."""
-    if q_len != ctx or (WINDOW[kind] and WINDOW[kind] < q_len):
+    (seqs, q_len, ctx), *others = groups
+    if others or q_len != ctx or (WINDOW[kind] and WINDOW[kind] < q_len):
         return "– | –"
     table = meta.page_table[kind].long()
     nh, _, hd = LAYOUTS[kind]
@@ -117,9 +141,7 @@ def main() -> None:
     triton_attn = TritonAttention()
     # every head dim FlashInfer builds, 512 included: what the served backend takes is chosen here
     flashinfer_attn = (
-        FlashInferAttention(device, LAYOUTS, {kind: PAGE for kind in LAYOUTS}, head_dims=(256, 512))
-        if flashinfer
-        else None
+        FlashInferAttention(device, LAYOUTS, PAGE, head_dims=(256, 512)) if flashinfer else None
     )
     print(
         "\n| layer | sequences x new tokens @ context | roofline us | Triton us | FlashInfer us "
@@ -127,14 +149,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for kind in (SLIDING, FULL):
-        for seqs, q_len, ctx in [
-            (1, 1000, 1000),
-            (2, 1024, 1024),
-            (1, 2048, 6144),
-            (8, 1, 1128),
-            (32, 1, 1128),
-        ]:
-            q, k, v, meta, flops, bytes_ = make_step(kind, seqs, q_len, ctx)
+        for groups in STEPS:
+            q, k, v, meta, flops, bytes_ = make_step(kind, groups)
             roof = max(bytes_ / bw, flops / rate) * 1e6
             ref = triton_attn.forward(q, k, v, meta, kind)
             t_triton = median_us(lambda: triton_attn.forward(q, k, v, meta, kind))
@@ -143,7 +159,7 @@ def main() -> None:
                 if flashinfer is None:
                     raise RuntimeError("not installed")
                 # FlashInfer's decode wrapper (the backend itself keeps decode on Triton).
-                if q_len == 1:
+                if meta.max_q_len == 1:
                     decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                         torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
                         "NHD",
@@ -151,11 +167,11 @@ def main() -> None:
                     )
                     t0 = time.perf_counter()
                     decode_wrapper.plan(
-                        *paged_kv(meta.host, kind, PAGE),
+                        *paged_kv(meta.host, kind, PAGE[kind]),
                         nh,
                         nkv,
                         hd,
-                        PAGE,
+                        PAGE[kind],
                         window_left=WINDOW[kind] - 1 if WINDOW[kind] else -1,
                         sm_scale=1.0,
                         q_data_type=torch.bfloat16,
@@ -166,7 +182,7 @@ def main() -> None:
                 elif kind in flashinfer_attn.wrappers:
                     t0 = time.perf_counter()
                     wrapper = flashinfer_attn.wrappers[kind]
-                    plan(wrapper, meta, kind, nh, nkv, hd, PAGE, torch.bfloat16)
+                    plan(wrapper, meta, kind, nh, nkv, hd, PAGE[kind], torch.bfloat16)
                     plan_ms = (time.perf_counter() - t0) * 1e3
                     flashinfer_attn.planned[kind] = meta.host
                     run = lambda: flashinfer_attn.forward(q, k, v, meta, kind)  # noqa: E731
@@ -178,8 +194,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 cells = f"– ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
             fi_cols = f"{cells} | – | –" if cells else f"{t_fi:.1f} | {plan_ms:.2f} | {diff:.1e}"
-            shape = f"{seqs} x {q_len} @ {ctx}"
-            sdpa = torch_sdpa_cells(q, k, v, meta, kind, seqs, q_len, ctx, ref)
+            shape = " + ".join(f"{seqs} x {q_len} @ {ctx}" for seqs, q_len, ctx in groups)
+            sdpa = torch_sdpa_cells(q, k, v, meta, kind, groups, ref)
             print(
                 f"| {kind} hd{hd} | {shape} | {roof:.1f} | {t_triton:.1f} | {fi_cols} | {sdpa} |",
                 flush=True,
