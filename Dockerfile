@@ -16,7 +16,8 @@ FROM ${BASE_IMAGE}
 
 # torch pins triton and its CUDA 13.0 libraries exactly; change it together with BASE_IMAGE's CUDA.
 ARG TORCH_VERSION=2.13.0
-# Off by default: FlashInfer's prefill kernel is JIT-built on first use by nvcc and g++, and the nvcc
+# Off by default (the server uses FlashInfer only with --attention-backend flashinfer, for eager
+# prompt steps): FlashInfer's prefill kernel is JIT-built on first use by nvcc and g++, and the nvcc
 # it pulls from pip (13.2) rejects torch's CUDA 13.0 headers; a 13.0 `devel` base puts a matching
 # nvcc on PATH. Its prebuilt cubins ship as a separate wheel of the same version.
 ARG FLASHINFER_VERSION=

@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "triton", "flashinfer"],
-        help="auto = Triton on CUDA (FlashInfer's prefill when installed), torch elsewhere.",
+        help="auto = Triton on CUDA, torch elsewhere. flashinfer: FlashInfer's prefill for the "
+        "sliding layers of eager prompt steps (the flashinfer extra).",
     )
     engine.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
     engine.add_argument(

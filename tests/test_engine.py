@@ -1185,14 +1185,17 @@ def test_text_prompts_start_with_bos(tiny_checkpoints):
 
 
 def test_attention_backend_choice_on_cpu():
-    """auto is the torch reference off CUDA.
+    """auto is the torch reference off CUDA and Triton on CUDA, FlashInfer installed or not.
 
     FlashInfer (an optional extra, CUDA only) is refused with a clear error, never half-used."""
     from gemma4serve.attention.torch_backend import TorchAttention
+    from gemma4serve.attention.triton_backend import TritonAttention
     from gemma4serve.config import ConfigError
     from gemma4serve.engine.models import make_attention_backend
 
     assert isinstance(make_attention_backend("auto", torch.device("cpu")), TorchAttention)
+    # (built without touching a GPU: the kernels compile at their first launch)
+    assert type(make_attention_backend("auto", torch.device("cuda"))) is TritonAttention
     with pytest.raises(ConfigError, match="flashinfer"):
         make_attention_backend("flashinfer", torch.device("cpu"))
 

@@ -1,15 +1,18 @@
-"""FlashInfer's paged prefill kernels for the eager multi-token target steps (prefill, mixed steps).
+"""FlashInfer's paged prefill kernels for the eager multi-token target steps
+(`--attention-backend flashinfer`; `auto` never picks it).
 
-Chosen by measurement (docs/performance.md, `bench/bench_attention_backends.py`): on the 31B's
-sliding layers (head_dim 256) FlashInfer's prefill is faster than our Triton kernel. Everything else
-stays on the Triton kernels:
-- decode, verification and the draft loop run inside CUDA graphs and, under async scheduling,
-  without the host-side sequence lengths that FlashInfer's `plan()` needs before every step (its
-  decode kernel was also slower at batch 32);
-- the full layers' head_dim 512 had no FlashInfer prefill kernel on Hopper in 0.6.1; 0.7.4 builds
-  an FA2 one, not yet measured against ours (`bench/bench_attention_backends.py` times it).
+Every step that fits a CUDA graph runs the Triton kernels, and by default every step does: the
+mixed graphs cover prompt chunks up to the step budget. What is left to this backend are the eager
+steps (`--enforce-eager`, say), whose sliding layers (head_dim 256) its prefill runs faster than
+ours. Measured with `bench/bench_attention_backends.py` (docs/performance.md), FlashInfer 0.7.4 on
+an H200:
+- on a served mixed step (verifications beside prompt chunks) its sliding prefill is slower than
+  our kernel, so it would lose inside the graphs even where it could be planned there;
+- the full layers' head_dim 512 builds (FA2) but is slower than ours on prompts;
+- decode, verification and the draft loop need no host-side plan, which graph replays under async
+  scheduling cannot give.
 A head_dim whose kernel fails to build or run in the warm-up (no CUDA compiler, say) falls back to
-Triton too, so installing the extra can never break serving.
+Triton too, so the backend can never break serving.
 """
 
 from __future__ import annotations

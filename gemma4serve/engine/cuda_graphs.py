@@ -69,9 +69,9 @@ def capture_graphs(state, args, k: int) -> tuple[CudaGraphs | None, dict[int, St
     every rank captures, measures and replays the same graphs in the same order."""
     if state.device.type != "cuda" or args.enforce_eager or state.attn.name == "torch":
         return None, None
-    # Mixed steps run FlashInfer's prefill (planned on the host) eagerly where it is installed.
-    mixed_tokens = 0 if state.attn.name == "flashinfer" else args.max_num_batched_tokens
-    graphs = CudaGraphs(state, args.max_num_seqs, state.kv_plan.max_model_len, k, mixed_tokens)
+    graphs = CudaGraphs(
+        state, args.max_num_seqs, state.kv_plan.max_model_len, k, args.max_num_batched_tokens
+    )
     graphs.capture()
     costs = graphs.measure() if args.adaptive_draft_length else None
     if costs:

@@ -448,9 +448,7 @@ class LLMEngine:
         admits = scheduler.would_admit(budget)  # an upper bound: the prompts' chunks come first
         if admits and not _joins_continued_steps(scheduler.waiting[0]):
             return None  # the scheduled step admits it
-        if (changed or admits) and not self.runner.can_change_continued(
-            previous, with_prompts=admits or bool(prompts)
-        ):
+        if (changed or admits) and not self.runner.can_change_continued(previous):
             return None
         # `previous` writes from num_computed on and may emit rows_before tokens after a sequence's
         # last token, then the next step writes rows_next rows (past a sequence's end too: the

@@ -92,17 +92,12 @@ def _load(
     log.info("%s: %.1fM parameters loaded in %.1fs", what, n / 1e6, time.monotonic() - t0)
 
 
-def make_attention_backend(
-    name: str, device: torch.device, cfg=None, dtype=None, tokens: dict | None = None
-):
+def make_attention_backend(name: str, device: torch.device, cfg=None, tokens: dict | None = None):
     """`tokens`: positions per KV page of each attention type (FlashInfer plans with them)."""
-    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
     if name == "auto":
-        # The Triton kernels are the fast path on CUDA (with FlashInfer's prefill when it is
-        # installed: measured faster, docs/performance.md); torch is the reference everywhere.
+        # The Triton kernels are the fast path on CUDA, installed FlashInfer or not (its prefill
+        # loses on the served mixed steps: docs/performance.md); torch is the reference elsewhere.
         name = "triton" if device.type == "cuda" else "torch"
-        if name == "triton" and dtype == torch.bfloat16 and has_flashinfer:
-            name = "flashinfer"
     if name == "torch":
         from gemma4serve.attention.torch_backend import TorchAttention
 
@@ -112,7 +107,7 @@ def make_attention_backend(
 
         return TritonAttention()
     if name == "flashinfer":
-        if device.type != "cuda" or not has_flashinfer:
+        if device.type != "cuda" or importlib.util.find_spec("flashinfer") is None:
             raise ConfigError(
                 "attention backend 'flashinfer' needs CUDA and the flashinfer extra "
                 "(pip install 'gemma4serve[flashinfer]')"
@@ -264,7 +259,7 @@ def load_models(args: EngineArgs, tp: TensorParallel | None = None) -> ModelStat
 
     k = args.num_draft_tokens if draft is not None else 0
     tokens = page_tokens(cfg, args.page_size)
-    attn = make_attention_backend(args.attention_backend, device, cfg, dtype, tokens)
+    attn = make_attention_backend(args.attention_backend, device, cfg, tokens)
     activations = 0
     if args.kv_cache_tokens is None and args.kv_cache_memory is None:
         activations = _measure_activations(target, attn, cfg, args, dtype, device)

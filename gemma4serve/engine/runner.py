@@ -271,18 +271,12 @@ class ModelRunner:
             self.followers.launched(handle)
         return handle
 
-    def can_change_continued(self, previous: StepHandle, with_prompts: bool) -> bool:
-        """Whether the step after `previous` can drop sequences or (`with_prompts`) take in prompt
-        chunks while it is continued on the device: its sampling settings are then rebuilt on the
-        host, which needs nothing of `previous` (no grammar, penalty or bad-word tail); and
-        prompts beside continued rows have no host layout, which FlashInfer's prefill plans from
-        (it would run them on Triton, eagerly)."""
+    def can_change_continued(self, previous: StepHandle) -> bool:
+        """Whether the step after `previous` can drop sequences or take in prompt chunks while it
+        is continued on the device: its sampling settings are then rebuilt on the host, which
+        needs nothing of `previous` (no grammar, penalty or bad-word tail)."""
         sampling = previous.inputs.sampling
-        return (
-            not sampling.constrained
-            and not sampling.reads_history
-            and not (with_prompts and self.state.attn.name == "flashinfer")
-        )
+        return not sampling.constrained and not sampling.reads_history
 
     def run_continued(
         self,

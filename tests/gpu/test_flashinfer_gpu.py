@@ -100,3 +100,28 @@ def test_steps_without_host_layout_stay_on_triton(backend, kind):
 def test_sliding_head_dim_runs_on_flashinfer(backend):
     """The backend's reason to exist: the 31B's sliding layers (head_dim 256) take its prefill."""
     assert SLIDING in backend.wrappers
+
+
+def test_the_backend_keeps_the_mixed_graphs(tiny_checkpoints):
+    """Asked for by name, FlashInfer leaves every step that fits a graph to the graphs (prompt
+    chunks beside decodes included) and the engine emits what it emits on Triton."""
+    from gemma4serve import LLM, SamplingParams
+
+    def llm(backend: str) -> LLM:
+        return LLM(
+            str(tiny_checkpoints.get("dense")),
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend=backend,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            kv_cache_memory=64 * 2**20,
+        )
+
+    prompts = [[2, *range(10, 10 + n)] for n in (90, 7, 40)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    on_flashinfer, on_triton = llm("flashinfer"), llm("triton")
+    assert on_flashinfer.engine.runner.state.attn.name == "flashinfer"
+    assert on_flashinfer.engine.runner.graphs.mixed_tokens
+    got = [o.outputs[0].token_ids for o in on_flashinfer.generate(prompts, sp)]
+    assert got == [o.outputs[0].token_ids for o in on_triton.generate(prompts, sp)]
