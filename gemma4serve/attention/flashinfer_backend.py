@@ -9,8 +9,8 @@ an H200:
 - on a served mixed step (verifications beside prompt chunks) its sliding prefill is slower than
   our kernel, so it would lose inside the graphs even where it could be planned there;
 - the full layers' head_dim 512 builds (FA2) but is slower than ours on prompts;
-- decode, verification and the draft loop need no host-side plan, which graph replays under async
-  scheduling cannot give.
+- decode, verification and the draft loop stay on Triton too: FlashInfer plans each step on the
+  host from the keys' lengths, which graph replays under async scheduling do not have.
 A head_dim whose kernel fails to build or run in the warm-up (no CUDA compiler, say) falls back to
 Triton too, so the backend can never break serving.
 """
