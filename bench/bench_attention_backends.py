@@ -1,7 +1,8 @@
 """Paged attention, our Triton kernel against FlashInfer (if installed), on the 31B's layer shapes.
 
-Prefill chunks (causal, with and without a cached prefix) run through each backend's `forward`,
-exactly as the model calls it, and decode batches through FlashInfer's decode wrapper for comparison
+Prefill chunks (causal, with and without a cached prefix) and the served mixed steps (chunks
+beside decoding or verifying sequences) run through each backend's `forward`, exactly as the
+model calls it, and decode batches through FlashInfer's decode wrapper for comparison
 (the backend keeps decode on Triton). Eager launches, median of 20 after warm-up; `plan()` is host
 time per step, reported apart. The roofline is max(bytes / copy bandwidth, FLOPs / the bf16
 matmul rate the board holds).
