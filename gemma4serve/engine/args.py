@@ -34,8 +34,7 @@ class EngineArgs:
     )
     kv_cache_memory: int | None = None  # bytes for KV pages; overrides gpu_memory_utilization
     kv_cache_tokens: int | None = None  # test knob: an arena that holds this many positions
-    # auto: triton on CUDA (prefill through flashinfer when that extra is installed), torch
-    # elsewhere
+    # auto: triton on CUDA, torch elsewhere; flashinfer only when named (eager prompt steps)
     attention_backend: str = "auto"  # | torch | triton | flashinfer
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs

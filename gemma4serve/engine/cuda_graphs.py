@@ -102,7 +102,7 @@ class CudaGraphs:
         self.buckets = batch_buckets(max_batch)
         self.draft_lengths = draft_choices(num_draft_tokens) if state.draft is not None else []
         self.q_lens = [1] + [d + 1 for d in self.draft_lengths]
-        # No mixed graphs (max_mixed_tokens 0) where attention plans on the host (FlashInfer).
+        # No mixed graphs (max_mixed_tokens 0): the decode benchmarks capture decode steps only.
         self.mixed_tokens = mixed_token_buckets(max_mixed_tokens) if max_mixed_tokens else []
         self.mixed_groups = mixed_group_buckets(max_batch) if max_mixed_tokens else []
         B = self.buckets[-1]

@@ -105,18 +105,12 @@ def test_sliding_head_dim_runs_on_flashinfer(backend):
 def test_the_backend_keeps_the_mixed_graphs(tiny_checkpoints):
     """Asked for by name, FlashInfer leaves every step that fits a graph to the graphs (prompt
     chunks beside decodes included) and the engine emits what it emits on Triton."""
-    from gemma4serve import LLM, SamplingParams
+    from gemma4serve import SamplingParams
+    from tests.gpu.test_engine_gpu import gpu_llm
 
-    def llm(backend: str) -> LLM:
-        return LLM(
-            str(tiny_checkpoints.get("dense")),
-            device="cuda",
-            dtype="bfloat16",
-            attention_backend=backend,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            kv_cache_memory=64 * 2**20,
-        )
+    def llm(backend: str):
+        target = tiny_checkpoints.get("dense")
+        return gpu_llm(target, attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=64)
 
     prompts = [[2, *range(10, 10 + n)] for n in (90, 7, 40)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
