@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_offline import MATMUL_HOLD_S  # noqa: E402
+from bench_offline import held_calls_per_second  # noqa: E402
 from gpu_power import PowerSampler  # noqa: E402
 
 
@@ -45,21 +44,6 @@ def operands(kind: str, rows: int, hidden: int, out: int, generator: torch.Gener
     return (normed * scale).bfloat16(), weight.bfloat16()
 
 
-def held_rate(x: torch.Tensor, weight: torch.Tensor) -> float:
-    """FLOP/s of x @ weight.T held for MATMUL_HOLD_S, over the second half of the hold."""
-    flops = 2 * x.shape[0] * x.shape[1] * weight.shape[0]
-    start = time.perf_counter()
-    calls, settled_at = 0, None
-    while (now := time.perf_counter()) - start < MATMUL_HOLD_S:
-        if settled_at is None and now - start >= MATMUL_HOLD_S / 2:
-            calls, settled_at = 0, now
-        for _ in range(10):
-            F.linear(x, weight)
-        torch.cuda.synchronize()
-        calls += 10
-    return flops * calls / (time.perf_counter() - settled_at)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -73,15 +57,14 @@ def main() -> None:
         sys.exit("needs a CUDA device")
     generator = torch.Generator(device="cuda")
     generator.manual_seed(0)
+    flops = 2 * args.rows * args.hidden * args.out
     for round_index in range(args.rounds):
         for kind in ("ours", "vllm", "zeros"):
             x, weight = operands(kind, args.rows, args.hidden, args.out, generator)
             with PowerSampler(devices=1) as power:
-                rate = held_rate(x, weight)
+                rate = flops * held_calls_per_second(lambda: F.linear(x, weight), x.device)
             line = power.summary.line() if power.summary else "not sampled"
             print(f"round {round_index} {kind:6s} {rate / 1e12:6.1f} TFLOP/s held; {line}")
-            del x, weight
-            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -494,7 +494,13 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     b = torch.randn_like(a)
     if device.type != "cuda":
         return 2 * n**3 / seconds_per_call(lambda: a @ b, device, reps=20)
-    a @ b
+    return 2 * n**3 * held_calls_per_second(lambda: a @ b, device)
+
+
+def held_calls_per_second(fn, device: torch.device) -> float:
+    """Calls per second of fn run back to back on a CUDA device for MATMUL_HOLD_S, over the second
+    half of the hold, once the board's clock has settled at its power cap."""
+    fn()
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     calls, settled_at = 0, None
@@ -502,10 +508,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
         if settled_at is None and now - start >= MATMUL_HOLD_S / 2:
             calls, settled_at = 0, now
         for _ in range(10):
-            a @ b
+            fn()
         torch.cuda.synchronize(device)
         calls += 10
-    return 2 * n**3 * calls / (time.perf_counter() - settled_at)
+    return calls / (time.perf_counter() - settled_at)
 
 
 def measure_bandwidth(device: torch.device) -> float:
