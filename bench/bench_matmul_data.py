@@ -5,8 +5,8 @@ cores draw, and that power follows how many operand bits toggle. Dummy weights d
 servers: ours are N(0, 0.02) with norm scales near 1 (`gemma4serve/weights/dummy.py`), vLLM's
 `--load-format dummy` draws every parameter uniform in +-1e-3 (norm scales included, so the GEMMs'
 inputs shrink too). This holds the 31B's fused gate/up projection over a 2048-token step with
-each kind of values, --rounds times in turn, and prints the rate over the second half of each hold with
-the SM clock and board power beside it. All zeros bound what the data can change.
+each kind of values, --rounds times in turn, and prints the rate over the second half of each
+hold with the SM clock and board power beside it. All zeros bound what the data can change.
 
     python bench/bench_matmul_data.py
 """
