@@ -35,6 +35,7 @@ from gemma4serve.engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
+from gemma4serve.validation import RequestError
 
 REPLY = "The quick brown fox jumps over the lazy dog."
 
@@ -152,6 +153,7 @@ class FakeEngine:
             str, tuple[list[int], object]
         ] = {}  # request id -> (prompt ids, SamplingParams)
         self.abort_calls: list[str] = []
+        self.requests_live: set[str] = set()  # ids whose generate() has not returned
         self.aborted: list[str] = []  # requests that ended early: abort() or the consumer went away
         self.active: dict[
             str, tuple[int, int]
@@ -205,6 +207,8 @@ class FakeEngine:
     async def generate(self, prompt_token_ids, params, request_id):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if request_id in self.requests_live:  # the real engine refuses an id in use too
+            raise RequestError(f"request id {request_id!r} is already in use")
         max_tokens = (
             params.max_tokens
             if params.max_tokens is not None
@@ -223,6 +227,7 @@ class FakeEngine:
         )
         choices = [_Choice(i) for i in range(params.n)]
         admitted = ended_early = False
+        self.requests_live.add(request_id)
         try:
             await self._admit(request_id, need)
             admitted = True
@@ -266,6 +271,7 @@ class FakeEngine:
                     self._stats.num_running -= 1
                 self.active.pop(request_id, None)
             self._abort_requested.discard(request_id)
+            self.requests_live.discard(request_id)
 
     # ---- internals ------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -863,6 +864,28 @@ def test_disconnect_non_streaming_aborts(slow):
         )
     (request_id,) = engine.requests
     wait_until(lambda: request_id in engine.aborted, what="abort after a non-streaming client left")
+    wait_until(lambda: _pools_back(engine), what="KV pages to return")
+
+
+def test_a_repeated_request_id_runs_every_request(slow):
+    """Two batched completions under one X-Request-Id, and one prompt whose id is a batch's first
+    prompt's: the engine refuses an id in flight, so the server's engine ids must stay apart."""
+    engine, s = slow
+
+    def post(request_id: str, prompt) -> httpx.Response:
+        body = {"prompt": prompt, "max_tokens": 20, "ignore_eos": True}
+        return httpx.post(
+            s.url + COMPLETIONS, json=body, headers={"X-Request-Id": request_id}, timeout=30
+        )
+
+    with ThreadPoolExecutor(3) as pool:
+        responses = list(pool.map(post, ["dup", "dup", "dup-0"], [["a", "b"], ["a", "b"], "a"]))
+    for response, num_prompts in zip(responses, [2, 2, 1]):
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        assert len(choices) == num_prompts
+        assert all(choice["finish_reason"] == "length" for choice in choices)
+    assert len(engine.requests) == 5  # every prompt ran under an id of its own
     wait_until(lambda: _pools_back(engine), what="KV pages to return")
 
 

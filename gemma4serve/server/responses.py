@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from typing import TYPE_CHECKING
 
 from starlette.responses import Response
@@ -114,6 +115,11 @@ class GenerationResponse:
     async def _run(self, send) -> None:
         engine = self.state.engine
         outputs = None
+        # The engine refuses an id in use; a client's X-Request-Id may repeat one in flight, or
+        # one prompt's id of a batch. Checked and taken with no await between.
+        if not self.state.inflight.isdisjoint(self.engine_ids):
+            suffix = uuid.uuid4().hex[:8]
+            self.engine_ids = [f"{engine_id}-{suffix}" for engine_id in self.engine_ids]
         self.state.inflight.update(self.engine_ids)
         try:
             try:
