@@ -14,6 +14,9 @@ MAX_TOP_K = 2**31 - 1
 # there (top_p 1e-50, repetition_penalty 5e-324) is refused rather than silently changed.
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest positive normal float32
 FLOAT32_MAX = 3.4028234663852886e38
+# A request's seed and token ids cross to the engine process as 64-bit integers; vLLM bounds
+# the seed the same way.
+INT64 = range(-(2**63), 2**63)
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -98,6 +101,17 @@ class SamplingParams:
             )
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if self.seed is not None and self.seed not in INT64:
+            raise ValueError(f"seed must be in [-2**63, 2**63), got {self.seed}")
+        token_ids = {
+            "stop_token_ids": self.stop_token_ids,
+            "allowed_token_ids": self.allowed_token_ids or [],
+            "logit_bias": list(self.logit_bias or {}),
+        }
+        for name, ids in token_ids.items():
+            outside = next((t for t in ids if t not in INT64), None)
+            if outside is not None:
+                raise ValueError(f"{name} holds {outside}, which is no token id")
         if self.bad_words is not None and any(not word.strip() for word in self.bad_words):
             raise ValueError("bad_words must not hold empty words")
 

@@ -258,6 +258,32 @@ def test_a_slow_client_does_not_stall_other_streams(server):
     wait_for_free_pages(server, baseline)
 
 
+def test_requests_sharing_an_x_request_id_each_run_to_their_end(server):
+    """Clients reuse X-Request-Id (on retries): 8 streams sent at once under one id, and two
+    batched completions under another, each get their own tokens to the end; none hangs."""
+    baseline = free_pages(server)
+
+    async def one(http: httpx.AsyncClient, request_id: str, prompt) -> list[str]:
+        request = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "ignore_eos": True}
+        request |= {"stream": True}
+        headers = {"X-Request-Id": request_id}
+        async with http.stream("POST", "/v1/completions", json=request, headers=headers) as r:
+            assert r.status_code == 200
+            payloads = sse_data([line async for line in r.aiter_lines()])
+        assert payloads[-1] == "[DONE]", payloads[-3:]
+        finishes = [json.loads(p)["choices"][0]["finish_reason"] for p in payloads[:-1]]
+        return [finish for finish in finishes if finish]
+
+    async def all_of_them():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            singles = [one(http, "retry", [2, 40, 41]) for _ in range(8)]
+            batches = [one(http, "batch", [[2, 40], [2, 41]]) for _ in range(2)]
+            return await asyncio.gather(*singles, *batches)
+
+    assert asyncio.run(all_of_them()) == [["length"]] * 8 + [["length", "length"]] * 2
+    wait_for_free_pages(server, baseline)
+
+
 def test_killed_engine_process_fails_streams_and_the_server_exits_non_zero(demo_model):
     with start_server(demo_model) as proc:
         pid = engine_pid(proc)

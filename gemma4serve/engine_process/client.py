@@ -182,6 +182,10 @@ class EngineProcessClient:
             raise EngineDeadError("the engine process is not running")
         if not self._accepting:
             raise EngineShuttingDown("the server is shutting down")
+        # The engine refuses a repeated id too, but only after this request's queue had replaced
+        # the first one's, which would then never be filled.
+        if request_id in self._queues:
+            raise RequestError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
         queue = self._queues[request_id] = asyncio.Queue()
         self._outputs.add_request(request_id, prompt_token_ids, params)

@@ -173,6 +173,10 @@ class _GenerationRequest(_Request):
     truncate_prompt_tokens: int | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's {"json": schema} / {"json_object"}
     guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a JSON schema
+    # vLLM's other older constraints, declared only to be refused (ignored, they would not hold)
+    guided_choice: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint the request asks for, or None; ApiError(400) when malformed."""
@@ -226,6 +230,14 @@ class _GenerationRequest(_Request):
                 param="truncate_prompt_tokens",
             )
         self.structured_outputs_params()  # a 400 for a malformed response_format
+        for name in ("guided_choice", "guided_regex", "guided_grammar"):
+            if getattr(self, name) is not None:
+                raise ApiError(
+                    400,
+                    f"{name} is not supported on this server; its constraints are JSON ones "
+                    "(response_format, structured_outputs 'json', guided_json).",
+                    param=name,
+                )
         if any(s == "" for s in self.stop_strings):
             raise ApiError(400, "stop strings must not be empty.", param="stop")
 
