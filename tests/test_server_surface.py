@@ -13,7 +13,7 @@ import subprocess
 import httpx
 import openai
 import pytest
-from fake_engine import ServerProcess, free_pages
+from fake_engine import ServerProcess, free_pages, sse_data
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -615,6 +615,28 @@ def test_prompt_logprobs_score_each_prompt_token(base):
     assert len(logprobs["tokens"]) == len(ids) + 2 and logprobs["token_logprobs"][0] is None
     assert logprobs["token_logprobs"][1] == pytest.approx(scored[1][str(ids[1])]["logprob"])
     assert logprobs["text_offset"][len(ids)] == len(FOX)  # the completion starts after the echo
+
+    # vLLM's echo without generation (max_tokens 0, as prompt-scoring clients send): the prompt
+    # and its logprobs alone, streamed or not
+    scored_only = request(echo=True, logprobs=1, max_tokens=0)
+    (choice,) = scored_only["choices"]
+    assert choice["text"] == FOX and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == logprobs["tokens"][: len(ids)]
+    assert choice["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][: len(ids)]
+    assert scored_only["usage"]["completion_tokens"] == 0
+    body = {"prompt": FOX, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream(
+        "POST", base + "/v1/completions", headers=auth(), json=body, timeout=120
+    ) as r:
+        chunks = [json.loads(p) for p in sse_data(r.iter_lines())[:-1]]
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in streamed) == FOX
+    assert [t for c in streamed if c["logprobs"] for t in c["logprobs"]["tokens"]] == choice[
+        "logprobs"
+    ]["tokens"]
+    assert streamed[-1]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
 
     chat = httpx.post(
         base + "/v1/chat/completions",

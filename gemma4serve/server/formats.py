@@ -274,6 +274,11 @@ class CompletionFormat(ResponseFormat):
     def envelope(self, choices, usage, *, with_usage) -> dict:
         return self.header.completion_chunk(choices, usage, with_usage=with_usage)
 
+    def count(self, output: RequestOutput) -> None:
+        super().count(output)
+        if self.request.echo_only:
+            self.completion_tokens = 0
+
     def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict:
         offset = self._offsets.get(index, len(self._prompt(index).echo_text))
         body, self._offsets[index] = completion_logprobs(
@@ -283,7 +288,7 @@ class CompletionFormat(ResponseFormat):
 
     def delta_choice(self, c: CompletionOutput, output: RequestOutput) -> dict | None:
         ids = self.request.return_token_ids and c.new_token_ids
-        if not (c.new_text or c.new_logprobs or ids):
+        if self.request.echo_only or not (c.new_text or c.new_logprobs or ids):
             return None
         logprobs = self._logprobs(c.index, c.new_logprobs) if c.new_logprobs is not None else None
         choice = completion_choice(c.index, c.new_text, logprobs, None)
@@ -292,30 +297,34 @@ class CompletionFormat(ResponseFormat):
         return choice
 
     def finish_choice(self, c: CompletionOutput) -> dict:
+        if self.request.echo_only:
+            return completion_choice(c.index, "", None, "length", None)
         return completion_choice(c.index, "", None, c.finish_reason, c.stop_reason)
 
     def body(self, output, logprobs) -> dict:
         want = self.request.logprobs is not None
         choices = []
+        echo_only = self.request.echo_only
         for c in output.outputs:
             prompt_logprobs = self.prompt_logprobs(output, c.index // self.request.n)
             choice_logprobs = None
             if want:
-                choice_logprobs = self._logprobs(c.index, logprobs.get(c.index, []))
+                generated = [] if echo_only else logprobs.get(c.index, [])
+                choice_logprobs = self._logprobs(c.index, generated)
                 echoed = self._echo_logprobs(c.index, output)
                 if echoed is not None:
                     choice_logprobs = {k: echoed[k] + choice_logprobs[k] for k in echoed}
             choice = completion_choice(
                 c.index,
-                self._prompt(c.index).echo_text + c.text,
+                self._prompt(c.index).echo_text + ("" if echo_only else c.text),
                 choice_logprobs,
-                c.finish_reason,
-                c.stop_reason,
+                "length" if echo_only else c.finish_reason,
+                None if echo_only else c.stop_reason,
             )
             if prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs
             if self.request.return_token_ids:  # vLLM's extension: the ids without a tokenizer
                 choice["prompt_token_ids"] = self._prompt(c.index).token_ids
-                choice["token_ids"] = c.token_ids
+                choice["token_ids"] = [] if echo_only else c.token_ids
             choices.append(choice)
         return self.header.completion(choices, self.usage())

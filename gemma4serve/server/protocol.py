@@ -426,8 +426,14 @@ class CompletionRequest(_GenerationRequest):
         return self.prompt_logprobs
 
     @property
+    def echo_only(self) -> bool:
+        """vLLM's echo without generation (max_tokens 0): the prompt and its logprobs alone, as
+        prompt-scoring clients ask; the engine still runs one token, which is not shown."""
+        return self.echo and self.max_tokens == 0
+
+    @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.echo_only else self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
