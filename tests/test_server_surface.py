@@ -580,6 +580,29 @@ def test_a_refused_prompt_fails_the_whole_batch(base):
 # Prompt logprobs, and echo with logprobs
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(base):
+    """vLLM's return_tokens_as_token_ids: tokens that decode alike (byte-fallback pieces all show
+    as U+FFFD) stay apart, so a greedy token is found in its own top logprobs."""
+    body = {"prompt": FOX, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    body["return_tokens_as_token_ids"] = True
+    body["return_token_ids"] = True
+    r = httpx.post(base + "/v1/completions", headers=auth(), json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]):
+        assert token in top and top[token] == max(top.values())
+    chat = {"messages": HI, "max_tokens": 4, "temperature": 0, "logprobs": True}
+    chat |= {"top_logprobs": 2, "return_tokens_as_token_ids": True}
+    r = httpx.post(base + "/v1/chat/completions", headers=auth(), json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    for entry in r.json()["choices"][0]["logprobs"]["content"]:
+        assert entry["token"].startswith("token_id:")
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert entry["token"] == entry["top_logprobs"][0]["token"]
+
+
 def test_prompt_logprobs_score_each_prompt_token(base):
     def request(**body) -> dict:
         r = httpx.post(

@@ -46,6 +46,7 @@ from gemma4serve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     ResponseHeader,
+    TokenIdStrings,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenStrings,
@@ -209,7 +210,10 @@ async def _generation(
             params[0],
         )
     header = ResponseHeader(request_id, int(time.time()), model)
-    fmt = response_format(header, req, state.token_strings, prompts, markers=state.chat_markers)
+    strings = state.token_strings
+    if req.return_tokens_as_token_ids:
+        strings = TokenIdStrings(strings)
+    fmt = response_format(header, req, strings, prompts, markers=state.chat_markers)
     if isinstance(req, ChatCompletionRequest) and state.chat_markers is not None:
         for prompt, one in zip(prompts, params):
             one.structured_outputs = state.chat_markers.after_thinking(

@@ -10,6 +10,7 @@ from gemma4serve.chat.output import ChatDelta, ChatMarkers, ChatOutputParser, To
 from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from gemma4serve.server.protocol import (
     ResponseHeader,
+    TokenIdStrings,
     TokenStrings,
     chat_choice,
     chat_delta_choice,
@@ -38,7 +39,7 @@ class ResponseFormat:
         self,
         header: ResponseHeader,
         request,
-        strings: TokenStrings,
+        strings: TokenStrings | TokenIdStrings,
         prompts: list[Prompt],
         markers: ChatMarkers | None = None,
     ):

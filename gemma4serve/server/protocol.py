@@ -173,6 +173,7 @@ class _GenerationRequest(_Request):
     truncate_prompt_tokens: int | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's {"json": schema} / {"json_object"}
     guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a JSON schema
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"
     # vLLM's other older constraints, declared only to be refused (ignored, they would not hold)
     guided_choice: Any = None
     guided_regex: Any = None
@@ -657,6 +658,18 @@ class TokenStrings:
                 hit = (text, list(text.encode("utf-8")))
             self._cache[token_id] = hit
         return hit
+
+
+class TokenIdStrings:
+    """vLLM's return_tokens_as_token_ids: logprobs show a token as "token_id:{id}", which keeps
+    tokens that decode alike (byte-fallback pieces) apart."""
+
+    def __init__(self, strings: TokenStrings):
+        self.special_ids = strings.special_ids
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        text = f"token_id:{token_id}"
+        return text, list(text.encode("ascii"))
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], strings: TokenStrings) -> dict:
