@@ -403,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Most logprobs (completions), top_logprobs (chat) or prompt_logprobs a request may "
         "ask for; -1 = no cap.",
     )
+    api.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="Logprobs name tokens 'token_id:{id}' unless a request's return_tokens_as_token_ids "
+        "says otherwise.",
+    )
     limits = p.add_argument_group(
         "request limits",
         "Bounds on what one request may ask for; past one, the request gets a 400.",
@@ -658,6 +664,7 @@ def serve(
     ssl_certfile: str | None = None,
     cors: CorsSettings | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    return_tokens_as_token_ids: bool = False,
     log_requests: bool = False,
     limits: RequestLimits | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
@@ -676,6 +683,7 @@ def serve(
         drain_timeout=drain_timeout,
         cors=cors,
         max_logprobs=max_logprobs,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
         log_requests=log_requests,
         limits=limits,
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
@@ -832,6 +840,7 @@ def main(argv: list[str] | None = None) -> int:
             allow_credentials=ns.allow_credentials,
         ),
         max_logprobs=ns.max_logprobs,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
         log_requests=ns.enable_log_requests,
         limits=request_limits(ns),
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,

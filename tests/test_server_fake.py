@@ -297,6 +297,21 @@ def test_chat_logprobs(client):
     )
 
 
+def test_return_tokens_as_token_ids_flag_is_each_request_s_default():
+    engine = FakeEngine()
+    with serve_fake(engine, return_tokens_as_token_ids=True) as s:
+        body = {"messages": HI, "max_tokens": 3, "logprobs": True}
+
+        def tokens(**extra) -> list[str]:
+            r = httpx.post(s.url + CHAT, json=body | extra, timeout=20)
+            assert r.status_code == 200, r.text
+            return [entry["token"] for entry in r.json()["choices"][0]["logprobs"]["content"]]
+
+        ids = [f"token_id:{t}" for t in engine.tokenizer.encode(REPLY[:3])]
+        assert tokens() == tokens(return_tokens_as_token_ids=True) == ids
+        assert tokens(return_tokens_as_token_ids=False) == list(REPLY[:3])
+
+
 def test_completion_logprobs(client):
     r = client.completions.create(model="fake", prompt="x", max_tokens=5, logprobs=1)
     lp = r.choices[0].logprobs

@@ -211,7 +211,8 @@ async def _generation(
         )
     header = ResponseHeader(request_id, int(time.time()), model)
     strings = state.token_strings
-    if req.return_tokens_as_token_ids:
+    as_ids = req.return_tokens_as_token_ids
+    if as_ids or (as_ids is None and state.return_tokens_as_token_ids):
         strings = TokenIdStrings(strings)
     fmt = response_format(header, req, strings, prompts, markers=state.chat_markers)
     if isinstance(req, ChatCompletionRequest) and state.chat_markers is not None:
@@ -388,6 +389,7 @@ def build_app(
     drain_timeout: float = 30.0,
     cors: CorsSettings | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    return_tokens_as_token_ids: bool = False,
     log_requests: bool = False,
     limits: RequestLimits | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
@@ -415,6 +417,7 @@ def build_app(
         sampling_defaults=dict(engine.default_sampling_params),
         drain_timeout=drain_timeout,
         max_logprobs=max_logprobs,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
         log_requests=log_requests,
         limits=limits or RequestLimits(),
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,

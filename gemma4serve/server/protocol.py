@@ -173,7 +173,8 @@ class _GenerationRequest(_Request):
     truncate_prompt_tokens: int | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's {"json": schema} / {"json_object"}
     guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a JSON schema
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}"
+    # vLLM's: logprobs name tokens "token_id:{id}" (None: --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's other older constraints, declared only to be refused (ignored, they would not hold)
     guided_choice: Any = None
     guided_regex: Any = None

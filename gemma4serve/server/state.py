@@ -41,6 +41,7 @@ class ServerState:
     drain_timeout: float
     limits: RequestLimits
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1 = no cap
+    return_tokens_as_token_ids: bool = False  # vLLM's flag: a request's default for its field
     log_requests: bool = False  # one log line per request: its id, prompt size and settings
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: such prompts get no tools
     created: int = field(default_factory=lambda: int(time.time()))
