@@ -3,7 +3,7 @@ RequestOutputs in, OpenAI stream chunks or one final body out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gemma4serve.chat.messages import tool_schemas
 from gemma4serve.chat.output import ChatDelta, ChatMarkers, ChatOutputParser, ToolCallDelta
@@ -56,6 +56,10 @@ class ResponseFormat:
 
     def usage(self) -> dict:
         return usage_body(self.prompt_len, self.completion_tokens, self.cached_tokens)
+
+    def shown(self, output: RequestOutput) -> RequestOutput:
+        """The engine's output as the response shows it (all of it, but for echo_only)."""
+        return output
 
     def count(self, output: RequestOutput) -> None:
         """Keep the usage current: outputs carry each choice's totals."""
@@ -275,10 +279,16 @@ class CompletionFormat(ResponseFormat):
     def envelope(self, choices, usage, *, with_usage) -> dict:
         return self.header.completion_chunk(choices, usage, with_usage=with_usage)
 
-    def count(self, output: RequestOutput) -> None:
-        super().count(output)
-        if self.request.echo_only:
-            self.completion_tokens = 0
+    def shown(self, output: RequestOutput) -> RequestOutput:
+        """echo_only: the one token the engine ran is not shown (nor counted), and a choice it
+        ended ends at its length (an abort stays one)."""
+        if not self.request.echo_only:
+            return output
+        choices = []
+        for c in output.outputs:
+            ended = "length" if c.finish_reason in ("length", "stop") else c.finish_reason
+            choices.append(CompletionOutput(c.index, finish_reason=ended))
+        return replace(output, outputs=choices)
 
     def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict:
         offset = self._offsets.get(index, len(self._prompt(index).echo_text))
@@ -289,7 +299,7 @@ class CompletionFormat(ResponseFormat):
 
     def delta_choice(self, c: CompletionOutput, output: RequestOutput) -> dict | None:
         ids = self.request.return_token_ids and c.new_token_ids
-        if self.request.echo_only or not (c.new_text or c.new_logprobs or ids):
+        if not (c.new_text or c.new_logprobs or ids):
             return None
         logprobs = self._logprobs(c.index, c.new_logprobs) if c.new_logprobs is not None else None
         choice = completion_choice(c.index, c.new_text, logprobs, None)
@@ -298,34 +308,30 @@ class CompletionFormat(ResponseFormat):
         return choice
 
     def finish_choice(self, c: CompletionOutput) -> dict:
-        if self.request.echo_only:
-            return completion_choice(c.index, "", None, "length", None)
         return completion_choice(c.index, "", None, c.finish_reason, c.stop_reason)
 
     def body(self, output, logprobs) -> dict:
         want = self.request.logprobs is not None
         choices = []
-        echo_only = self.request.echo_only
         for c in output.outputs:
             prompt_logprobs = self.prompt_logprobs(output, c.index // self.request.n)
             choice_logprobs = None
             if want:
-                generated = [] if echo_only else logprobs.get(c.index, [])
-                choice_logprobs = self._logprobs(c.index, generated)
+                choice_logprobs = self._logprobs(c.index, logprobs.get(c.index, []))
                 echoed = self._echo_logprobs(c.index, output)
                 if echoed is not None:
                     choice_logprobs = {k: echoed[k] + choice_logprobs[k] for k in echoed}
             choice = completion_choice(
                 c.index,
-                self._prompt(c.index).echo_text + ("" if echo_only else c.text),
+                self._prompt(c.index).echo_text + c.text,
                 choice_logprobs,
-                "length" if echo_only else c.finish_reason,
-                None if echo_only else c.stop_reason,
+                c.finish_reason,
+                c.stop_reason,
             )
             if prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs
             if self.request.return_token_ids:  # vLLM's extension: the ids without a tokenizer
                 choice["prompt_token_ids"] = self._prompt(c.index).token_ids
-                choice["token_ids"] = [] if echo_only else c.token_ids
+                choice["token_ids"] = c.token_ids
             choices.append(choice)
         return self.header.completion(choices, self.usage())

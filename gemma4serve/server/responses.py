@@ -132,7 +132,7 @@ class GenerationResponse:
                     if len(streams) == 1
                     else merged_outputs(streams, self.params[0].n, self.request_id)
                 )
-                first = await outputs.__anext__()
+                first = self.fmt.shown(await outputs.__anext__())
             except RequestError as e:  # the engine's word on a request, before anything ran
                 await self._send_json(send, 400, error_body(str(e), param=e.param, code=e.code))
                 return
@@ -193,7 +193,7 @@ class GenerationResponse:
             )
             self._stopped_short = True
             return _ended_as_abort(previous)
-        return output
+        return self.fmt.shown(output)
 
     def _finish(self, output: RequestOutput) -> None:
         self._engine_finished = output.finished and not self._stopped_short
