@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine_process import ITERATION_TIMEOUT_S
 from gemma4serve.server.limits import RequestLimits
 from gemma4serve.server.state import DEFAULT_MAX_LOGPROBS, CorsSettings
 
@@ -311,6 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run the engine in a process of its own, so that its steps never share the GIL with "
         "HTTP work (--no-engine-process: a thread of the server, for debugging; default: on).",
     )
+    engine.add_argument(
+        "--engine-iteration-timeout",
+        type=float,
+        default=ITERATION_TIMEOUT_S,
+        metavar="SECONDS",
+        help="An engine that owes the server a step's results for this long is hung: it is "
+        "killed, its requests fail and the server exits 1 (0 = never; default: %(default).0f).",
+    )
 
     spec = p.add_argument_group("speculative decoding (MTP)")
     spec.add_argument(
@@ -577,6 +586,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"${DRAIN_TIMEOUT_ENV} must be a number of seconds")
     if ns.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
+    if ns.engine_iteration_timeout < 0:
+        parser.error("--engine-iteration-timeout must not be negative")
     if ns.max_logprobs < -1:
         parser.error("--max-logprobs must be -1 (no cap) or a count")
     if bool(ns.ssl_keyfile) != bool(ns.ssl_certfile):
@@ -806,7 +817,12 @@ def main(argv: list[str] | None = None) -> int:
 
     stops = {sig: signal.signal(sig, _stop_starting) for sig in STOP_SIGNALS}
     try:
-        engine = EngineProcessClient(args, in_process=not ns.engine_process, log_level=ns.log_level)
+        engine = EngineProcessClient(
+            args,
+            in_process=not ns.engine_process,
+            log_level=ns.log_level,
+            iteration_timeout=ns.engine_iteration_timeout,
+        )
     except EngineStartupError as e:  # bad path, no GPU, out of memory...: one clear line
         logger.error("could not start the engine: %s", e)
         return 1
@@ -846,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
     )
     if engine.dead:
-        logger.error("stopped: the engine process died")
+        logger.error("stopped: the engine failed")
         return 1
     logger.info("stopped")
     return 0

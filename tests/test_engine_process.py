@@ -2,7 +2,7 @@
 
 `python -m gemma4serve.cli` serves the tiny demo Gemma 4 with its MTP assistant on CPU: outputs
 equal the in-process engine's, many streams and a slow client, request times stamped by the server,
-a killed engine process, SIGTERM, a start-up error; and the request message's codec."""
+a killed or hung engine process, SIGTERM, a start-up error; and the request message's codec."""
 
 from __future__ import annotations
 
@@ -307,6 +307,72 @@ def test_killed_engine_process_fails_streams_and_the_server_exits_non_zero(demo_
             assert response.status_code >= 500, response.text
         assert proc.wait(60) == 1
         assert any("the engine process died" in line for line in proc.lines)
+
+
+HANG_TIMEOUT_S = 3.0  # --engine-iteration-timeout of the hang tests (the demo steps take ms)
+
+
+@contextlib.contextmanager
+def stopped_engine(proc: ServerProcess):
+    """SIGSTOP the server's engine process (a hang in a kernel or a collective looks the same to
+    the server); whatever happens, it does not outlive the test."""
+    pid = engine_pid(proc)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def assert_stopped_for_a_hang(proc: ServerProcess, pid: int) -> None:
+    """/health and new requests get a 5xx until the server is gone; it exits 1, the hung engine
+    process killed."""
+    body = {"model": MODEL, "prompt": [2, 60], "max_tokens": 5}
+    for method, path, request in [("GET", "/health", None), ("POST", "/v1/completions", body)]:
+        try:
+            response = httpx.request(method, proc.url + path, json=request, timeout=30)
+        except httpx.TransportError:
+            continue  # already gone
+        assert response.status_code >= 500, response.text
+    assert proc.wait(60) == 1
+    assert any("it is hung" in line for line in proc.lines), proc.lines[-20:]
+    assert not process_exists(pid)
+
+
+def test_an_engine_that_hangs_mid_stream_is_killed_and_its_stream_ends(demo_model):
+    """A stream whose engine stops answering ends with an error and [DONE] after
+    --engine-iteration-timeout. An idle engine owes nothing: idling longer than the timeout first
+    changes nothing."""
+    timeout = ["--engine-iteration-timeout", str(HANG_TIMEOUT_S)]
+    with start_server(demo_model, *timeout) as proc:
+        time.sleep(HANG_TIMEOUT_S + 1)
+        body = {"model": MODEL, "prompt": [2, 60], "max_tokens": 5}
+        assert httpx.post(proc.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        body |= {"max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            first = next(lines)
+            with stopped_engine(proc) as pid:
+                started = time.monotonic()
+                payloads = sse_data([first, *lines])
+                waited = time.monotonic() - started
+                assert payloads[-1] == "[DONE]"
+                error = json.loads(payloads[-2])["error"]
+                assert error["type"] == "internal_server_error"
+                assert error["message"].endswith("the engine stopped responding")
+                assert HANG_TIMEOUT_S <= waited < HANG_TIMEOUT_S + 30
+                assert_stopped_for_a_hang(proc, pid)
+
+
+def test_a_request_to_an_engine_hung_while_idle_fails(demo_model):
+    timeout = ["--engine-iteration-timeout", str(HANG_TIMEOUT_S)]
+    with start_server(demo_model, *timeout) as proc, stopped_engine(proc) as pid:
+        body = {"model": MODEL, "prompt": [2, 60], "max_tokens": 5}
+        response = httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["message"] == "The engine is not running."
+        assert_stopped_for_a_hang(proc, pid)
 
 
 def test_sigterm_stops_the_engine_process(demo_model):

@@ -5,9 +5,9 @@ never shares the GIL with HTTP, JSON, SSE and detokenization. Requests go out on
 engine step comes back as one message of new token ids, which a task on the event loop turns into
 text (`OutputProcessor`: the choices stop strings end go back as one `StopChoices` message) and
 splits into the requests' asyncio queues (a slow client's queue grows, nobody waits on it). A
-watchdog notices a dead engine within `WATCH_INTERVAL_S`: every running request fails, `ready`
-turns False (/health 503) and `on_dead` is called (the CLI then stops the server with a non-zero
-exit).
+watchdog notices a dead engine within `WATCH_INTERVAL_S`, and a hung one (a message due for more
+than `iteration_timeout` seconds: it is killed): every running request fails, `ready` turns False
+(/health 503) and `on_dead` is called (the CLI then stops the server with a non-zero exit).
 
 `in_process=True` (--no-engine-process) runs the same loop in a thread of this process, over the
 same sockets: one code path either way.
@@ -30,6 +30,7 @@ import zmq.asyncio
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.output_processor import OutputProcessor
 from gemma4serve.engine.outputs import EngineStats, RequestOutput
+from gemma4serve.engine_process import ITERATION_TIMEOUT_S
 from gemma4serve.engine_process.core import run_engine_core
 from gemma4serve.engine_process.messages import (
     AbortRequests,
@@ -96,10 +97,21 @@ class EngineProcessClient:
         *,
         in_process: bool = False,
         log_level: str = "info",
+        iteration_timeout: float = ITERATION_TIMEOUT_S,
     ):
+        """`iteration_timeout`: seconds a due engine message may take before the engine counts as
+        hung (0: never)."""
         self.model_name = args.served_model_name or args.model
         self.on_dead: Callable[[], None] | None = None  # called on the event loop
         self.dead = False
+        self.iteration_timeout = iteration_timeout
+        # When the engine's next message is due (see EngineOutputs): it owes one after reading
+        # what was sent, and after every pass while it has requests.
+        self._messages_sent = 0
+        self._engine_messages_taken = 0
+        self._engine_unfinished = False
+        self._heard_at = time.monotonic()  # the engine's latest message
+        self._untaken_since = 0.0  # the first send the engine had not yet read
         self._codec = Codec()
         self._queues: dict[str, asyncio.Queue] = {}  # by request; touched on the event loop only
         self._stats = EngineStats()
@@ -229,6 +241,9 @@ class EngineProcessClient:
         if self.dead:
             return
         with self._send_lock:
+            if self._messages_sent == self._engine_messages_taken:
+                self._untaken_since = time.monotonic()
+            self._messages_sent += 1  # before the send: the engine never reports more taken
             self._input.send(self._codec.encode(message), copy=False)
 
     def _stop_engine(self, send_shutdown: bool) -> None:
@@ -264,6 +279,9 @@ class EngineProcessClient:
                 self._dispatch(message)
 
     def _dispatch(self, message: EngineOutputs) -> None:
+        self._heard_at = time.monotonic()
+        self._engine_messages_taken = message.messages_taken
+        self._engine_unfinished = message.unfinished
         self._stats = message.stats
         stops = []
         for output in message.outputs:
@@ -284,18 +302,41 @@ class EngineProcessClient:
                 error = RuntimeError(failure.message)
             queue.put_nowait(error)
 
+    def _overdue_s(self) -> float:
+        """How long the engine's next message has been due (0 when none is due)."""
+        if self._engine_unfinished:  # its next pass began when it sent the last message
+            due_since = self._heard_at
+        elif self._messages_sent > self._engine_messages_taken:
+            due_since = max(self._heard_at, self._untaken_since)
+        else:
+            return 0.0
+        return time.monotonic() - due_since
+
     async def _watch(self) -> None:
-        while self._engine.is_alive():
+        hung = False
+        while self._engine.is_alive() and not hung:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            hung = 0 < self.iteration_timeout < self._overdue_s() and not self._stopping
         if self._stopping:
             return
         self.dead = True
-        log.error(
-            "the engine process died (exit code %s): failing %d running request(s)",
-            self._engine.exitcode,
-            len(self._queues),
-        )
+        if hung:
+            log.error(
+                "the engine has not answered for %.0fs (--engine-iteration-timeout): it is hung; "
+                "killing it and failing %d running request(s)",
+                self.iteration_timeout,
+                len(self._queues),
+            )
+            self._engine.kill()
+            failure = "the engine stopped responding"
+        else:
+            log.error(
+                "the engine process died (exit code %s): failing %d running request(s)",
+                self._engine.exitcode,
+                len(self._queues),
+            )
+            failure = "the engine process died"
         for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError("the engine process died"))
+            queue.put_nowait(EngineDeadError(failure))
         if self.on_dead is not None:
             self.on_dead()

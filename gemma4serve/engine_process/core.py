@@ -86,6 +86,7 @@ class EngineCore:
         self.outbox = outbox
         self.codec = codec
         self.parent_pid = os.getppid()
+        self.messages_taken = 0
 
     def run(self) -> None:
         engine = self.engine
@@ -105,7 +106,9 @@ class EngineCore:
                     for request_id in list(engine.requests):
                         engine.abort(request_id)
                         failures.append(RequestFailure(request_id, f"engine error: {e}", False))
-            message = EngineOutputs(outputs, failures, engine.snapshot())
+            message = EngineOutputs(
+                outputs, failures, engine.snapshot(), self.messages_taken, engine.has_unfinished()
+            )
             self.outbox.send(self.codec.encode(message), copy=False)
             if failed is not None and engine.workers is not None:
                 # The tensor-parallel ranks may have stopped at different collectives of that
@@ -121,6 +124,7 @@ class EngineCore:
                 frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return True
+            self.messages_taken += 1
             message = self.codec.requests.decode(frame.buffer)
             if isinstance(message, AddRequest):
                 try:

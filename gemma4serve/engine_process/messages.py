@@ -73,11 +73,17 @@ class RequestFailure(msgspec.Struct, array_like=True):
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True):
-    """Everything one pass of the engine loop produced, and the statistics after it."""
+    """Everything one pass of the engine loop produced, and the statistics after it.
+
+    `messages_taken` (every message the engine has read so far) and `unfinished` (it has requests
+    left, so another pass follows at once) tell the server when the next message is due: the
+    engine sends one after every pass that read messages or stepped."""
 
     outputs: list[RequestOutput]
     failures: list[RequestFailure]
     stats: EngineStats
+    messages_taken: int
+    unfinished: bool
 
 
 EngineMessage = Ready | StartupFailed | EngineOutputs
