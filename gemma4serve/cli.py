@@ -34,6 +34,7 @@ DEMO_MODEL_NAME = "gemma4serve-demo"
 API_KEY_ENV = "GEMMA4SERVE_API_KEY"
 DRAIN_TIMEOUT_ENV = "GEMMA4SERVE_DRAIN_TIMEOUT"  # the Docker image sets it to fit `docker stop`
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_NUM_DRAFT_TOKENS = 4
 SHUTDOWN_BACKSTOP_S = 5.0  # after the drain timeout's aborts, how long aborted requests get to end
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a supervisor's stop
 
@@ -327,9 +328,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         dest="num_draft_tokens",
         type=int,
-        default=4,
         metavar="K",
-        help="Draft tokens per step; 0 turns MTP off.",
+        help=f"Draft tokens per step; 0 turns MTP off (default: {DEFAULT_NUM_DRAFT_TOKENS}).",
+    )
+    spec.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        metavar="JSON",
+        help="vLLM's spelling of --draft and --num-draft-tokens: "
+        '\'{"method": "mtp", "model": ASSISTANT, "num_speculative_tokens": K}\' '
+        "(method may be left out).",
     )
     spec.add_argument(
         "--adaptive-draft-length",
@@ -563,6 +571,40 @@ def request_limits(ns: argparse.Namespace) -> RequestLimits:
     )
 
 
+def _apply_speculative_config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """--speculative-config as vLLM serves a Gemma 4 assistant with it: its `model` becomes
+    --draft and its `num_speculative_tokens` --num-draft-tokens; other methods and keys are
+    refused, never ignored."""
+    config = ns.speculative_config
+    if not isinstance(config, dict):
+        parser.error("--speculative-config must be a JSON object")
+    unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens"})
+    if unknown:
+        parser.error(
+            f"--speculative-config: {', '.join(unknown)} not supported; this server speculates "
+            "with a Gemma 4 assistant only (method, model, num_speculative_tokens)"
+        )
+    if config.get("method", "mtp") != "mtp":
+        parser.error(
+            f"--speculative-config: method {config['method']!r} not supported; this server "
+            'speculates with a Gemma 4 assistant only ("mtp")'
+        )
+    draft, drafts = config.get("model"), config.get("num_speculative_tokens")
+    if not isinstance(draft, str) or not draft:
+        parser.error('--speculative-config needs the assistant checkpoint as "model"')
+    if drafts is not None and (type(drafts) is not int or drafts < 1):
+        parser.error("--speculative-config: num_speculative_tokens must be a positive integer")
+    if ns.draft not in (None, draft):
+        parser.error("the assistant is given twice, by --draft and --speculative-config; give one")
+    if None not in (ns.num_draft_tokens, drafts) and ns.num_draft_tokens != drafts:
+        parser.error(
+            "the draft count is given twice, by --num-draft-tokens and --speculative-config's "
+            "num_speculative_tokens; give one"
+        )
+    ns.draft = draft
+    ns.num_draft_tokens = drafts if drafts is not None else ns.num_draft_tokens
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -573,6 +615,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "give one"
         )
     ns.model = ns.model or ns.model_tag
+    if ns.speculative_config is not None:
+        _apply_speculative_config(parser, ns)
+    if ns.num_draft_tokens is None:
+        ns.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
     if ns.demo and (ns.model or ns.draft):
         parser.error("--demo serves the built-in tiny model; leave out MODEL/--model and --draft")
     if not ns.demo and not ns.model:

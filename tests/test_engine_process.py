@@ -97,12 +97,15 @@ def demo_model(tmp_path_factory):
     return ensure_demo_model(tmp_path_factory.mktemp("demo-cache"))
 
 
-def start_server(demo_model, *extra: str) -> ServerProcess:
+def start_server(demo_model, *extra: str, drafter: list[str] | None = None) -> ServerProcess:
+    """The demo server; `drafter` replaces the flags that name the assistant and its drafts."""
     target, assistant = demo_model
-    args = ["-m", "gemma4serve.cli", "--model", str(target), "--draft", str(assistant)]
+    if drafter is None:
+        drafter = ["--draft", str(assistant), "--num-draft-tokens", str(NUM_DRAFT_TOKENS)]
+    args = ["-m", "gemma4serve.cli", "--model", str(target), *drafter]
     args += ["--device", "cpu", "--host", "127.0.0.1", "--port", "0"]
     args += ["--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
-    args += ["--num-draft-tokens", str(NUM_DRAFT_TOKENS), "--disable-uvicorn-access-log", *extra]
+    args += ["--disable-uvicorn-access-log", *extra]
     return ServerProcess(args, ready_timeout=240)
 
 
@@ -307,6 +310,24 @@ def test_killed_engine_process_fails_streams_and_the_server_exits_non_zero(demo_
             assert response.status_code >= 500, response.text
         assert proc.wait(60) == 1
         assert any("the engine process died" in line for line in proc.lines)
+
+
+def test_vllms_speculative_config_names_the_assistant_and_its_drafts(demo_model):
+    """A vLLM command line's `--speculative-config` serves the assistant with its draft count:
+    every verify step carries 2 drafts, and greedy output is the one without drafts."""
+    config = {"method": "mtp", "model": str(demo_model[1]), "num_speculative_tokens": 2}
+    drafter = ["--speculative-config", json.dumps(config), "--no-adaptive-draft-length"]
+    body = {"model": MODEL, "prompt": [2, 60, 61], "max_tokens": 24, "ignore_eos": True}
+    texts = []
+    for flags in (drafter, ["--num-draft-tokens", "0"]):
+        with start_server(demo_model, drafter=flags) as proc:
+            response = httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
+            texts.append(response.json()["choices"][0]["text"])
+            metrics = httpx.get(proc.url + "/metrics", timeout=30).text
+            verify_steps = metric(metrics, "gemma4serve:spec_decode_num_drafts_total")
+            drafts = metric(metrics, "gemma4serve:spec_decode_num_draft_tokens_total")
+            assert drafts == 2 * verify_steps and (verify_steps > 0) == (flags is drafter)
+    assert texts[0] == texts[1]
 
 
 HANG_TIMEOUT_S = 3.0  # --engine-iteration-timeout of the hang tests (the demo steps take ms)

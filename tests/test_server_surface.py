@@ -403,6 +403,42 @@ def test_cli_model_given_twice_is_an_error(capsys):
     assert "go together" in capsys.readouterr().err
 
 
+def test_cli_speculative_config_is_vllms_spelling_of_the_assistant(capsys):
+    from gemma4serve.cli import parse_args
+
+    def parsed(config, *flags):
+        ns = parse_args(["m", "--speculative-config", json.dumps(config), *flags])
+        return ns.draft, ns.num_draft_tokens
+
+    assert parsed({"method": "mtp", "model": "a", "num_speculative_tokens": 2}) == ("a", 2)
+    assert parsed({"model": "a"}) == ("a", 4)
+    assert parsed({"model": "a"}, "--num-draft-tokens", "3") == ("a", 3)
+    assert parsed({"model": "a", "num_speculative_tokens": 3}, "--draft", "a") == ("a", 3)
+    refused = [
+        ([], "must be a JSON object"),
+        ({"method": "ngram", "model": "a"}, "method 'ngram' not supported"),
+        ({"model": "a", "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size not"),
+        ({"num_speculative_tokens": 2}, 'assistant checkpoint as "model"'),
+        ({"model": "a", "num_speculative_tokens": 0}, "positive integer"),
+        ({"model": "a", "num_speculative_tokens": True}, "positive integer"),
+        ({"model": "a", "num_speculative_tokens": 2.0}, "positive integer"),
+    ]
+    for config, message in refused:
+        with pytest.raises(SystemExit):
+            parsed(config)
+        assert message in capsys.readouterr().err, config
+    for flags, message in [
+        (["--draft", "b"], "assistant is given twice"),
+        (["--num-draft-tokens", "3"], "draft count is given twice"),
+    ]:
+        with pytest.raises(SystemExit):
+            parsed({"model": "a", "num_speculative_tokens": 2}, *flags)
+        assert message in capsys.readouterr().err, flags
+    with pytest.raises(SystemExit):
+        parse_args(["--demo", "--speculative-config", '{"model": "a"}'])
+    assert "--demo serves the built-in" in capsys.readouterr().err
+
+
 def test_help_reads_cleanly():
     from gemma4serve.cli import build_parser
 
