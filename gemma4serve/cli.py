@@ -223,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="The chat template: a file path, or the Jinja template itself "
         "(default: the tokenizer's).",
     )
+    model.add_argument(
+        "--default-chat-template-kwargs",
+        type=json.loads,
+        metavar="JSON",
+        help="Chat template variables for every chat request, under the request's own "
+        """chat_template_kwargs, e.g. '{"enable_thinking": true}' to think by default.""",
+    )
 
     engine = p.add_argument_group("engine")
     engine.add_argument(
@@ -632,6 +639,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"${DRAIN_TIMEOUT_ENV} must be a number of seconds")
     if ns.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
+    if ns.default_chat_template_kwargs is not None:
+        from gemma4serve.server.app import RESERVED_TEMPLATE_KWARGS
+
+        if not isinstance(ns.default_chat_template_kwargs, dict):
+            parser.error("--default-chat-template-kwargs must be a JSON object")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & ns.default_chat_template_kwargs.keys())
+        if reserved:
+            parser.error(f"--default-chat-template-kwargs may not set {reserved}")
     if ns.engine_iteration_timeout < 0:
         parser.error("--engine-iteration-timeout must not be negative")
     if ns.max_logprobs < -1:
@@ -725,6 +740,7 @@ def serve(
     log_requests: bool = False,
     limits: RequestLimits | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
+    default_chat_template_kwargs: dict | None = None,
 ) -> None:
     """Serve `engine` on `sock` (`listening_socket`; `host` names it in the ready line) until
     SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks; call it from the main
@@ -744,6 +760,7 @@ def serve(
         log_requests=log_requests,
         limits=limits,
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+        default_chat_template_kwargs=default_chat_template_kwargs,
     )
     scheme = "https" if ssl_certfile else "http"
     state = app.state.gemma4serve
@@ -906,6 +923,7 @@ def main(argv: list[str] | None = None) -> int:
         log_requests=ns.enable_log_requests,
         limits=request_limits(ns),
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        default_chat_template_kwargs=ns.default_chat_template_kwargs,
     )
     if engine.dead:
         logger.error("stopped: the engine failed")

@@ -416,6 +416,22 @@ def test_tool_choice_none_renders_the_tools_unless_told_not_to():
             assert ("tools: f" in engine.tokenizer.decode(prompt_ids)) == rendered
 
 
+def test_default_chat_template_kwargs_sit_under_the_requests_own():
+    """vLLM's --default-chat-template-kwargs: every chat prompt (and /tokenize's) renders with
+    them unless the request's chat_template_kwargs say otherwise."""
+    engine = FakeEngine()
+    with serve_fake(engine, default_chat_template_kwargs={"enable_thinking": True}) as server:
+        for kwargs, thinks in ((None, True), ({"enable_thinking": False}, False), ({}, True)):
+            body = {"model": "fake", "messages": HI, "chat_template_kwargs": kwargs}
+            r = httpx.post(server.url + CHAT, json=body)
+            assert r.status_code == 200, r.text
+            prompt_ids, _ = engine.requests[r.json()["id"]]
+            assert ("<|think|>" in engine.tokenizer.decode(prompt_ids)) == thinks, kwargs
+            r = httpx.post(server.url + "/tokenize", json=body)
+            assert r.status_code == 200, r.text
+            assert ("<|think|>" in engine.tokenizer.decode(r.json()["tokens"])) == thinks
+
+
 def test_multipart_text_content_and_tool_messages(client):
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "be brief"}]},

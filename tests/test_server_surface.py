@@ -401,6 +401,12 @@ def test_cli_model_given_twice_is_an_error(capsys):
     with pytest.raises(SystemExit):
         parse_args(["m", "--ssl-keyfile", "k.pem"])
     assert "go together" in capsys.readouterr().err
+    kwargs = parse_args(["m", "--default-chat-template-kwargs", '{"enable_thinking": true}'])
+    assert kwargs.default_chat_template_kwargs == {"enable_thinking": True}
+    for given, message in [("[1]", "must be a JSON object"), ('{"tools": []}', "may not set")]:
+        with pytest.raises(SystemExit):
+            parse_args(["m", "--default-chat-template-kwargs", given])
+        assert message in capsys.readouterr().err
 
 
 def test_cli_speculative_config_is_vllms_spelling_of_the_assistant(capsys):

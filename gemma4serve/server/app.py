@@ -127,6 +127,13 @@ def _render_chat(
     return Prompt(encode_text(tokenizer, text, param="messages"))  # the template wrote <bos>
 
 
+def _fill_template_kwargs(req: ChatCompletionRequest | TokenizeChatRequest, state) -> None:
+    """The server's --default-chat-template-kwargs under the request's own (which win)."""
+    if state.default_chat_template_kwargs:
+        given = req.chat_template_kwargs or {}
+        req.chat_template_kwargs = state.default_chat_template_kwargs | given
+
+
 def _completion_prompts(tokenizer, req: CompletionRequest) -> list[Prompt]:
     return [_completion_prompt(tokenizer, req, prompt) for prompt in req.prompts()]
 
@@ -164,6 +171,8 @@ async def _generation(
     and sampling checks, then the response that runs the request."""
     state = _state(request)
     req = await read_request(request, request_type, state.limits)
+    if isinstance(req, ChatCompletionRequest):
+        _fill_template_kwargs(req, state)
     tokenizer = state.engine.tokenizer
     state.limits.check(req, tokenizer.vocab_size if tokenizer is not None else None)
     model = state.resolve_model(req.model)
@@ -266,6 +275,8 @@ async def tokenize(request: Request):
     data = load_json_object(await read_body(request, state.limits))
     chat = "messages" in data
     req = validate_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
+    if chat:
+        _fill_template_kwargs(req, state)
     state.resolve_model(req.model)
     tokenizer = state.engine.tokenizer
     _needs_tokenizer(tokenizer, "text", "messages" if chat else "prompt")
@@ -393,6 +404,7 @@ def build_app(
     log_requests: bool = False,
     limits: RequestLimits | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
+    default_chat_template_kwargs: dict | None = None,
 ) -> Starlette:
     """The ASGI app over `engine` (an EngineProcessClient or anything with its interface).
 
@@ -421,6 +433,7 @@ def build_app(
         log_requests=log_requests,
         limits=limits or RequestLimits(),
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+        default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
     )
     cors = cors or CorsSettings()
 

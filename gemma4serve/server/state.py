@@ -44,6 +44,8 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # vLLM's flag: a request's default for its field
     log_requests: bool = False  # one log line per request: its id, prompt size and settings
     exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: such prompts get no tools
+    # vLLM's --default-chat-template-kwargs: what a request's chat_template_kwargs leave unset
+    default_chat_template_kwargs: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False  # the engine thread runs
     draining: bool = False  # shutting down: refuse new work, let running requests finish
