@@ -270,6 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="Token budget of one engine step (longer prompts are prefilled in chunks).",
     )
     engine.add_argument(
+        "--enable-chunked-prefill",
+        action="store_true",
+        help="Accepted for vLLM compatibility: prompts are always prefilled in chunks.",
+    )
+    engine.add_argument(
+        "--limit-mm-per-prompt",
+        type=json.loads,
+        metavar="JSON",
+        help="Accepted for vLLM compatibility when every limit is 0 (vLLM's text-only "
+        """setting, '{"image": 0, "audio": 0}'): this server serves text only.""",
+    )
+    engine.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
         default=0.90,
@@ -647,6 +659,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & ns.default_chat_template_kwargs.keys())
         if reserved:
             parser.error(f"--default-chat-template-kwargs may not set {reserved}")
+    limits = ns.limit_mm_per_prompt
+    if limits is not None and (not isinstance(limits, dict) or any(limits.values())):
+        parser.error(
+            f"--limit-mm-per-prompt {json.dumps(limits)}: this server serves text only; "
+            """give every limit as 0 ('{"image": 0, "audio": 0}') or leave the flag out"""
+        )
     if ns.engine_iteration_timeout < 0:
         parser.error("--engine-iteration-timeout must not be negative")
     if ns.max_logprobs < -1:

@@ -401,6 +401,13 @@ def test_cli_model_given_twice_is_an_error(capsys):
     with pytest.raises(SystemExit):
         parse_args(["m", "--ssl-keyfile", "k.pem"])
     assert "go together" in capsys.readouterr().err
+    # vLLM's text-only recipe flags are accepted; a multimodal limit is refused.
+    text_only = '{"image": 0, "audio": 0}'
+    parse_args(["m", "--enable-chunked-prefill", "--limit-mm-per-prompt", text_only])
+    for limits in ('{"image": 4, "audio": 1}', "[0]"):
+        with pytest.raises(SystemExit):
+            parse_args(["m", "--limit-mm-per-prompt", limits])
+        assert "this server serves text only" in capsys.readouterr().err
     kwargs = parse_args(["m", "--default-chat-template-kwargs", '{"enable_thinking": true}'])
     assert kwargs.default_chat_template_kwargs == {"enable_thinking": True}
     for given, message in [("[1]", "must be a JSON object"), ('{"tools": []}', "may not set")]:
