@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -26,7 +27,11 @@ from pathlib import Path
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine_process import ITERATION_TIMEOUT_S
 from gemma4serve.server.limits import RequestLimits
-from gemma4serve.server.state import DEFAULT_MAX_LOGPROBS, CorsSettings
+from gemma4serve.server.state import (
+    DEFAULT_MAX_LOGPROBS,
+    RESERVED_TEMPLATE_KWARGS,
+    CorsSettings,
+)
 
 logger = logging.getLogger("gemma4serve")
 
@@ -34,7 +39,6 @@ DEMO_MODEL_NAME = "gemma4serve-demo"
 API_KEY_ENV = "GEMMA4SERVE_API_KEY"
 DRAIN_TIMEOUT_ENV = "GEMMA4SERVE_DRAIN_TIMEOUT"  # the Docker image sets it to fit `docker stop`
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-DEFAULT_NUM_DRAFT_TOKENS = 4
 SHUTDOWN_BACKSTOP_S = 5.0  # after the drain timeout's aborts, how long aborted requests get to end
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a supervisor's stop
 
@@ -113,6 +117,23 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text}")
     return value
 
 
@@ -225,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--default-chat-template-kwargs",
-        type=json.loads,
+        type=_json_object,
         metavar="JSON",
         help="Chat template variables for every chat request, under the request's own "
         """chat_template_kwargs, e.g. '{"enable_thinking": true}' to think by default.""",
@@ -276,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--limit-mm-per-prompt",
-        type=json.loads,
+        type=_json_object,
         metavar="JSON",
         help="Accepted for vLLM compatibility when every limit is 0 (vLLM's text-only "
         """setting, '{"image": 0, "audio": 0}'): this server serves text only.""",
@@ -334,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--engine-iteration-timeout",
-        type=float,
+        type=_seconds,
         default=ITERATION_TIMEOUT_S,
         metavar="SECONDS",
         help="An engine that owes the server a step's results for this long is hung: it is "
@@ -348,11 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="num_draft_tokens",
         type=int,
         metavar="K",
-        help=f"Draft tokens per step; 0 turns MTP off (default: {DEFAULT_NUM_DRAFT_TOKENS}).",
+        help=f"Draft tokens per step; 0 turns MTP off (default: {EngineArgs.num_draft_tokens}).",
     )
     spec.add_argument(
         "--speculative-config",
-        type=json.loads,
+        type=_json_object,
         metavar="JSON",
         help="vLLM's spelling of --draft and --num-draft-tokens: "
         '\'{"method": "mtp", "model": ASSISTANT, "num_speculative_tokens": K}\' '
@@ -595,8 +616,6 @@ def _apply_speculative_config(parser: argparse.ArgumentParser, ns: argparse.Name
     --draft and its `num_speculative_tokens` --num-draft-tokens; other methods and keys are
     refused, never ignored."""
     config = ns.speculative_config
-    if not isinstance(config, dict):
-        parser.error("--speculative-config must be a JSON object")
     unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens"})
     if unknown:
         parser.error(
@@ -621,7 +640,8 @@ def _apply_speculative_config(parser: argparse.ArgumentParser, ns: argparse.Name
             "num_speculative_tokens; give one"
         )
     ns.draft = draft
-    ns.num_draft_tokens = drafts if drafts is not None else ns.num_draft_tokens
+    if drafts is not None:
+        ns.num_draft_tokens = drafts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -637,7 +657,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if ns.speculative_config is not None:
         _apply_speculative_config(parser, ns)
     if ns.num_draft_tokens is None:
-        ns.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
+        ns.num_draft_tokens = EngineArgs.num_draft_tokens
     if ns.demo and (ns.model or ns.draft):
         parser.error("--demo serves the built-in tiny model; leave out MODEL/--model and --draft")
     if not ns.demo and not ns.model:
@@ -651,22 +671,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"${DRAIN_TIMEOUT_ENV} must be a number of seconds")
     if ns.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
-    if ns.default_chat_template_kwargs is not None:
-        from gemma4serve.server.app import RESERVED_TEMPLATE_KWARGS
-
-        if not isinstance(ns.default_chat_template_kwargs, dict):
-            parser.error("--default-chat-template-kwargs must be a JSON object")
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & ns.default_chat_template_kwargs.keys())
-        if reserved:
-            parser.error(f"--default-chat-template-kwargs may not set {reserved}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & (ns.default_chat_template_kwargs or {}).keys())
+    if reserved:
+        parser.error(f"--default-chat-template-kwargs may not set {reserved}")
     limits = ns.limit_mm_per_prompt
-    if limits is not None and (not isinstance(limits, dict) or any(limits.values())):
+    # vLLM takes a count, or {"count": N, ...} in its newer form.
+    if limits is not None and any(
+        (limit.get("count") if isinstance(limit, dict) else limit) != 0 for limit in limits.values()
+    ):
         parser.error(
             f"--limit-mm-per-prompt {json.dumps(limits)}: this server serves text only; "
             """give every limit as 0 ('{"image": 0, "audio": 0}') or leave the flag out"""
         )
-    if ns.engine_iteration_timeout < 0:
-        parser.error("--engine-iteration-timeout must not be negative")
     if ns.max_logprobs < -1:
         parser.error("--max-logprobs must be -1 (no cap) or a count")
     if bool(ns.ssl_keyfile) != bool(ns.ssl_certfile):

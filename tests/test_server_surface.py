@@ -402,15 +402,23 @@ def test_cli_model_given_twice_is_an_error(capsys):
         parse_args(["m", "--ssl-keyfile", "k.pem"])
     assert "go together" in capsys.readouterr().err
     # vLLM's text-only recipe flags are accepted; a multimodal limit is refused.
-    text_only = '{"image": 0, "audio": 0}'
-    parse_args(["m", "--enable-chunked-prefill", "--limit-mm-per-prompt", text_only])
-    for limits in ('{"image": 4, "audio": 1}', "[0]"):
+    for text_only in ('{"image": 0, "audio": 0}', '{"image": {"count": 0}}'):
+        parse_args(["m", "--enable-chunked-prefill", "--limit-mm-per-prompt", text_only])
+    for limits, message in [
+        ('{"image": 4, "audio": 1}', "this server serves text only"),
+        ('{"image": {"count": 2}}', "this server serves text only"),
+        ("[0]", "expected a JSON object"),
+    ]:
         with pytest.raises(SystemExit):
             parse_args(["m", "--limit-mm-per-prompt", limits])
-        assert "this server serves text only" in capsys.readouterr().err
+        assert message in capsys.readouterr().err
+    for timeout in ("nan", "inf", "-1"):
+        with pytest.raises(SystemExit):
+            parse_args(["m", "--engine-iteration-timeout", timeout])
+        assert "expected a number of seconds" in capsys.readouterr().err
     kwargs = parse_args(["m", "--default-chat-template-kwargs", '{"enable_thinking": true}'])
     assert kwargs.default_chat_template_kwargs == {"enable_thinking": True}
-    for given, message in [("[1]", "must be a JSON object"), ('{"tools": []}', "may not set")]:
+    for given, message in [("[1]", "expected a JSON object"), ('{"tools": []}', "may not set")]:
         with pytest.raises(SystemExit):
             parse_args(["m", "--default-chat-template-kwargs", given])
         assert message in capsys.readouterr().err
@@ -428,7 +436,8 @@ def test_cli_speculative_config_is_vllms_spelling_of_the_assistant(capsys):
     assert parsed({"model": "a"}, "--num-draft-tokens", "3") == ("a", 3)
     assert parsed({"model": "a", "num_speculative_tokens": 3}, "--draft", "a") == ("a", 3)
     refused = [
-        ([], "must be a JSON object"),
+        ([], "expected a JSON object"),
+        (None, "expected a JSON object"),
         ({"method": "ngram", "model": "a"}, "method 'ngram' not supported"),
         ({"model": "a", "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size not"),
         ({"num_speculative_tokens": 2}, 'assistant checkpoint as "model"'),

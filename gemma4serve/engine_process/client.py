@@ -6,8 +6,9 @@ engine step comes back as one message of new token ids, which a task on the even
 text (`OutputProcessor`: the choices stop strings end go back as one `StopChoices` message) and
 splits into the requests' asyncio queues (a slow client's queue grows, nobody waits on it). A
 watchdog notices a dead engine within `WATCH_INTERVAL_S`, and a hung one (a message due for more
-than `iteration_timeout` seconds: it is killed): every running request fails, `ready` turns False
-(/health 503) and `on_dead` is called (the CLI then stops the server with a non-zero exit).
+than `iteration_timeout` seconds: it is killed); a failed output reader ends the server too: every
+running request fails, `ready` turns False (/health 503) and `on_dead` is called (the CLI then
+stops the server with a non-zero exit).
 
 `in_process=True` (--no-engine-process) runs the same loop in a thread of this process, over the
 same sockets: one code path either way.
@@ -49,6 +50,9 @@ from gemma4serve.validation import RequestError
 log = logging.getLogger("gemma4serve")
 
 WATCH_INTERVAL_S = 0.1  # how often the watchdog checks that the engine lives
+# The most one watchdog tick counts towards a hang: a server paused or starved (Ctrl-Z, docker
+# pause, a busy event loop) does not charge its own pause to the engine.
+LONGEST_TICK_S = 1.0
 STOP_TIMEOUT_S = 10.0  # after Shutdown, how long the engine gets to exit before it is killed
 LAST_MESSAGE_WAIT_MS = 1000  # how long a message an exited engine sent may take to be readable
 
@@ -105,13 +109,12 @@ class EngineProcessClient:
         self.on_dead: Callable[[], None] | None = None  # called on the event loop
         self.dead = False
         self.iteration_timeout = iteration_timeout
-        # When the engine's next message is due (see EngineOutputs): it owes one after reading
-        # what was sent, and after every pass while it has requests.
+        # Whether the engine owes a message (see EngineOutputs): one after reading what was sent,
+        # and one after every pass while it has requests.
         self._messages_sent = 0
+        self._messages_heard = 0
         self._engine_messages_taken = 0
         self._engine_unfinished = False
-        self._heard_at = time.monotonic()  # the engine's latest message
-        self._untaken_since = 0.0  # the first send the engine had not yet read
         self._codec = Codec()
         self._queues: dict[str, asyncio.Queue] = {}  # by request; touched on the event loop only
         self._stats = EngineStats()
@@ -186,6 +189,7 @@ class EngineProcessClient:
             asyncio.ensure_future(self._read_outputs(outputs)),
             asyncio.ensure_future(self._watch()),
         ]
+        self._tasks[0].add_done_callback(self._reader_ended)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -199,9 +203,16 @@ class EngineProcessClient:
         if request_id in self._queues:
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
-        queue = self._queues[request_id] = asyncio.Queue()
         self._outputs.add_request(request_id, prompt_token_ids, params)
-        self._send(AddRequest(request_id, prompt_token_ids, params, time.monotonic()))
+        try:
+            self._send(AddRequest(request_id, prompt_token_ids, params, time.monotonic()))
+        except OverflowError:  # the wire's integers are 64-bit (a prompt id, a logprobs count...)
+            self._outputs.remove(request_id)
+            raise RequestError(
+                "the request holds an integer that does not fit in 64 bits"
+            ) from None
+        # No await since the send: the request's first output cannot have been dispatched yet.
+        queue = self._queues[request_id] = asyncio.Queue()
         finished = False
         try:
             while True:
@@ -240,11 +251,10 @@ class EngineProcessClient:
     def _send(self, message) -> None:
         if self.dead:
             return
+        frame = self._codec.encode(message)
         with self._send_lock:
-            if self._messages_sent == self._engine_messages_taken:
-                self._untaken_since = time.monotonic()
             self._messages_sent += 1  # before the send: the engine never reports more taken
-            self._input.send(self._codec.encode(message), copy=False)
+            self._input.send(frame, copy=False)
 
     def _stop_engine(self, send_shutdown: bool) -> None:
         """`send_shutdown`: ask the engine to stop and give it STOP_TIMEOUT_S; else (not ready
@@ -279,7 +289,7 @@ class EngineProcessClient:
                 self._dispatch(message)
 
     def _dispatch(self, message: EngineOutputs) -> None:
-        self._heard_at = time.monotonic()
+        self._messages_heard += 1
         self._engine_messages_taken = message.messages_taken
         self._engine_unfinished = message.unfinished
         self._stats = message.stats
@@ -302,41 +312,52 @@ class EngineProcessClient:
                 error = RuntimeError(failure.message)
             queue.put_nowait(error)
 
-    def _overdue_s(self) -> float:
-        """How long the engine's next message has been due (0 when none is due)."""
-        if self._engine_unfinished:  # its next pass began when it sent the last message
-            due_since = self._heard_at
-        elif self._messages_sent > self._engine_messages_taken:
-            due_since = max(self._heard_at, self._untaken_since)
-        else:
-            return 0.0
-        return time.monotonic() - due_since
+    def _owes_message(self) -> bool:
+        return self._engine_unfinished or self._messages_sent > self._engine_messages_taken
 
     async def _watch(self) -> None:
-        hung = False
-        while self._engine.is_alive() and not hung:
+        """Until the engine ends: `waited` adds up the ticks in which a message was owed and none
+        came."""
+        waited, heard = 0.0, self._messages_heard
+        while self._engine.is_alive():
+            tick = time.monotonic()
             await asyncio.sleep(WATCH_INTERVAL_S)
-            hung = 0 < self.iteration_timeout < self._overdue_s() and not self._stopping
-        if self._stopping:
-            return
-        self.dead = True
-        if hung:
-            log.error(
-                "the engine has not answered for %.0fs (--engine-iteration-timeout): it is hung; "
-                "killing it and failing %d running request(s)",
-                self.iteration_timeout,
-                len(self._queues),
-            )
-            self._engine.kill()
-            failure = "the engine stopped responding"
-        else:
+            if self._stopping or self.dead:
+                return
+            if heard != self._messages_heard or not self._owes_message():
+                waited, heard = 0.0, self._messages_heard
+            else:
+                waited += min(time.monotonic() - tick, LONGEST_TICK_S)
+            if 0 < self.iteration_timeout < waited:
+                log.error(
+                    "the engine has not answered for %.0fs (--engine-iteration-timeout): it is "
+                    "hung; stopping it and failing %d running request(s)",
+                    waited,
+                    len(self._queues),
+                )
+                self._engine.kill()
+                self._fail_everything("the engine stopped responding")
+                return
+        if not self._stopping and not self.dead:
             log.error(
                 "the engine process died (exit code %s): failing %d running request(s)",
                 self._engine.exitcode,
                 len(self._queues),
             )
-            failure = "the engine process died"
+            self._fail_everything("the engine process died")
+
+    def _reader_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self._stopping or self.dead:
+            return
+        log.error("reading the engine's outputs failed", exc_info=task.exception())
+        self._engine.kill()
+        self._fail_everything("the server failed to read the engine's outputs")
+
+    def _fail_everything(self, reason: str) -> None:
+        """The engine is gone or unusable: fail every running request, refuse new ones, and let
+        the server stop."""
+        self.dead = True
         for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(failure))
+            queue.put_nowait(EngineDeadError(reason))
         if self.on_dead is not None:
             self.on_dead()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 
 import zmq
@@ -35,6 +36,9 @@ from gemma4serve.validation import RequestError
 log = logging.getLogger("gemma4serve")
 
 IDLE_POLL_MS = 200  # an idle engine wakes this often to notice that its server is gone
+# A pass reads requests for at most this long before it steps and answers: a burst of requests
+# whose grammars compile neither stalls the running streams nor looks hung to the server.
+READ_BUDGET_S = 0.5
 
 
 def run_engine_core(
@@ -118,8 +122,10 @@ class EngineCore:
                 return
 
     def _take_requests(self, outputs: list[RequestOutput], failures: list[RequestFailure]) -> bool:
-        """Apply every request that arrived; False on `Shutdown` (after aborting what runs)."""
-        while True:
+        """Apply the requests that arrived (for up to READ_BUDGET_S); False on `Shutdown` (after
+        aborting what runs)."""
+        deadline = time.monotonic() + READ_BUDGET_S
+        while time.monotonic() < deadline:
             try:
                 frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -152,3 +158,4 @@ class EngineCore:
                     self.engine.abort(request_id) for request_id in list(self.engine.requests)
                 ]
                 return False
+        return True

@@ -76,8 +76,8 @@ class EngineOutputs(msgspec.Struct, tag=True, array_like=True):
     """Everything one pass of the engine loop produced, and the statistics after it.
 
     `messages_taken` (every message the engine has read so far) and `unfinished` (it has requests
-    left, so another pass follows at once) tell the server when the next message is due: the
-    engine sends one after every pass that read messages or stepped."""
+    left, so another pass follows at once) tell the server whether another message is due: the
+    engine sends one after every pass, and passes whenever it has requests or messages to read."""
 
     outputs: list[RequestOutput]
     failures: list[RequestFailure]

@@ -55,7 +55,12 @@ from gemma4serve.server.protocol import (
     validate_request,
 )
 from gemma4serve.server.responses import GenerationResponse, json_response
-from gemma4serve.server.state import DEFAULT_MAX_LOGPROBS, CorsSettings, ServerState
+from gemma4serve.server.state import (
+    DEFAULT_MAX_LOGPROBS,
+    RESERVED_TEMPLATE_KWARGS,
+    CorsSettings,
+    ServerState,
+)
 from gemma4serve.stop_strings import StopStrings
 from gemma4serve.validation import (
     RequestError,
@@ -66,16 +71,6 @@ from gemma4serve.validation import (
 )
 
 logger = logging.getLogger("gemma4serve.server")
-
-# Template variables the request must not override: they are set from the request's own fields.
-RESERVED_TEMPLATE_KWARGS = {
-    "messages",
-    "tools",
-    "documents",
-    "add_generation_prompt",
-    "continue_final_message",
-    "chat_template",
-}
 
 
 def _state(request: Request) -> ServerState:
@@ -419,6 +414,9 @@ def build_app(
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
+    reserved = RESERVED_TEMPLATE_KWARGS & (default_chat_template_kwargs or {}).keys()
+    if reserved:
+        raise ValueError(f"default_chat_template_kwargs may not set {sorted(reserved)}")
     state = ServerState(
         engine=engine,
         model_names=names,

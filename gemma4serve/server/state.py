@@ -15,6 +15,15 @@ from gemma4serve.server.metrics import ServerMetrics
 from gemma4serve.server.protocol import ApiError, TokenStrings
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+# Template variables chat_template_kwargs must not set: they come from the request's own fields.
+RESERVED_TEMPLATE_KWARGS = {
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+}
 
 
 @dataclass
