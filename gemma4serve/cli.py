@@ -32,12 +32,14 @@ from gemma4serve.server.state import (
     RESERVED_TEMPLATE_KWARGS,
     CorsSettings,
 )
+from gemma4serve.server.stats_log import INTERVAL_S as STATS_INTERVAL_S
 
 logger = logging.getLogger("gemma4serve")
 
 DEMO_MODEL_NAME = "gemma4serve-demo"
 API_KEY_ENV = "GEMMA4SERVE_API_KEY"
 DRAIN_TIMEOUT_ENV = "GEMMA4SERVE_DRAIN_TIMEOUT"  # the Docker image sets it to fit `docker stop`
+LOG_STATS_INTERVAL_ENV = "GEMMA4SERVE_LOG_STATS_INTERVAL"  # vLLM's VLLM_LOG_STATS_INTERVAL
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 SHUTDOWN_BACKSTOP_S = 5.0  # after the drain timeout's aborts, how long aborted requests get to end
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a supervisor's stop
@@ -547,6 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-uvicorn-access-log", action="store_true", help="No line per HTTP request."
     )
     logs.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="No stats line (throughput, running and waiting requests, KV use, prefix-cache hits, "
+        f"drafts accepted) every ${LOG_STATS_INTERVAL_ENV} seconds (default "
+        f"{STATS_INTERVAL_S:.0f}) while there is work.",
+    )
+    logs.add_argument(
         "--enable-log-requests",
         action="store_true",
         help="Log each generation request: its id, prompt size and sampling settings.",
@@ -671,6 +680,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"${DRAIN_TIMEOUT_ENV} must be a number of seconds")
     if ns.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
+    ns.log_stats_interval = None
+    if not ns.disable_log_stats:
+        try:
+            ns.log_stats_interval = _seconds(
+                os.environ.get(LOG_STATS_INTERVAL_ENV, str(STATS_INTERVAL_S))
+            )
+        except (ValueError, argparse.ArgumentTypeError):
+            parser.error(f"${LOG_STATS_INTERVAL_ENV} must be a number of seconds")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & (ns.default_chat_template_kwargs or {}).keys())
     if reserved:
         parser.error(f"--default-chat-template-kwargs may not set {reserved}")
@@ -775,6 +792,7 @@ def serve(
     limits: RequestLimits | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
     default_chat_template_kwargs: dict | None = None,
+    log_stats_interval: float | None = None,
 ) -> None:
     """Serve `engine` on `sock` (`listening_socket`; `host` names it in the ready line) until
     SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks; call it from the main
@@ -795,6 +813,7 @@ def serve(
         limits=limits,
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
         default_chat_template_kwargs=default_chat_template_kwargs,
+        log_stats_interval=log_stats_interval,
     )
     scheme = "https" if ssl_certfile else "http"
     state = app.state.gemma4serve
@@ -958,6 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         limits=request_limits(ns),
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         default_chat_template_kwargs=ns.default_chat_template_kwargs,
+        log_stats_interval=ns.log_stats_interval,
     )
     if engine.dead:
         logger.error("stopped: the engine failed")

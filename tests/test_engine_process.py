@@ -377,6 +377,34 @@ def test_a_pass_reads_requests_for_a_bounded_time():
         context.destroy(linger=0)
 
 
+def test_the_log_has_vllms_stats_lines_while_there_is_work(demo_model):
+    """Every $GEMMA4SERVE_LOG_STATS_INTERVAL seconds while requests run: throughput, load, KV use
+    and the drafts' acceptance, as vLLM logs them; none when idle, none with --disable-log-stats."""
+    fast = {"GEMMA4SERVE_LOG_STATS_INTERVAL": "0.3"}
+    body = {"model": MODEL, "prompt": [2, 60], "max_tokens": 200, "ignore_eos": True}
+    for extra in ([], ["--disable-log-stats"]):
+        target, assistant = demo_model
+        args = ["-m", "gemma4serve.cli", "--model", str(target), "--draft", str(assistant)]
+        args += ["--device", "cpu", "--host", "127.0.0.1", "--port", "0", *extra]
+        args += ["--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
+        with ServerProcess(args, ready_timeout=240, env=fast) as proc:
+            time.sleep(1)  # idle: no lines
+            assert not any("Avg prompt throughput" in line for line in proc.lines)
+            assert httpx.post(proc.url + "/v1/completions", json=body, timeout=60).is_success
+            time.sleep(1)
+            stats = [line for line in proc.lines if "Avg prompt throughput" in line]
+            spec = [line for line in proc.lines if "SpecDecoding metrics" in line]
+            if extra:
+                assert not stats and not spec
+                continue
+            assert stats and spec, proc.lines[-20:]
+            assert re.search(r"Avg generation throughput: [1-9][\d.]* tokens/s", "".join(stats))
+            assert "Mean acceptance length" in spec[0] and "Per-position acceptance rate" in spec[0]
+            lines = len(proc.lines)
+            time.sleep(1)  # idle again: the lines stop
+            assert not any("Avg prompt throughput" in line for line in proc.lines[lines:])
+
+
 HANG_TIMEOUT_S = 3.0  # --engine-iteration-timeout of the hang tests (the demo steps take ms)
 
 

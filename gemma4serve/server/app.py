@@ -61,6 +61,7 @@ from gemma4serve.server.state import (
     CorsSettings,
     ServerState,
 )
+from gemma4serve.server.stats_log import log_stats
 from gemma4serve.stop_strings import StopStrings
 from gemma4serve.validation import (
     RequestError,
@@ -400,6 +401,7 @@ def build_app(
     limits: RequestLimits | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
     default_chat_template_kwargs: dict | None = None,
+    log_stats_interval: float | None = None,
 ) -> Starlette:
     """The ASGI app over `engine` (an EngineProcessClient or anything with its interface).
 
@@ -409,7 +411,8 @@ def build_app(
     aborts what still runs; then it calls `on_drained` (server/drain.py). When the engine offers
     `default_sampling_params` (a dict, e.g. the checkpoint's generation_config), those fill what
     a request leaves unset, as vLLM does with a model's generation config. `limits` bound what
-    one request may ask for (RequestLimits' defaults when None).
+    one request may ask for (RequestLimits' defaults when None). `log_stats_interval`: seconds
+    between vLLM's stats lines in the log (None: no lines).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
@@ -439,12 +442,15 @@ def build_app(
     async def lifespan(app):
         engine.start()  # on the loop: the engine may bind its output queues to it
         state.ready = True
-        drain_timer = asyncio.create_task(drain_when_asked(state))
+        timers = [asyncio.create_task(drain_when_asked(state))]
+        if log_stats_interval:
+            timers.append(asyncio.create_task(log_stats(state, log_stats_interval)))
         try:
             yield
         finally:
             state.begin_drain()
-            drain_timer.cancel()
+            for timer in timers:
+                timer.cancel()
             await asyncio.to_thread(state.stop_engine)
 
     routes = [
