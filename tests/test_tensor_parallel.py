@@ -9,6 +9,7 @@ disconnects, no page lost); a killed worker taking the server down.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -233,7 +234,7 @@ def test_a_size_the_model_cannot_split_by_fails_before_any_worker(tiny_checkpoin
 # ---- the real server ----------------------------------------------------------------------------
 
 
-def start_tp_server(tiny_checkpoints) -> ServerProcess:
+def start_tp_server(tiny_checkpoints, *extra: str) -> ServerProcess:
     target = tiny_checkpoints.get("dense")
     assistant = tiny_checkpoints.get_assistant("dense")
     args = [
@@ -241,7 +242,7 @@ def start_tp_server(tiny_checkpoints) -> ServerProcess:
         "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "-tp", "2",
         "--served-model-name", "tiny", "--num-draft-tokens", "3", "--disable-uvicorn-access-log",
         # few sequences and a small budget: requests wait, long prompts come in chunks
-        "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "32", *extra,
     ]  # fmt: skip
     return ServerProcess(args, ready_timeout=240)
 
@@ -367,6 +368,29 @@ def test_a_stop_signal_to_every_process_drains_on_two_ranks(tiny_checkpoints):
         while any(alive(pid) for pid in pids):
             assert time.monotonic() < deadline, "a rank outlived the server"
             time.sleep(0.2)
+
+
+def test_a_hung_worker_takes_the_server_down(tiny_checkpoints):
+    """A rank that hangs (here SIGSTOPped) holds rank 0 in a collective: after
+    --engine-iteration-timeout the server kills rank 0, the stream ends with an error and [DONE],
+    and the server exits 1."""
+    with start_tp_server(tiny_checkpoints, "--engine-iteration-timeout", "3") as server:
+        worker = logged_pid(server, r"rank 1 started \(pid (\d+)\)")
+        body = {"model": "tiny", "prompt": [2, 5, 9], "max_tokens": 3000, "stream": True}
+        body |= {"ignore_eos": True, "temperature": 0.0}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+                events = (line for line in r.iter_lines() if line.startswith("data: "))
+                next(events)
+                os.kill(worker, signal.SIGSTOP)
+                rest = list(events)
+            assert rest[-1] == "data: [DONE]", rest[-3:]
+            assert "the engine stopped responding" in rest[-2]
+            assert server.wait(60) == 1
+            assert any("it is hung" in line for line in server.lines)
+        finally:  # a stopped process cannot notice that its rank 0 is gone
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
 
 
 def test_a_killed_rank_0_takes_the_server_and_its_worker_down(tiny_checkpoints):
