@@ -231,6 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="Weight and activation dtype; auto = bfloat16 on CUDA, float32 on CPU.",
     )
     model.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto"],
+        help="Accepted for vLLM compatibility: the KV cache keeps the model's dtype (an fp8 "
+        "cache would change outputs).",
+    )
+    model.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Accepted for vLLM compatibility: Gemma 4 needs no code from the checkpoint, and "
+        "none is run.",
+    )
+    model.add_argument(
         "--seed", type=int, default=0, help="Seeds dummy weights and requests that give no seed."
     )
     model.add_argument(

@@ -402,6 +402,10 @@ def test_cli_model_given_twice_is_an_error(capsys):
         parse_args(["m", "--ssl-keyfile", "k.pem"])
     assert "go together" in capsys.readouterr().err
     # vLLM's text-only recipe flags are accepted; a multimodal limit is refused.
+    parse_args(["m", "--trust-remote-code", "--kv-cache-dtype", "auto"])
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--kv-cache-dtype", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
     for text_only in ('{"image": 0, "audio": 0}', '{"image": {"count": 0}}'):
         parse_args(["m", "--enable-chunked-prefill", "--limit-mm-per-prompt", text_only])
     for limits, message in [
