@@ -71,6 +71,9 @@ def test_sampling_params_cross_the_boundary_whole():
         structured_outputs=StructuredOutputsParams(
             json='{"type": "object"}',
             json_object=True,
+            regex="[ab]+",
+            choice=("yes", "no"),
+            grammar='root ::= "x"',
             tool_calls='[{"name": "f", "parameters": null}]',
             parallel_tool_calls=True,
             thinking="open",
@@ -86,6 +89,10 @@ def test_sampling_params_cross_the_boundary_whole():
     codec = Codec()
     message = codec.requests.decode(codec.encode(AddRequest("r", [2, 7], params, 12.5)))
     assert message == AddRequest("r", [2, 7], params, 12.5)
+    hash(message.params.structured_outputs)  # it keys the compiled-grammar cache
+    spec_fields = dataclasses.fields(StructuredOutputsParams)
+    unset = [f.name for f in spec_fields if getattr(params.structured_outputs, f.name) == f.default]
+    assert not unset, f"set these fields off their defaults in this test: {unset}"
 
 
 # ---- the real server ----------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Structured output (response_format json_object / json_schema): every output of random tiny
-models parses and validates, MTP changes no constrained token, bad schemas get a 400."""
+"""Structured output (response_format json_object / json_schema; vLLM's regex, choice and
+grammar): every output of random tiny models parses and validates or matches, MTP changes no
+constrained token, bad schemas, regexes and grammars get a 400."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -136,6 +138,60 @@ def test_vllm_spellings(server):
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         jsonschema.validate(check_strict_json(r.json()["choices"][0]["text"]), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "extra, holds",
+    [
+        (
+            {"guided_choice": ["red", "green", 'bl"ue\n']},
+            lambda t: t in ("red", "green", 'bl"ue\n'),
+        ),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"guided_regex": "[a-c]{2,5}-[0-9]{1,2}"}, re.compile("[a-c]{2,5}-[0-9]{1,2}").fullmatch),
+        ({"structured_outputs": {"regex": "(ab|cd){1,3}!"}}, re.compile("(ab|cd){1,3}!").fullmatch),
+        (
+            {"guided_grammar": 'root ::= "(" digit digit? ")"\ndigit ::= [0-9]'},
+            re.compile(r"\([0-9]{1,2}\)").fullmatch,
+        ),
+        (
+            {"structured_outputs": {"grammar": 'root ::= ("x" | "y") "=" [0-9]'}},
+            re.compile("[xy]=[0-9]").fullmatch,
+        ),
+    ],
+)
+def test_regex_choice_and_grammar_hold_over_seeds(server, extra, holds):
+    """vLLM's regex, choice and grammar constraints (structured_outputs and the older guided_*
+    fields), on completions and on chat: every output of the random model matches (each is
+    bounded, so that the random model ends it)."""
+    free0 = free_pages(server)
+    for seed in range(4):
+        for path, prompt in (
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/chat/completions", {"messages": HI}),
+        ):
+            body = {"model": MODEL, "max_tokens": 60, "seed": seed, "temperature": 1.0, **prompt}
+            r = httpx.post(server.url + path, json=body | extra, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            text = choice["text"] if "text" in choice else choice["message"]["content"]
+            assert choice["finish_reason"] == "stop" and holds(text), (extra, text)
+    wait_for_free_pages(server, free0)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"guided_regex": "(ab"}, "the regex cannot be used"),
+        ({"structured_outputs": {"grammar": "root ::= "}}, "the grammar cannot be used"),
+    ],
+)
+def test_a_bad_regex_or_grammar_is_a_400(server, extra, words):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, **extra}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "structured_outputs" and words in error["message"], error
 
 
 @pytest.mark.parametrize(

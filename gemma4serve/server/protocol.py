@@ -171,28 +171,38 @@ class _GenerationRequest(_Request):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's {"json": schema} / {"json_object"}
-    guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a JSON schema
+    # vLLM's {"json": schema} / {"json_object": true} / {"regex"} / {"choice"} / {"grammar"}
+    structured_outputs: dict[str, Any] | None = None
+    # vLLM's older spellings of the same
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # vLLM's: logprobs name tokens "token_id:{id}" (None: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
-    # vLLM's other older constraints, declared only to be refused (ignored, they would not hold)
-    guided_choice: Any = None
-    guided_regex: Any = None
-    guided_grammar: Any = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint the request asks for, or None; ApiError(400) when malformed."""
         if self.guided_json is not None:
             return StructuredOutputsParams(json=_schema_text(self.guided_json, "guided_json"))
+        for kind in ("regex", "choice", "grammar"):
+            given = getattr(self, f"guided_{kind}")
+            if given is not None:
+                return _text_constraint(kind, given, f"guided_{kind}")
         if self.structured_outputs:
-            if self.structured_outputs.get("json") is not None:
-                schema = self.structured_outputs["json"]
+            outputs = self.structured_outputs
+            if outputs.get("json") is not None:
+                schema = outputs["json"]
                 return StructuredOutputsParams(json=_schema_text(schema, "structured_outputs"))
-            if self.structured_outputs.get("json_object"):
+            if outputs.get("json_object"):
                 return StructuredOutputsParams(json_object=True)
+            for kind in ("regex", "choice", "grammar"):
+                if outputs.get(kind) is not None:
+                    return _text_constraint(kind, outputs[kind], "structured_outputs")
             raise ApiError(
                 400,
-                "structured_outputs supports only 'json' and 'json_object' on this server.",
+                "structured_outputs supports 'json', 'json_object', 'regex', 'choice' and "
+                "'grammar' on this server.",
                 param="structured_outputs",
             )
         kind = (self.response_format or {}).get("type", "text")
@@ -231,15 +241,7 @@ class _GenerationRequest(_Request):
                 f"got {self.truncate_prompt_tokens}",
                 param="truncate_prompt_tokens",
             )
-        self.structured_outputs_params()  # a 400 for a malformed response_format
-        for name in ("guided_choice", "guided_regex", "guided_grammar"):
-            if getattr(self, name) is not None:
-                raise ApiError(
-                    400,
-                    f"{name} is not supported on this server; its constraints are JSON ones "
-                    "(response_format, structured_outputs 'json', guided_json).",
-                    param=name,
-                )
+        self.structured_outputs_params()  # a 400 for a malformed constraint
         if any(s == "" for s in self.stop_strings):
             raise ApiError(400, "stop strings must not be empty.", param="stop")
 
@@ -772,3 +774,15 @@ def _schema_text(schema: dict | str, param: str) -> str:
     if not isinstance(schema, dict):
         raise ApiError(400, "the JSON schema must be an object.", param=param)
     return json.dumps(schema)
+
+
+def _text_constraint(kind: str, given: Any, param: str) -> StructuredOutputsParams:
+    """vLLM's regex (a string), choice (a non-empty list of strings) or grammar (a string); the
+    grammar compiler checks the rest."""
+    if kind == "choice":
+        if not (isinstance(given, list) and given and all(isinstance(c, str) for c in given)):
+            raise ApiError(400, "choice must be a non-empty list of strings.", param=param)
+        return StructuredOutputsParams(choice=tuple(given))
+    if not isinstance(given, str) or not given:
+        raise ApiError(400, f"{kind} must be a non-empty string.", param=param)
+    return StructuredOutputsParams(**{kind: given})

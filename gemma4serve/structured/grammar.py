@@ -83,14 +83,24 @@ class GrammarCompiler:
             tools = json.loads(spec.tool_calls)
             ebnf = tool_calls_ebnf(tools, spec.parallel_tool_calls, markers, prefix) + rules
             return compiler.compile_grammar(xgrammar.Grammar.from_ebnf(ebnf))
-        grammar = self._json_grammar(spec)
+        grammar = self._answer_grammar(spec)
         if spec.thinking == NO_THINKING:
             return self._compiler.compile_grammar(grammar)
-        # Thinking first: the JSON grammar applies once the thought channel closes.
+        # Thinking first: the answer's grammar applies once the thought channel closes.
         markers, compiler = self._marker_tokens()
         rules, prefix = thinking_rules(markers, spec.thinking)
         thinking = xgrammar.Grammar.from_ebnf(f'root ::= {prefix} ""\n' + rules)
         return compiler.compile_grammar(xgrammar.Grammar.concat(thinking, grammar))
+
+    def _answer_grammar(self, spec: StructuredOutputsParams) -> xgrammar.Grammar:
+        if spec.regex is not None:
+            return xgrammar.Grammar.from_regex(spec.regex)
+        if spec.choice is not None:  # JSON's string escapes are the EBNF literals' too
+            literals = (json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
+            return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(literals))
+        if spec.grammar is not None:
+            return xgrammar.Grammar.from_ebnf(spec.grammar)
+        return self._json_grammar(spec)
 
     def _json_grammar(self, spec: StructuredOutputsParams) -> xgrammar.Grammar:
         # json_object: any JSON object, with the same bounded whitespace and strict strings.
@@ -118,11 +128,12 @@ class GrammarCompiler:
         except RequestError:
             raise
         except (RuntimeError, ValueError) as error:
-            what, param = (
-                ("the tools' schemas", "tools")
-                if spec.tool_calls is not None
-                else ("the JSON schema", "response_format")
-            )
+            if spec.tool_calls is not None:
+                what, param = "the tools' schemas", "tools"
+            elif spec.regex is not None or spec.grammar is not None:
+                what, param = ("the regex" if spec.regex else "the grammar"), "structured_outputs"
+            else:
+                what, param = "the JSON schema", "response_format"
             raise RequestError(f"{what} cannot be used: {error}", param=param) from error
         return GrammarState(xgrammar.GrammarMatcher(compiled), self.vocab_size)
 

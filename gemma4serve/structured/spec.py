@@ -1,6 +1,6 @@
-"""What a request's output must match (vLLM's StructuredOutputsParams: the JSON kinds, and the tool
-calls that `tool_choice` forces): plain, hashable data, so it crosses a process boundary and keys
-the compiled-grammar cache."""
+"""What a request's output must match (vLLM's StructuredOutputsParams: the JSON kinds, a regex, a
+choice, a grammar, and the tool calls that `tool_choice` forces): plain, hashable data, so it
+crosses a process boundary and keys the compiled-grammar cache."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ IN_THOUGHT = "open"  # the prompt left a channel open: the output starts inside 
 class StructuredOutputsParams:
     json: str | None = None  # a JSON schema as JSON text
     json_object: bool = False  # any JSON object (when `json` is None)
+    regex: str | None = None  # the whole answer matches it
+    choice: tuple[str, ...] | None = None  # the answer is one of these strings
+    grammar: str | None = None  # an EBNF grammar (xgrammar's, GBNF-like) with a `root` rule
     # Gemma tool calls: a JSON list of {"name", "parameters"}, the tools the calls may use
     tool_calls: str | None = None
     parallel_tool_calls: bool = False  # with tool_calls: one or more calls, else exactly one
