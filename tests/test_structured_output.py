@@ -194,6 +194,52 @@ def test_a_bad_regex_or_grammar_is_a_400(server, extra, words):
     assert error["param"] == "structured_outputs" and words in error["message"], error
 
 
+@pytest.mark.parametrize("pattern", [".*", "\\S+", "[^x]*"])
+def test_no_marker_token_enters_a_regex_answer_after_thinking(tiny_checkpoints, pattern):
+    """With thinking on, the answer's regex is compiled beside the marker tokens (the thought
+    channel needs them): no character class of the user's regex may take one, so the output
+    parser reads the answer back whole."""
+    from gemma4serve.structured.bitmask import new_bitmask
+    from gemma4serve.structured.grammar import MARKER_TEXTS, GrammarCompiler
+    from gemma4serve.structured.spec import MAY_THINK
+    from gemma4serve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_checkpoints.get("dense"))
+    markers = {text: tokenizer.token_to_id(text) for text in MARKER_TEXTS}
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, list(tokenizer.eos_token_ids))
+    state = compiler.matcher(StructuredOutputsParams(regex=pattern, thinking=MAY_THINK))
+    mask = new_bitmask(1, tokenizer.vocab_size)
+
+    def allowed() -> set[str]:
+        state.fill_rows(mask, 0, [])
+        return {t for t, i in markers.items() if (int(mask[0, i // 32]) >> (i % 32)) & 1}
+
+    assert allowed() == {"<|channel>"}  # the optional thought, and no marker as answer text
+    for token in [markers["<|channel>"], *tokenizer.encode("hm"), markers["<channel|>"]]:
+        state.commit(token)
+    assert allowed() == set()
+    for token in tokenizer.encode("ok"):
+        state.commit(token)
+        assert allowed() == set()
+
+
+def test_a_constraint_no_text_matches_is_a_request_error(tiny_checkpoints):
+    """A grammar whose language is empty would mask every token: refused."""
+    from gemma4serve.structured.grammar import GrammarCompiler
+    from gemma4serve.tokenizer import Tokenizer
+    from gemma4serve.validation import RequestError
+
+    tokenizer = Tokenizer.from_dir(tiny_checkpoints.get("dense"))
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, list(tokenizer.eos_token_ids))
+    for spec in (
+        StructuredOutputsParams(grammar="root ::= root"),
+        StructuredOutputsParams(regex="[^\\s\\S]"),
+    ):
+        with pytest.raises(RequestError, match="matches no text"):
+            compiler.matcher(spec)
+    assert StructuredOutputsParams(choice=["a", "b"]).choice == ("a", "b")  # vLLM's list, hashable
+
+
 @pytest.mark.parametrize(
     "response_format, words",
     [

@@ -206,10 +206,10 @@ class EngineProcessClient:
         self._outputs.add_request(request_id, prompt_token_ids, params)
         try:
             self._send(AddRequest(request_id, prompt_token_ids, params, time.monotonic()))
-        except OverflowError:  # the wire's integers are 64-bit (a prompt id, a logprobs count...)
-            self._outputs.remove(request_id)
+        except (OverflowError, UnicodeEncodeError):  # the wire's integers are 64-bit, its text
+            self._outputs.remove(request_id)  # UTF-8 (a prompt id, a logprobs count, a surrogate)
             raise RequestError(
-                "the request holds an integer that does not fit in 64 bits"
+                "the request holds an integer past 64 bits or text that is not valid Unicode"
             ) from None
         # No await since the send: the request's first output cannot have been dispatched yet.
         queue = self._queues[request_id] = asyncio.Queue()

@@ -21,6 +21,8 @@ from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.structured.spec import StructuredOutputsParams
 
+TEXT_CONSTRAINTS = ("regex", "choice", "grammar")  # vLLM's constraints besides the JSON ones
+
 # -------------------------------------------------------------------------------------------------
 # Errors
 
@@ -182,35 +184,47 @@ class _GenerationRequest(_Request):
     return_tokens_as_token_ids: bool | None = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The output constraint the request asks for, or None; ApiError(400) when malformed."""
+        """The output constraint the request asks for, or None; ApiError(400) when malformed or
+        when more than one is given (vLLM refuses those too)."""
+        return _only_one(self._constraints())
+
+    def _constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """Every constraint the request gives, each with the field that gave it."""
+        found = []
         if self.guided_json is not None:
-            return StructuredOutputsParams(json=_schema_text(self.guided_json, "guided_json"))
-        for kind in ("regex", "choice", "grammar"):
+            found.append(
+                (
+                    "guided_json",
+                    StructuredOutputsParams(json=_schema_text(self.guided_json, "guided_json")),
+                )
+            )
+        for kind in TEXT_CONSTRAINTS:
             given = getattr(self, f"guided_{kind}")
             if given is not None:
-                return _text_constraint(kind, given, f"guided_{kind}")
-        if self.structured_outputs:
-            outputs = self.structured_outputs
-            if outputs.get("json") is not None:
-                schema = outputs["json"]
-                return StructuredOutputsParams(json=_schema_text(schema, "structured_outputs"))
-            if outputs.get("json_object"):
-                return StructuredOutputsParams(json_object=True)
-            for kind in ("regex", "choice", "grammar"):
-                if outputs.get(kind) is not None:
-                    return _text_constraint(kind, outputs[kind], "structured_outputs")
+                found.append((f"guided_{kind}", _text_constraint(kind, given, f"guided_{kind}")))
+        outputs = self.structured_outputs or {}
+        kinds = [key for key, value in outputs.items() if value is not None and value is not False]
+        if outputs and (not kinds or not set(kinds) <= {"json", "json_object", *TEXT_CONSTRAINTS}):
             raise ApiError(
                 400,
                 "structured_outputs supports 'json', 'json_object', 'regex', 'choice' and "
                 "'grammar' on this server.",
                 param="structured_outputs",
             )
+        for kind in kinds:
+            if kind == "json":
+                spec = StructuredOutputsParams(
+                    json=_schema_text(outputs["json"], "structured_outputs")
+                )
+            elif kind == "json_object":
+                spec = StructuredOutputsParams(json_object=True)
+            else:
+                spec = _text_constraint(kind, outputs[kind], "structured_outputs")
+            found.append((f"structured_outputs.{kind}", spec))
         kind = (self.response_format or {}).get("type", "text")
-        if kind == "text":
-            return None
         if kind == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if kind == "json_schema":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif kind == "json_schema":
             spec = self.response_format.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise ApiError(
@@ -219,13 +233,16 @@ class _GenerationRequest(_Request):
                     "object.",
                     param="response_format",
                 )
-            return StructuredOutputsParams(json=_schema_text(spec["schema"], "response_format"))
-        raise ApiError(
-            400,
-            f"response_format type '{kind}' is not supported; use 'text', 'json_object' or "
-            "'json_schema'.",
-            param="response_format",
-        )
+            schema = _schema_text(spec["schema"], "response_format")
+            found.append(("response_format", StructuredOutputsParams(json=schema)))
+        elif kind != "text":
+            raise ApiError(
+                400,
+                f"response_format type '{kind}' is not supported; use 'text', 'json_object' or "
+                "'json_schema'.",
+                param="response_format",
+            )
+        return found
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour rather than silently ignoring it."""
@@ -381,9 +398,20 @@ class ChatCompletionRequest(_GenerationRequest, _ChatPrompt):
             raise ApiError(400, str(e), param="tool_choice") from e
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """A forced tool call's grammar wins over response_format, as in vLLM."""
+        """A forced tool call's grammar wins over response_format, as in vLLM; beside any other
+        constraint it is a 400, as in vLLM."""
+        constraints = self._constraints()
         forced = self.tool_calls_spec()
-        return forced if forced is not None else super().structured_outputs_params()
+        if forced is None:
+            return _only_one(constraints)
+        others = [name for name, _ in constraints if name != "response_format"]
+        if others:
+            raise ApiError(
+                400,
+                "You can only either use constraints for structured outputs or tools, not both.",
+                param=others[0].split(".")[0],
+            )
+        return forced
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -776,13 +804,33 @@ def _schema_text(schema: dict | str, param: str) -> str:
     return json.dumps(schema)
 
 
+def _only_one(
+    constraints: list[tuple[str, StructuredOutputsParams]],
+) -> StructuredOutputsParams | None:
+    if len(constraints) > 1:
+        names = [name for name, _ in constraints]
+        raise ApiError(
+            400,
+            f"only one structured output constraint may be given, got {', '.join(names)}.",
+            param=names[1].split(".")[0],
+        )
+    return constraints[0][1] if constraints else None
+
+
 def _text_constraint(kind: str, given: Any, param: str) -> StructuredOutputsParams:
     """vLLM's regex (a string), choice (a non-empty list of strings) or grammar (a string); the
     grammar compiler checks the rest."""
+    texts = given if kind == "choice" and isinstance(given, list) else [given]
+    if kind == "choice" and not (isinstance(given, list) and given):
+        raise ApiError(400, "choice must be a non-empty list of strings.", param=param)
+    if not all(isinstance(text, str) for text in texts) or (kind != "choice" and not given):
+        what = "a non-empty list of strings" if kind == "choice" else "a non-empty string"
+        raise ApiError(400, f"{kind} must be {what}.", param=param)
+    for text in texts:
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{kind} holds a lone surrogate.", param=param) from None
     if kind == "choice":
-        if not (isinstance(given, list) and given and all(isinstance(c, str) for c in given)):
-            raise ApiError(400, "choice must be a non-empty list of strings.", param=param)
         return StructuredOutputsParams(choice=tuple(given))
-    if not isinstance(given, str) or not given:
-        raise ApiError(400, f"{kind} must be a non-empty string.", param=param)
     return StructuredOutputsParams(**{kind: given})

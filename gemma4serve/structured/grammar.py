@@ -41,8 +41,8 @@ class GrammarCompiler:
 
     def _info(self, marker_ids: tuple[int, ...]) -> xgrammar.TokenizerInfo:
         """Special tokens are "" (xgrammar never allows those: their text is not the output's
-        text), except the markers a grammar names by id: their text starts with a control
-        character, so no JSON string or free text can take them."""
+        text), except the markers a grammar names by id: their bytes start with 0xFF, never
+        valid UTF-8, so no character class, `.` or free text of any grammar can take them."""
         tokenizer = self._tokenizer
         vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
         special = set(tokenizer.all_special_ids)
@@ -51,7 +51,7 @@ class GrammarCompiler:
             if token_id < self.vocab_size and token_id not in special:
                 encoded[token_id] = text
             elif token_id in marker_ids:
-                encoded[token_id] = "\x01" + text
+                encoded[token_id] = b"\xff" + text.encode()
         return xgrammar.TokenizerInfo(
             encoded,
             _vocab_type(tokenizer),
@@ -84,8 +84,12 @@ class GrammarCompiler:
             ebnf = tool_calls_ebnf(tools, spec.parallel_tool_calls, markers, prefix) + rules
             return compiler.compile_grammar(xgrammar.Grammar.from_ebnf(ebnf))
         grammar = self._answer_grammar(spec)
+        answer = None
+        if spec.regex is not None or spec.grammar is not None:  # a user's language may be empty
+            answer = self._compiler.compile_grammar(grammar)
+            _refuse_empty(answer, self.vocab_size)
         if spec.thinking == NO_THINKING:
-            return self._compiler.compile_grammar(grammar)
+            return answer if answer is not None else self._compiler.compile_grammar(grammar)
         # Thinking first: the answer's grammar applies once the thought channel closes.
         markers, compiler = self._marker_tokens()
         rules, prefix = thinking_rules(markers, spec.thinking)
@@ -130,8 +134,9 @@ class GrammarCompiler:
         except (RuntimeError, ValueError) as error:
             if spec.tool_calls is not None:
                 what, param = "the tools' schemas", "tools"
-            elif spec.regex is not None or spec.grammar is not None:
-                what, param = ("the regex" if spec.regex else "the grammar"), "structured_outputs"
+            elif spec.regex is not None or spec.grammar is not None or spec.choice is not None:
+                what = "the regex" if spec.regex else "the grammar" if spec.grammar else "choice"
+                param = "structured_outputs"
             else:
                 what, param = "the JSON schema", "response_format"
             raise RequestError(f"{what} cannot be used: {error}", param=param) from error
@@ -175,6 +180,15 @@ class GrammarState:
             bitmask[row] = -1
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _refuse_empty(compiled: xgrammar.CompiledGrammar, vocab_size: int) -> None:
+    """A grammar no text matches would mask every token (the sampler would then emit token 0)."""
+    matcher = xgrammar.GrammarMatcher(compiled)
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    if not matcher.is_terminated() and not bitmask.any():
+        raise RequestError("the constraint matches no text", param="structured_outputs")
 
 
 def _vocab_type(tokenizer: Tokenizer) -> xgrammar.VocabType:
