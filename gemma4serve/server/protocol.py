@@ -192,12 +192,8 @@ class _GenerationRequest(_Request):
         """Every constraint the request gives, each with the field that gave it."""
         found = []
         if self.guided_json is not None:
-            found.append(
-                (
-                    "guided_json",
-                    StructuredOutputsParams(json=_schema_text(self.guided_json, "guided_json")),
-                )
-            )
+            schema = _schema_text(self.guided_json, "guided_json")
+            found.append(("guided_json", StructuredOutputsParams(json=schema)))
         for kind in TEXT_CONSTRAINTS:
             given = getattr(self, f"guided_{kind}")
             if given is not None:
@@ -213,9 +209,8 @@ class _GenerationRequest(_Request):
             )
         for kind in kinds:
             if kind == "json":
-                spec = StructuredOutputsParams(
-                    json=_schema_text(outputs["json"], "structured_outputs")
-                )
+                schema = _schema_text(outputs["json"], "structured_outputs")
+                spec = StructuredOutputsParams(json=schema)
             elif kind == "json_object":
                 spec = StructuredOutputsParams(json_object=True)
             else:
