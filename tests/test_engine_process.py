@@ -295,6 +295,19 @@ def test_requests_sharing_an_x_request_id_each_run_to_their_end(server):
     wait_for_free_pages(server, baseline)
 
 
+def assert_refused_until_gone(proc: ServerProcess) -> None:
+    """A server whose engine failed: /health and new requests get a 5xx until it is gone, and it
+    exits 1."""
+    body = {"model": MODEL, "prompt": [2, 60], "max_tokens": 5}
+    for method, path, request in [("GET", "/health", None), ("POST", "/v1/completions", body)]:
+        try:
+            response = httpx.request(method, proc.url + path, json=request, timeout=30)
+        except httpx.TransportError:
+            continue  # already gone
+        assert response.status_code >= 500, response.text
+    assert proc.wait(60) == 1
+
+
 def test_killed_engine_process_fails_streams_and_the_server_exits_non_zero(demo_model):
     with start_server(demo_model) as proc:
         pid = engine_pid(proc)
@@ -309,14 +322,7 @@ def test_killed_engine_process_fails_streams_and_the_server_exits_non_zero(demo_
         assert payloads[-1] == "[DONE]"
         error = json.loads(payloads[-2])["error"]
         assert error["type"] == "internal_server_error" and "engine" in error["message"]
-        # Until the server is gone, it refuses: /health and new requests get a 5xx.
-        for method, path, request in [("GET", "/health", None), ("POST", "/v1/completions", body)]:
-            try:
-                response = httpx.request(method, proc.url + path, json=request, timeout=30)
-            except httpx.TransportError:
-                continue  # already gone
-            assert response.status_code >= 500, response.text
-        assert proc.wait(60) == 1
+        assert_refused_until_gone(proc)
         assert any("the engine process died" in line for line in proc.lines)
 
 
@@ -429,16 +435,8 @@ def stopped_engine(proc: ServerProcess):
 
 
 def assert_stopped_for_a_hang(proc: ServerProcess, pid: int) -> None:
-    """/health and new requests get a 5xx until the server is gone; it exits 1, the hung engine
-    process killed."""
-    body = {"model": MODEL, "prompt": [2, 60], "max_tokens": 5}
-    for method, path, request in [("GET", "/health", None), ("POST", "/v1/completions", body)]:
-        try:
-            response = httpx.request(method, proc.url + path, json=request, timeout=30)
-        except httpx.TransportError:
-            continue  # already gone
-        assert response.status_code >= 500, response.text
-    assert proc.wait(60) == 1
+    """As for a dead engine, and the hung engine process is killed."""
+    assert_refused_until_gone(proc)
     assert any("it is hung" in line for line in proc.lines), proc.lines[-20:]
     assert not process_exists(pid)
 
