@@ -815,10 +815,9 @@ def _only_one(
 def _text_constraint(kind: str, given: Any, param: str) -> StructuredOutputsParams:
     """vLLM's regex (a string), choice (a non-empty list of strings) or grammar (a string); the
     grammar compiler checks the rest."""
-    texts = given if kind == "choice" and isinstance(given, list) else [given]
-    if kind == "choice" and not (isinstance(given, list) and given):
-        raise ApiError(400, "choice must be a non-empty list of strings.", param=param)
-    if not all(isinstance(text, str) for text in texts) or (kind != "choice" and not given):
+    texts = given if kind == "choice" else [given]
+    strings = isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)
+    if not strings or (kind != "choice" and not given):  # a choice may be the empty string
         what = "a non-empty list of strings" if kind == "choice" else "a non-empty string"
         raise ApiError(400, f"{kind} must be {what}.", param=param)
     for text in texts:
