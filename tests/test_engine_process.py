@@ -105,7 +105,9 @@ def demo_model(tmp_path_factory):
     return ensure_demo_model(tmp_path_factory.mktemp("demo-cache"))
 
 
-def start_server(demo_model, *extra: str, drafter: list[str] | None = None) -> ServerProcess:
+def start_server(
+    demo_model, *extra: str, drafter: list[str] | None = None, env: dict | None = None
+) -> ServerProcess:
     """The demo server; `drafter` replaces the flags that name the assistant and its drafts."""
     target, assistant = demo_model
     if drafter is None:
@@ -114,7 +116,7 @@ def start_server(demo_model, *extra: str, drafter: list[str] | None = None) -> S
     args += ["--device", "cpu", "--host", "127.0.0.1", "--port", "0"]
     args += ["--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
     args += ["--disable-uvicorn-access-log", *extra]
-    return ServerProcess(args, ready_timeout=240)
+    return ServerProcess(args, ready_timeout=240, env=env)
 
 
 def engine_pid(server: ServerProcess) -> int:
@@ -396,11 +398,7 @@ def test_the_log_has_vllms_stats_lines_while_there_is_work(demo_model):
     fast = {"GEMMA4SERVE_LOG_STATS_INTERVAL": "0.3"}
     body = {"model": MODEL, "prompt": [2, 60], "max_tokens": 200, "ignore_eos": True}
     for extra in ([], ["--disable-log-stats"]):
-        target, assistant = demo_model
-        args = ["-m", "gemma4serve.cli", "--model", str(target), "--draft", str(assistant)]
-        args += ["--device", "cpu", "--host", "127.0.0.1", "--port", "0", *extra]
-        args += ["--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
-        with ServerProcess(args, ready_timeout=240, env=fast) as proc:
+        with start_server(demo_model, *extra, env=fast) as proc:
             time.sleep(1)  # idle: no lines
             assert not any("Avg prompt throughput" in line for line in proc.lines)
             assert httpx.post(proc.url + "/v1/completions", json=body, timeout=60).is_success

@@ -84,12 +84,10 @@ class GrammarCompiler:
             ebnf = tool_calls_ebnf(tools, spec.parallel_tool_calls, markers, prefix) + rules
             return compiler.compile_grammar(xgrammar.Grammar.from_ebnf(ebnf))
         grammar = self._answer_grammar(spec)
-        answer = None
         if spec.regex is not None or spec.grammar is not None:  # a user's language may be empty
-            answer = self._compiler.compile_grammar(grammar)
-            _refuse_empty(answer, self.vocab_size)
-        if spec.thinking == NO_THINKING:
-            return answer if answer is not None else self._compiler.compile_grammar(grammar)
+            _refuse_empty(self._compiler.compile_grammar(grammar), self.vocab_size)
+        if spec.thinking == NO_THINKING:  # xgrammar's own cache: not compiled a second time
+            return self._compiler.compile_grammar(grammar)
         # Thinking first: the answer's grammar applies once the thought channel closes.
         markers, compiler = self._marker_tokens()
         rules, prefix = thinking_rules(markers, spec.thinking)
