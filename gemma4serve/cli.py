@@ -37,7 +37,7 @@ from gemma4serve.server.stats_log import INTERVAL_S as STATS_INTERVAL_S
 logger = logging.getLogger("gemma4serve")
 
 DEMO_MODEL_NAME = "gemma4serve-demo"
-API_KEY_ENV = "GEMMA4SERVE_API_KEY"
+API_KEY_ENVS = ("GEMMA4SERVE_API_KEY", "VLLM_API_KEY")  # read in this order
 DRAIN_TIMEOUT_ENV = "GEMMA4SERVE_DRAIN_TIMEOUT"  # the Docker image sets it to fit `docker stop`
 LOG_STATS_INTERVAL_ENV = "GEMMA4SERVE_LOG_STATS_INTERVAL"  # vLLM's VLLM_LOG_STATS_INTERVAL
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -49,16 +49,23 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a supervisor's sto
 # Argument types
 
 
+_SCALES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+_SCALES |= {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
 def _token_count(text: str) -> int:
-    """`32768`, `32k` (x1000) or `32K` (x1024), like vLLM's --max-model-len."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
+    """vLLM's human-readable integers: `32768`, `32k` (x1000) or `32K` (x1024); k, m, g and t
+    count in thousands, K, M, G and T in 1024s."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)\s*", text)
     if not match:
-        raise argparse.ArgumentTypeError(
-            f"expected a token count like 8192, 8k or 8K, got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"expected a count like 8192, 8k or 8K, got {text!r}")
     number, unit = match.groups()
-    scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[unit]
-    return int(float(number) * scale)
+    return int(float(number) * _SCALES[unit])
+
+
+def _token_count_or_auto(text: str) -> int | None:
+    """vLLM's --max-model-len: a count, or auto / -1 for the default (None)."""
+    return None if text.strip().lower() in ("auto", "-1") else _token_count(text)
 
 
 _BYTE_UNITS = {
@@ -231,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Weight and activation dtype; auto = bfloat16 on CUDA, float32 on CPU.",
     )
     model.add_argument(
+        "--quantization",
+        "-q",
+        metavar="METHOD",
+        help="Refused: vLLM's quantization methods (fp8, awq, ...) change outputs; this server "
+        "runs the checkpoint's weights in --dtype.",
+    )
+    model.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto"],
@@ -239,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--trust-remote-code",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Accepted for vLLM compatibility: Gemma 4 needs no code from the checkpoint, and "
         "none is run.",
     )
@@ -282,13 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--disable-custom-all-reduce",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Tensor parallelism: NCCL for every all-reduce (default: a one-shot all-reduce "
         "through symmetric memory for small ones on CUDA).",
     )
     engine.add_argument(
         "--max-model-len",
-        type=_token_count,
+        type=_token_count_or_auto,
         metavar="TOKENS",
         help="Context length (prompt + output), e.g. 32768, 32k (x1000) or 32K (x1024) "
         "(default: the config's, capped by the KV cache).",
@@ -301,13 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=_token_count,
         default=EngineArgs.max_num_batched_tokens,
         help="Token budget of one engine step (longer prompts are prefilled in chunks).",
     )
     engine.add_argument(
         "--enable-chunked-prefill",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Accepted for vLLM compatibility: prompts are always prefilled in chunks.",
     )
     engine.add_argument(
@@ -328,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_byte_size,
         metavar="BYTES",
         help="Bytes for KV pages, e.g. 20GiB; overrides --gpu-memory-utilization.",
+    )
+    engine.add_argument(
+        "--kv-cache-memory-bytes",
+        dest="kv_cache_memory",
+        type=_token_count,
+        metavar="BYTES",
+        help="vLLM's spelling of --kv-cache-memory, in its units (20g = 20e9, 20G = 20 x 2^30).",
     )
     # Test knob: an arena that holds this many positions.
     engine.add_argument("--kv-cache-tokens", type=int, help=argparse.SUPPRESS)
@@ -353,7 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto = Triton on CUDA, torch elsewhere. flashinfer: FlashInfer's prefill for the "
         "sliding layers of eager prompt steps (the flashinfer extra).",
     )
-    engine.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
+    engine.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Never capture CUDA graphs.",
+    )
     engine.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
@@ -422,8 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--api-key",  # the env default is read in parse_args: --help must not print the key
-        help=f"Require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, if set). "
-        "/health, /metrics and CORS preflights stay open.",
+        nargs="+",
+        metavar="KEY",
+        help="Require `Authorization: Bearer KEY` on /v1/*, any of the keys given (default: "
+        f"${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]}, if set). /health, /metrics and CORS "
+        "preflights stay open.",
     )
     server.add_argument(
         "--root-path",
@@ -456,10 +488,14 @@ def build_parser() -> argparse.ArgumentParser:
         help='CORS: request headers allowed, a JSON list (default: ["*"]).',
     )
     server.add_argument(
-        "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)."
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CORS: allow credentials (cookies).",
     )
     server.add_argument(
         "--drain-timeout",
+        "--shutdown-timeout",  # vLLM's name
         type=float,
         metavar="SECONDS",
         help="On SIGTERM, seconds to let running requests finish before aborting them "
@@ -477,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     api.add_argument(
         "--return-tokens-as-token-ids",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Logprobs name tokens 'token_id:{id}' unless a request's return_tokens_as_token_ids "
         "says otherwise.",
     )
@@ -525,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     # switches for that are accepted so that vLLM command lines run unchanged.
     api.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Accepted for vLLM compatibility: tool calls are always parsed.",
     )
     api.add_argument(
@@ -535,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     api.add_argument(
         "--exclude-tools-when-tool-choice-none",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="As vLLM: leave the tools out of the prompt of a request with tool_choice "
         '"none" (by default they are rendered, and no calls are parsed).',
     )
@@ -549,33 +588,41 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument(
         "--log-level",
         default="info",
+        type=str.lower,  # vLLM spells the levels in capitals
         choices=_LOG_LEVELS,
         help="Level of gemma4serve's own log.",
     )
     logs.add_argument(
         "--uvicorn-log-level",
         default="info",
+        type=str.lower,
         choices=_LOG_LEVELS + ["trace"],
         help="Level of uvicorn's log (warning and above hide the line per HTTP request).",
     )
     logs.add_argument(
-        "--disable-uvicorn-access-log", action="store_true", help="No line per HTTP request."
+        "--disable-uvicorn-access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="No line per HTTP request.",
     )
     logs.add_argument(
         "--disable-log-stats",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="No stats line (throughput, running and waiting requests, KV use, prefix-cache hits, "
         f"drafts accepted) every ${LOG_STATS_INTERVAL_ENV} seconds (default "
         f"{STATS_INTERVAL_S:.0f}) while there is work.",
     )
     logs.add_argument(
         "--enable-log-requests",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Log each generation request: its id, prompt size and sampling settings.",
     )
     logs.add_argument(
         "--disable-log-requests",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Accepted for vLLM compatibility: requests are not logged unless "
         "--enable-log-requests is given.",
     )
@@ -644,7 +691,7 @@ def _apply_speculative_config(parser: argparse.ArgumentParser, ns: argparse.Name
             f"--speculative-config: {', '.join(unknown)} not supported; this server speculates "
             "with a Gemma 4 assistant only (method, model, num_speculative_tokens)"
         )
-    if config.get("method", "mtp") != "mtp":
+    if config.get("method", "mtp") not in ("mtp", "gemma4_mtp"):  # vLLM's older name
         parser.error(
             f"--speculative-config: method {config['method']!r} not supported; this server "
             'speculates with a Gemma 4 assistant only ("mtp")'
@@ -666,10 +713,33 @@ def _apply_speculative_config(parser: argparse.ArgumentParser, ns: argparse.Name
         ns.num_draft_tokens = drafts
 
 
+def _vllm_spelling(argv: list[str]) -> list[str]:
+    """vLLM's parser takes `--max_model_len` for `--max-model-len`; so does this one."""
+    spelled = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, equals, value = arg.partition("=")
+            arg = name.replace("_", "-") + equals + value
+        spelled.append(arg)
+    return spelled
+
+
+def _api_keys(given: list[str] | None) -> list[str]:
+    if given:
+        return given
+    from_env = next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
+    return [from_env] if from_env else []
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    ns.api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    ns = parser.parse_args(_vllm_spelling(sys.argv[1:] if argv is None else argv))
+    ns.api_key = _api_keys(ns.api_key)
+    if ns.quantization is not None:
+        parser.error(
+            f"--quantization {ns.quantization}: this server runs bf16, float16 or float32 "
+            "weights only (a quantized model changes outputs); leave the flag out"
+        )
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         parser.error(
             f"the model is given twice, as MODEL ({ns.model_tag}) and --model ({ns.model}); "
@@ -791,7 +861,7 @@ def serve(
     sock: socket.socket,
     host: str,
     served_model_name: str | list[str],
-    api_key: str | None = None,
+    api_keys: list[str] | None = None,
     drain_timeout: float = 30.0,
     log_level: str = "info",
     access_log: bool = True,
@@ -817,7 +887,7 @@ def serve(
     app = build_app(
         engine,
         served_model_name=served_model_name,
-        api_key=api_key,
+        api_keys=api_keys,
         drain_timeout=drain_timeout,
         cors=cors,
         max_logprobs=max_logprobs,
@@ -971,7 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
         sock=sock,
         host=ns.host,
         served_model_name=ns.served_model_name or [engine.model_name],
-        api_key=ns.api_key,
+        api_keys=ns.api_key,
         drain_timeout=ns.drain_timeout,
         log_level=ns.uvicorn_log_level,
         access_log=not ns.disable_uvicorn_access_log,

@@ -101,6 +101,8 @@ class SamplingParams:
             )
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if self.seed == -1:  # vLLM's spelling of "no seed" (UIs send it for random)
+            self.seed = None
         if self.seed is not None and self.seed not in INT64:
             raise ValueError(f"seed must be in [-2**63, 2**63), got {self.seed}")
         token_ids = {

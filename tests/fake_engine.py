@@ -498,7 +498,7 @@ def main() -> None:
         sock=listening_socket("127.0.0.1", ns.port),
         host="127.0.0.1",
         served_model_name="fake",
-        api_key=ns.api_key,
+        api_keys=[ns.api_key] if ns.api_key else None,
         drain_timeout=ns.drain_timeout,
     )
 

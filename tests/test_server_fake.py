@@ -382,6 +382,7 @@ def test_engine_sampling_defaults_fill_unset_fields():
 
 
 def test_unknown_fields_ignored_nulls_accepted(server):
+    """OpenAI's optional fields are nullable; vLLM takes a null as the field left out."""
     body = {
         "model": "fake",
         "messages": HI,
@@ -394,8 +395,124 @@ def test_unknown_fields_ignored_nulls_accepted(server):
         "chat_template_kwargs": {"enable_thinking": True},
         "tools": [],
         "tool_choice": "auto",
+        # fields whose default is not null
+        "n": None,
+        "stream": None,
+        "stream_options": None,
+        "logprobs": None,
+        "skip_special_tokens": None,
+        "ignore_eos": None,
+        "min_tokens": None,
+        "add_generation_prompt": None,
     }
-    assert httpx.post(server.url + CHAT, json=body).status_code == 200
+    r = httpx.post(server.url + CHAT, json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    # a completion's max_tokens left out or null is OpenAI's legacy 16, as in vLLM
+    for max_tokens in ({}, {"max_tokens": None}):
+        body = {"prompt": "Once", "ignore_eos": True, "echo": None, **max_tokens}
+        r = httpx.post(server.url + COMPLETIONS, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_an_assistant_turn_may_be_empty(server, engine):
+    """A refusal or a reasoning-only turn replayed has no content; other roles need theirs."""
+    messages = [*HI, {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]
+    r = httpx.post(server.url + CHAT, json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert "again" in engine.tokenizer.decode(engine.requests[r.json()["id"]][0])
+    empty_user = [{"role": "user", "content": None}]
+    assert_openai_error(httpx.post(server.url + CHAT, json={"messages": empty_user}), 400)
+
+
+def test_reasoning_effort_turns_thinking_on_as_in_vllm():
+    """OpenAI's reasoning_effort, as vLLM maps it for Gemma 4: thinking on, off for "none"; the
+    request's own enable_thinking wins over it, and it wins over the server's default."""
+    for default, effort, kwargs, thinks in (
+        (None, "high", None, True),
+        (None, "low", None, True),
+        (None, "none", None, False),
+        (None, "high", {"enable_thinking": False}, False),
+        (None, None, None, False),
+        ({"enable_thinking": True}, "none", None, False),
+        ({"enable_thinking": True}, None, None, True),
+    ):
+        engine = FakeEngine()
+        with serve_fake(engine, default_chat_template_kwargs=default) as server:
+            body = {"messages": HI, "reasoning_effort": effort, "chat_template_kwargs": kwargs}
+            r = httpx.post(server.url + CHAT, json=body)
+            assert r.status_code == 200, r.text
+            prompt_ids, _ = engine.requests[r.json()["id"]]
+            assert ("<|think|>" in engine.tokenizer.decode(prompt_ids)) == thinks, body
+    with serve_fake(FakeEngine()) as server:
+        bad = httpx.post(server.url + CHAT, json={"messages": HI, "reasoning_effort": "big"})
+        assert_openai_error(bad, 400, param="reasoning_effort")
+
+
+def test_chat_returns_token_ids(server, engine):
+    """vLLM's return_token_ids on chat: the prompt's ids at the top of the body (of the first
+    chunk when streamed), each choice's ids in it (each chunk's new ones when streamed)."""
+    body = {"messages": HI, "max_tokens": 12, "return_token_ids": True}
+    r = httpx.post(server.url + CHAT, json=body).json()
+    prompt_ids, _ = engine.requests[r["id"]]
+    assert r["prompt_token_ids"] == prompt_ids
+    choice = r["choices"][0]
+    assert choice["token_ids"] == engine.tokenizer.encode(REPLY[:12])
+    with httpx.stream("POST", server.url + CHAT, json={**body, "stream": True}) as stream:
+        events = [json.loads(d) for d in sse_data(stream.iter_lines()) if d != "[DONE]"]
+    assert events[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in event for event in events[1:])
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == choice["token_ids"]
+    plain = httpx.post(server.url + CHAT, json={"messages": HI, "max_tokens": 2}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_completion_stream_sends_prompt_token_ids_first(server, engine):
+    """vLLM: with return_token_ids each choice's first streamed chunk carries its prompt's ids."""
+    body = {"prompt": ["Once", "Hey"], "max_tokens": 3, "n": 2, "return_token_ids": True}
+    with httpx.stream("POST", server.url + COMPLETIONS, json={**body, "stream": True}) as stream:
+        events = [json.loads(d) for d in sse_data(stream.iter_lines()) if d != "[DONE]"]
+    firsts = {}
+    for event in events:
+        for choice in event["choices"]:
+            firsts.setdefault(choice["index"], choice)
+            if choice is not firsts[choice["index"]]:
+                assert "prompt_token_ids" not in choice
+    bos = engine.tokenizer.bos_token_id
+    for index, choice in firsts.items():
+        text = body["prompt"][index // 2]
+        assert choice["prompt_token_ids"] == [bos, *engine.tokenizer.encode(text)]
+
+
+def test_truncation_side_and_seed_minus_one(server, engine):
+    """vLLM's truncation_side "right" keeps a prompt's first tokens; seed -1 is no seed."""
+    ids = engine.tokenizer.encode("abcdef")
+    for side, kept in ((None, ids[-2:]), ("left", ids[-2:]), ("right", ids[:2])):
+        body = {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 2}
+        r = httpx.post(server.url + COMPLETIONS, json={**body, "truncation_side": side})
+        assert engine.requests[r.json()["id"]][0] == kept, side
+    for seed, given in ((-1, None), (5, 5)):
+        r = httpx.post(server.url + CHAT, json={"messages": HI, "max_tokens": 1, "seed": seed})
+        assert engine.requests[r.json()["id"]][1].seed == given
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("thinking_token_budget", 64),
+        ("logprob_token_ids", [1, 2]),
+        ("use_beam_search", True),
+        ("repetition_detection", {"max_pattern_size": 4}),
+    ],
+)
+def test_vllm_features_this_server_lacks_are_refused(server, field, value):
+    """Refused with a 400 that names them, never silently ignored."""
+    for path, body in ((CHAT, {"messages": HI}), (COMPLETIONS, {"prompt": "Once"})):
+        r = httpx.post(server.url + path, json={**body, field: value})
+        assert_openai_error(r, 400, param=field)
+    assert httpx.post(server.url + CHAT, json={"messages": HI, "use_beam_search": False}).is_success
 
 
 def test_tool_choice_none_renders_the_tools_unless_told_not_to():
@@ -829,7 +946,7 @@ def test_engine_stopping_short_ends_the_stream_as_abort():
 
 
 def test_api_key():
-    with serve_fake(FakeEngine(), api_key="sekret") as s:
+    with serve_fake(FakeEngine(), api_keys=["sekret", "other"]) as s:
         assert_openai_error(
             httpx.post(s.url + CHAT, json={"messages": HI}), 401, code="invalid_api_key"
         )
@@ -840,8 +957,9 @@ def test_api_key():
         assert_openai_error(httpx.get(s.url + "/v1/models"), 401)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
-        good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
-        assert good.chat.completions.create(model="fake", messages=HI, max_tokens=2).choices
+        for key in ("sekret", "other"):  # vLLM's --api-key takes several
+            good = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+            assert good.chat.completions.create(model="fake", messages=HI, max_tokens=2).choices
         assert httpx.get(s.url + "/health").status_code == 200
         assert httpx.get(s.url + "/metrics").status_code == 200
 
@@ -854,8 +972,10 @@ def test_health_lifecycle_and_draining():
     with ThreadServer(app) as s:
         assert engine.started
         assert httpx.get(s.url + "/health").json() == {"status": "ok"}
+        assert httpx.get(s.url + "/ping").is_success and httpx.post(s.url + "/ping").is_success
         state.begin_drain()
         assert_openai_error(httpx.get(s.url + "/health"), 503)
+        assert_openai_error(httpx.get(s.url + "/ping"), 503)
         assert_openai_error(httpx.post(s.url + CHAT, json={"messages": HI}), 503)
         assert httpx.get(s.url + "/metrics").status_code == 200
     assert engine.shutdown_calls == [7.0]
@@ -1236,11 +1356,60 @@ def test_cli_maps_vllm_flags_to_engine_args(monkeypatch):
 
 
 def test_cli_api_key_from_env(monkeypatch):
+    """--api-key first, then $GEMMA4SERVE_API_KEY, then vLLM's $VLLM_API_KEY."""
     from gemma4serve.cli import parse_args
 
+    monkeypatch.delenv("GEMMA4SERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert parse_args(["--model", "m"]).api_key == []
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")
+    assert parse_args(["--model", "m"]).api_key == ["from-vllm-env"]
     monkeypatch.setenv("GEMMA4SERVE_API_KEY", "from-env")
-    assert parse_args(["--model", "m"]).api_key == "from-env"
-    assert parse_args(["--model", "m", "--api-key", "flag"]).api_key == "flag"
+    assert parse_args(["--model", "m"]).api_key == ["from-env"]
+    assert parse_args(["--model", "m", "--api-key", "a", "b"]).api_key == ["a", "b"]
+
+
+def test_cli_takes_vllms_spellings():
+    """A `vllm serve` command line's spellings: underscores, --no- forms, human-readable counts,
+    auto, capital log levels, vLLM's names of our flags; --quantization is refused clearly."""
+    from gemma4serve.cli import engine_args, parse_args
+
+    ns = parse_args(
+        [
+            "m",
+            "--max_num_batched_tokens",
+            "8k",
+            "--max-model-len",
+            "auto",
+            "--gpu_memory_utilization=0.8",
+            "--no-enforce-eager",
+            "--no-enable-prefix-caching",
+            "--log-level",
+            "DEBUG",
+            "--uvicorn-log-level",
+            "WARNING",
+            "--shutdown-timeout",
+            "12",
+            "--kv-cache-memory-bytes",
+            "20g",
+            "--speculative-config",
+            '{"method": "gemma4_mtp", "model": "a", "num_speculative_tokens": 3}',
+        ]
+    )
+    args = engine_args(ns)
+    assert (args.max_num_batched_tokens, args.max_model_len) == (8000, None)
+    assert (args.gpu_memory_utilization, args.enforce_eager) == (0.8, False)
+    assert (ns.enable_prefix_caching, ns.log_level, ns.uvicorn_log_level) == (
+        False,
+        "debug",
+        "warning",
+    )
+    assert (ns.drain_timeout, args.kv_cache_memory) == (12.0, 20 * 10**9)
+    assert (ns.draft, ns.num_draft_tokens) == ("a", 3)
+    assert parse_args(["m", "--max-model-len", "-1"]).max_model_len is None
+    assert parse_args(["m", "--kv-cache-memory-bytes", "2G"]).kv_cache_memory == 2 * 1024**3
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--quantization", "fp8"])
 
 
 def test_cli_drain_timeout_from_env(monkeypatch):

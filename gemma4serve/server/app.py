@@ -1,8 +1,8 @@
 """The HTTP layer: an OpenAI-compatible Starlette app over one engine.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (SSE streaming or one JSON body),
-GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /health, GET /metrics,
-GET /version, GET /openapi.json, GET /docs. Every refusal is
+GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /health (and vLLM's
+alias GET|POST /ping), GET /metrics, GET /version, GET /openapi.json, GET /docs. Every refusal is
 OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}` with a 4xx (503 while starting or draining).
 
@@ -124,10 +124,16 @@ def _render_chat(
 
 
 def _fill_template_kwargs(req: ChatCompletionRequest | TokenizeChatRequest, state) -> None:
-    """The server's --default-chat-template-kwargs under the request's own (which win)."""
-    if state.default_chat_template_kwargs:
-        given = req.chat_template_kwargs or {}
-        req.chat_template_kwargs = state.default_chat_template_kwargs | given
+    """The template's variables, as vLLM layers them: the request's chat_template_kwargs, then
+    what its reasoning_effort implies (thinking on unless "none"), then the server's
+    --default-chat-template-kwargs."""
+    given = dict(req.chat_template_kwargs or {})
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:
+        given["reasoning_effort"] = effort
+        given.setdefault("enable_thinking", effort != "none")
+    merged = (state.default_chat_template_kwargs or {}) | given
+    req.chat_template_kwargs = merged or None
 
 
 def _completion_prompts(tokenizer, req: CompletionRequest) -> list[Prompt]:
@@ -190,7 +196,7 @@ async def _generation(
     prompts: list[Prompt] = await run_in_threadpool(build_prompt, state.engine.tokenizer, req)
     params = []
     for prompt in prompts:
-        _truncate(prompt, req.truncate_prompt_tokens, state.engine.max_model_len)
+        _truncate(prompt, req, state.engine.max_model_len)
         max_tokens = check_context_length(
             len(prompt.token_ids),
             req.requested_max_tokens,
@@ -237,18 +243,20 @@ async def _generation(
     )
 
 
-def _truncate(prompt: Prompt, truncate_prompt_tokens: int | None, max_model_len: int) -> None:
-    """vLLM's truncate_prompt_tokens: keep the prompt's last tokens (-1: the context length)."""
-    if truncate_prompt_tokens is None:
+def _truncate(prompt: Prompt, req, max_model_len: int) -> None:
+    """vLLM's truncate_prompt_tokens: keep that many of the prompt's tokens (-1: the context
+    length), the last ones unless truncation_side is "right"."""
+    if req.truncate_prompt_tokens is None:
         return
-    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    keep = max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
     if keep > max_model_len:
         raise ApiError(
             400,
             f"truncate_prompt_tokens ({keep}) is larger than the context length ({max_model_len}).",
             param="truncate_prompt_tokens",
         )
-    prompt.token_ids = prompt.token_ids[-keep:]
+    ids = prompt.token_ids
+    prompt.token_ids = ids[:keep] if req.truncation_side == "right" else ids[-keep:]
 
 
 async def chat_completions(request: Request):
@@ -392,7 +400,7 @@ def build_app(
     engine: EngineClient,
     *,
     served_model_name: str | list[str],
-    api_key: str | None = None,
+    api_keys: list[str] | None = None,
     drain_timeout: float = 30.0,
     cors: CorsSettings | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
@@ -411,7 +419,8 @@ def build_app(
     aborts what still runs; then it calls `on_drained` (server/drain.py). When the engine offers
     `default_sampling_params` (a dict, e.g. the checkpoint's generation_config), those fill what
     a request leaves unset, as vLLM does with a model's generation config. `limits` bound what
-    one request may ask for (RequestLimits' defaults when None). `log_stats_interval`: seconds
+    one request may ask for (RequestLimits' defaults when None). `api_keys`: /v1 takes any of them
+    (none: no key). `log_stats_interval`: seconds
     between vLLM's stats lines in the log (None: no lines).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -423,7 +432,7 @@ def build_app(
     state = ServerState(
         engine=engine,
         model_names=names,
-        api_key=api_key or None,
+        api_keys=list(api_keys or ()),
         metrics=ServerMetrics(engine.stats, names[0]),
         token_strings=TokenStrings(engine.tokenizer),
         chat_markers=ChatMarkers.from_tokenizer(engine.tokenizer),
@@ -463,6 +472,7 @@ def build_app(
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/docs", docs, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # vLLM's alias (SageMaker's probe)
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
     ]

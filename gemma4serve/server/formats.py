@@ -146,6 +146,8 @@ class ChatFormat(ResponseFormat):
         prompt_logprobs = self.prompt_logprobs(output)
         if prompt_logprobs is not None:  # vLLM: at the top of the first chunk
             chunks[0]["prompt_logprobs"] = prompt_logprobs
+        if self.request.return_token_ids:  # vLLM: the same
+            chunks[0]["prompt_token_ids"] = output.prompt_token_ids
         return chunks
 
     def envelope(self, choices, usage, *, with_usage) -> dict:
@@ -155,20 +157,26 @@ class ChatFormat(ResponseFormat):
         logprobs = (
             chat_logprobs(c.new_logprobs, self.strings) if c.new_logprobs is not None else None
         )
+        # With return_token_ids every token is shown, so a chunk goes out even without text.
+        ids = self.request.return_token_ids and c.new_token_ids
         if not self.parses_output:
-            if not (c.new_text or c.new_logprobs):
+            if not (c.new_text or c.new_logprobs or ids):
                 return None
-            return chat_delta_choice(c.index, {"content": c.new_text}, logprobs)
-        if c.index not in self._parsers:
-            self._parsers[c.index] = self._parser(output.prompt_token_ids)
-        parser = self._parsers[c.index]
-        delta = parser.feed(c.new_text)
-        if c.finish_reason is not None:
-            delta += parser.finish()
-        fields = self._fields(delta, streamed=True)
-        if not fields and not c.new_logprobs:
-            return None
-        return chat_delta_choice(c.index, fields, logprobs)
+            fields = {"content": c.new_text}
+        else:
+            if c.index not in self._parsers:
+                self._parsers[c.index] = self._parser(output.prompt_token_ids)
+            parser = self._parsers[c.index]
+            delta = parser.feed(c.new_text)
+            if c.finish_reason is not None:
+                delta += parser.finish()
+            fields = self._fields(delta, streamed=True)
+            if not (fields or c.new_logprobs or ids):
+                return None
+        choice = chat_delta_choice(c.index, fields, logprobs)
+        if self.request.return_token_ids:
+            choice["token_ids"] = c.new_token_ids
+        return choice
 
     def finish_choice(self, c: CompletionOutput) -> dict:
         parser = self._parsers.get(c.index)
@@ -185,19 +193,22 @@ class ChatFormat(ResponseFormat):
                 delta = parser.parse(c.text)
                 message = self._fields(delta, streamed=False)
                 message.setdefault("content", None if delta.tool_calls else "")
-            choices.append(
-                chat_choice(
-                    c.index,
-                    message,
-                    chat_logprobs(logprobs.get(c.index, []), self.strings) if want else None,
-                    _finish_reason(c.finish_reason, parser),
-                    c.stop_reason,
-                )
+            choice = chat_choice(
+                c.index,
+                message,
+                chat_logprobs(logprobs.get(c.index, []), self.strings) if want else None,
+                _finish_reason(c.finish_reason, parser),
+                c.stop_reason,
             )
+            if self.request.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         body = self.header.chat_completion(choices, self.usage())
         prompt_logprobs = self.prompt_logprobs(output)
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
+        if self.request.return_token_ids:
+            body["prompt_token_ids"] = output.prompt_token_ids
         return body
 
     def _parser(self, prompt_ids: list[int]) -> ChatOutputParser:
@@ -248,6 +259,7 @@ class CompletionFormat(ResponseFormat):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}
+        self._opened: set[int] = set()  # choices whose first chunk went out
 
     def _prompt(self, index: int) -> Prompt:
         return self.prompts[index // self.request.n]
@@ -262,8 +274,16 @@ class CompletionFormat(ResponseFormat):
             choice = completion_choice(i, echo, self._echo_logprobs(i, output), None)
             if prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._chunk([self._first_of_choice(choice)]))
         return chunks
+
+    def _first_of_choice(self, choice: dict) -> dict:
+        """vLLM's return_token_ids: each choice's first chunk carries its prompt's ids."""
+        index = choice["index"]
+        if self.request.return_token_ids and index not in self._opened:
+            choice["prompt_token_ids"] = self._prompt(index).token_ids
+        self._opened.add(index)
+        return choice
 
     def _echo_logprobs(self, index: int, output: RequestOutput) -> dict | None:
         """The echoed prompt's logprobs (echo with logprobs), else None."""
@@ -305,7 +325,7 @@ class CompletionFormat(ResponseFormat):
         choice = completion_choice(c.index, c.new_text, logprobs, None)
         if self.request.return_token_ids:
             choice["token_ids"] = c.new_token_ids
-        return choice
+        return self._first_of_choice(choice)
 
     def finish_choice(self, c: CompletionOutput) -> dict:
         return completion_choice(c.index, "", None, c.finish_reason, c.stop_reason)

@@ -23,7 +23,7 @@ class ApiGate:
     def __init__(self, app, state: ServerState):
         self.app = app
         self.state = state
-        self._key = state.api_key.encode() if state.api_key else None
+        self._keys = [key.encode() for key in state.api_keys]
 
     async def __call__(self, scope, receive, send):
         # A CORS preflight (OPTIONS) carries no credentials: CORSMiddleware answers it before this.
@@ -38,10 +38,12 @@ class ApiGate:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope) -> Response | None:
-        if self._key is not None:
+        if self._keys:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+            # every key compared, so that the time taken does not tell which one came close
+            matches = [hmac.compare_digest(token.strip(), key) for key in self._keys]
+            if scheme.lower() != b"bearer" or not any(matches):
                 message = (
                     "Incorrect API key provided." if auth else "You didn't provide an API key."
                 )

@@ -101,6 +101,14 @@ def _validation_error(exc: ValidationError) -> ApiError:
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """OpenAI's optional fields are nullable: a null is the field's default, as in vLLM."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -129,12 +137,16 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _content_present(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        # An assistant turn may be empty (a refusal or a reasoning-only turn replayed).
+        if self.content is None and self.role != "assistant":
             raise ValueError(f"a '{self.role}' message needs 'content'")
         return self
 
     def to_template(self) -> dict:
-        return template_message(self.model_dump(exclude_none=True))
+        message = self.model_dump(exclude_none=True)
+        if self.content is None and not self.tool_calls:
+            message["content"] = ""
+        return template_message(message)
 
 
 class StreamOptions(_Request):
@@ -182,6 +194,13 @@ class _GenerationRequest(_Request):
     guided_grammar: Any = None
     # vLLM's: logprobs name tokens "token_id:{id}" (None: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids
+    truncation_side: Literal["left", "right"] = "left"  # vLLM's: which end truncation keeps
+    # vLLM features this server does not have: refused rather than silently ignored
+    thinking_token_budget: int | None = None
+    logprob_token_ids: list[int] | None = None
+    use_beam_search: bool = False
+    repetition_detection: dict[str, Any] | None = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint the request asks for, or None; ApiError(400) when malformed or
@@ -241,6 +260,15 @@ class _GenerationRequest(_Request):
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour rather than silently ignoring it."""
+        unsupported = {
+            "thinking_token_budget": self.thinking_token_budget is not None,
+            "logprob_token_ids": self.logprob_token_ids is not None,
+            "use_beam_search": self.use_beam_search,
+            "repetition_detection": self.repetition_detection is not None,
+        }
+        for name, given in unsupported.items():
+            if given:
+                raise ApiError(400, f"{name} is not supported by this server.", param=name)
         if self.stream_options is not None and not self.stream:
             raise ApiError(
                 400, "stream_options is only allowed when stream is true.", param="stream_options"
@@ -365,6 +393,10 @@ class ChatCompletionRequest(_GenerationRequest, _ChatPrompt):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True  # vLLM's: False drops the reasoning from the response
+    # OpenAI's; on Gemma 4 it turns thinking on ("none": off) unless enable_thinking is given
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -430,7 +462,6 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM extension: prepend <bos> to a text prompt
-    return_token_ids: bool = False  # vLLM extension: prompt and output token ids in choices
 
     def check_supported(self) -> None:
         super().check_supported()

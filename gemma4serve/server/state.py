@@ -42,7 +42,7 @@ class ServerState:
 
     engine: EngineClient
     model_names: list[str]
-    api_key: str | None
+    api_keys: list[str]  # /v1 requires one of them as a bearer token; empty: open
     metrics: ServerMetrics
     token_strings: TokenStrings
     chat_markers: ChatMarkers | None  # the tokenizer's channel and tool-call tokens, if any
