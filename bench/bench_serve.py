@@ -161,7 +161,7 @@ def server_counters(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=30).text
     values = dict.fromkeys(COUNTERS, 0.0)
     for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("gemma4serve:")
+        name = line.split("{", 1)[0].split(" ", 1)[0].split(":", 1)[-1]  # any --metrics-prefix
         name = name.removesuffix("_total")
         if name in values and not line.startswith("#"):
             values[name] = float(line.rsplit(" ", 1)[1])

@@ -606,6 +606,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="No line per HTTP request.",
     )
     logs.add_argument(
+        "--metrics-prefix",
+        default="gemma4serve",
+        metavar="NAME",
+        help="/metrics names are NAME:x (vLLM's names with our prefix); `vllm` gives vLLM's own, "
+        "for the dashboards, autoscalers and `vllm bench serve` reports that look for them.",
+    )
+    logs.add_argument(
         "--disable-log-stats",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -763,6 +770,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"${DRAIN_TIMEOUT_ENV} must be a number of seconds")
     if ns.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
+    if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", ns.metrics_prefix):
+        parser.error(f"--metrics-prefix {ns.metrics_prefix!r}: letters, digits and _ only")
     ns.log_stats_interval = None
     if not ns.disable_log_stats:
         try:
@@ -876,6 +885,7 @@ def serve(
     exclude_tools_when_tool_choice_none: bool = False,
     default_chat_template_kwargs: dict | None = None,
     log_stats_interval: float | None = None,
+    metrics_prefix: str = "gemma4serve",
 ) -> None:
     """Serve `engine` on `sock` (`listening_socket`; `host` names it in the ready line) until
     SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks; call it from the main
@@ -897,6 +907,7 @@ def serve(
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
         default_chat_template_kwargs=default_chat_template_kwargs,
         log_stats_interval=log_stats_interval,
+        metrics_prefix=metrics_prefix,
     )
     scheme = "https" if ssl_certfile else "http"
     state = app.state.gemma4serve
@@ -1061,6 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         default_chat_template_kwargs=ns.default_chat_template_kwargs,
         log_stats_interval=ns.log_stats_interval,
+        metrics_prefix=ns.metrics_prefix,
     )
     if engine.dead:
         logger.error("stopped: the engine failed")

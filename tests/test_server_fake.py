@@ -1008,6 +1008,18 @@ def test_drain_timeout_aborts_running_requests_cleanly():
 # Metrics
 
 
+def test_metrics_prefix_gives_vllms_names():
+    """--metrics-prefix vllm: the same series under vLLM's own names."""
+    with serve_fake(FakeEngine(), metrics_prefix="vllm") as s:
+        assert httpx.post(s.url + CHAT, json={"messages": HI, "max_tokens": 2}).is_success
+        text = httpx.get(s.url + "/metrics").text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if ":" in line}
+    names = {name for name in names if not name.startswith("#")}
+    assert {"vllm:num_requests_running", "vllm:spec_decode_num_drafts_total"} <= names
+    assert "vllm:time_to_first_token_seconds_count" in names
+    assert not any(name.startswith("gemma4serve:") for name in names)
+
+
 def test_metrics_parse_and_move(server, client):
     before = httpx.get(server.url + "/metrics").text
     client.chat.completions.create(model="fake", messages=HI, max_tokens=5)
@@ -1410,6 +1422,9 @@ def test_cli_takes_vllms_spellings():
     assert parse_args(["m", "--kv-cache-memory-bytes", "2G"]).kv_cache_memory == 2 * 1024**3
     with pytest.raises(SystemExit):
         parse_args(["m", "--quantization", "fp8"])
+    assert parse_args(["m", "--metrics-prefix", "vllm"]).metrics_prefix == "vllm"
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--metrics-prefix", "vllm:"])
 
 
 def test_cli_drain_timeout_from_env(monkeypatch):

@@ -37,7 +37,7 @@ from gemma4serve.engine.client import EngineClient
 from gemma4serve.server.drain import drain_when_asked
 from gemma4serve.server.formats import ChatFormat, CompletionFormat, Prompt, ResponseFormat
 from gemma4serve.server.limits import RequestLimits, read_body, read_request
-from gemma4serve.server.metrics import ServerMetrics
+from gemma4serve.server.metrics import DEFAULT_PREFIX, ServerMetrics
 from gemma4serve.server.middleware import ApiGate, RequestIdHeader, given_request_id
 from gemma4serve.server.openapi import docs_page, openapi_document
 from gemma4serve.server.protocol import (
@@ -410,6 +410,7 @@ def build_app(
     exclude_tools_when_tool_choice_none: bool = False,
     default_chat_template_kwargs: dict | None = None,
     log_stats_interval: float | None = None,
+    metrics_prefix: str = DEFAULT_PREFIX,
 ) -> Starlette:
     """The ASGI app over `engine` (an EngineProcessClient or anything with its interface).
 
@@ -420,8 +421,8 @@ def build_app(
     `default_sampling_params` (a dict, e.g. the checkpoint's generation_config), those fill what
     a request leaves unset, as vLLM does with a model's generation config. `limits` bound what
     one request may ask for (RequestLimits' defaults when None). `api_keys`: /v1 takes any of them
-    (none: no key). `log_stats_interval`: seconds
-    between vLLM's stats lines in the log (None: no lines).
+    (none: no key). `log_stats_interval`: seconds between vLLM's stats lines in the log (None: no
+    lines). `metrics_prefix`: /metrics names are `{metrics_prefix}:x`.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
@@ -433,7 +434,7 @@ def build_app(
         engine=engine,
         model_names=names,
         api_keys=list(api_keys or ()),
-        metrics=ServerMetrics(engine.stats, names[0]),
+        metrics=ServerMetrics(engine.stats, names[0], metrics_prefix),
         token_strings=TokenStrings(engine.tokenizer),
         chat_markers=ChatMarkers.from_tokenizer(engine.tokenizer),
         sampling_defaults=dict(engine.default_sampling_params),

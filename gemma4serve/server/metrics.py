@@ -1,5 +1,6 @@
 """Prometheus metrics, named like vLLM's with our prefix (`vllm:x` -> `gemma4serve:x`), so that
-dashboards port by a search-and-replace.
+dashboards port by a search-and-replace; `--metrics-prefix vllm` gives vLLM's own names, for
+dashboards, autoscalers and `vllm bench serve` that look for them.
 
 Two sources, kept apart so that the engine thread never touches a prometheus object:
 - engine state and counters (requests, KV pages, tokens, speculative decoding) are read from one
@@ -25,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from gemma4serve.engine.outputs import ITERATION_TOKEN_BUCKETS, EngineStats, RequestOutput
 
-PREFIX = "gemma4serve:"
+DEFAULT_PREFIX = "gemma4serve"
 FINISH_REASONS = (
     "stop",
     "length",
@@ -113,21 +114,22 @@ REQUEST_BUCKETS = (
 class EngineStatsCollector(Collector):
     """Turns one EngineStats snapshot per scrape into gauges and counters."""
 
-    def __init__(self, read_stats: Callable[[], EngineStats], model_name: str):
+    def __init__(self, read_stats: Callable[[], EngineStats], model_name: str, prefix: str):
         self._read_stats = read_stats
         self._model = model_name
+        self._prefix = prefix + ":"
 
     def collect(self) -> Iterator[Metric]:
         s = self._read_stats()
         m = [self._model]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family = GaugeMetricFamily(self._prefix + name, doc, labels=["model_name"])
             family.add_metric(m, value)
             return family
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family = CounterMetricFamily(self._prefix + name, doc, labels=["model_name"])
             family.add_metric(m, value)
             return family
 
@@ -152,7 +154,7 @@ class EngineStatsCollector(Collector):
         )
 
         iteration = HistogramMetricFamily(
-            PREFIX + "iteration_tokens_total",
+            self._prefix + "iteration_tokens_total",
             "Tokens per engine step: prompt chunks' tokens, decode and verify rows.",
             labels=["model_name"],
         )
@@ -166,7 +168,7 @@ class EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
 
         success = CounterMetricFamily(
-            PREFIX + "request_success",
+            self._prefix + "request_success",
             "Finished requests by finish reason.",
             labels=["model_name", "finished_reason"],
         )
@@ -185,7 +187,7 @@ class EngineStatsCollector(Collector):
             "spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens
         )
         per_pos = CounterMetricFamily(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            self._prefix + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position.",
             labels=["model_name", "position"],
         )
@@ -208,18 +210,25 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """The registry behind /metrics, and the histograms the server observes per finished request."""
 
-    def __init__(self, read_stats: Callable[[], EngineStats], model_name: str):
+    def __init__(
+        self,
+        read_stats: Callable[[], EngineStats],
+        model_name: str,
+        prefix: str = DEFAULT_PREFIX,
+    ):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(read_stats, model_name))
+        self.registry.register(EngineStatsCollector(read_stats, model_name, prefix))
         ProcessCollector(
             registry=self.registry
         )  # memory, CPU, open fds: what an operator checks first
         self._model = model_name
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(
-                PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
+            family = Histogram(
+                f"{prefix}:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry
             )
+            family.labels(model_name)  # exported from the start, so that rate() sees a series
+            return family
 
         self.ttft = histogram(
             "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
