@@ -52,6 +52,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # never write these words (as token sequences)
     structured_outputs: StructuredOutputsParams | None = None  # None = unconstrained
+    # vLLM's per-request prefix-cache salt (a request field there): pages are shared only among
+    # requests of the same salt, so tenants cannot probe each other's prompts through cache hits
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

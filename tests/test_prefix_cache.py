@@ -9,6 +9,7 @@ eviction (a small arena), preemption, MTP, and the MoE and KV-shared (PLE) varia
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -142,6 +143,23 @@ def test_sampled_equal_with_and_without_cache(plain, cached):
     reference = run_each(plain, prompts, params)
     got = run_each(cached, prompts, params)
     assert [t for t, _ in got] == [t for t, _ in reference]
+    assert_idle(cached)
+
+
+def test_cache_salt_shares_pages_only_within_one_salt(plain, cached):
+    """vLLM's cache_salt: a salted request hits only what requests of its salt left, and an
+    unsalted one never hits a salted request's pages; outputs are the same as without a cache."""
+    prompt = prompt_of(150, 21)
+    reference = run(plain, [prompt], GREEDY)[0][0]
+
+    def salted(salt):
+        return replace(GREEDY, cache_salt=salt)
+
+    order = [("a", 0), ("b", 0), (None, 0), ("a", "hit"), ("b", "hit"), (None, "hit"), ("c", 0)]
+    for salt, expected in order:
+        tokens, hit = run(cached, [prompt], salted(salt))[0]
+        assert tokens == reference
+        assert (hit > 0) if expected == "hit" else hit == 0, (salt, hit)
     assert_idle(cached)
 
 

@@ -345,6 +345,28 @@ def test_prefix_cache_hit_is_reported(server, client):
     assert queries == 2 * second.usage.prompt_tokens
 
 
+def test_cache_salt_keeps_tenants_apart(server):
+    """vLLM's cache_salt: a request hits the prefix cache only through requests of its salt."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Salted prompt. " * 40}],
+        "max_tokens": 4,
+        "temperature": 0.0,
+    }
+
+    def cached(**salt) -> int:
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, **salt}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0 and cached() == 0
+    assert cached(cache_salt="tenant-a") > 0 and cached() > 0
+    for bad in ("", "a/b", "x" * 129):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "cache_salt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
 def test_completion_returns_token_ids(server):
     """vLLM's `return_token_ids`: the prompt's and the output's ids, streamed and not."""
     body = {"model": MODEL, "prompt": [2, 300, 301, 302], "max_tokens": 6, "temperature": 0.0}

@@ -48,6 +48,10 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt :]
 

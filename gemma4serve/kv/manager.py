@@ -42,6 +42,7 @@ class PagedSequence(Protocol):
     pages: SeqPages
     token_ids: list[int]
     num_prompt: int
+    cache_salt: str | None  # prefix-cache pages are shared only among requests of one salt
 
     @property
     def num_tokens(self) -> int: ...
@@ -171,7 +172,9 @@ class KVManager:
         """The cached prefix a new sequence can start from (at least its last token is computed)."""
         if self.cache is None or seq.pages.full:
             return None
-        return self.cache.lookup(seq.token_ids, seq.num_tokens - 1, seq.pages.hashes)
+        return self.cache.lookup(
+            seq.token_ids, seq.num_tokens - 1, seq.pages.hashes, seq.cache_salt
+        )
 
     def record_lookup(self, seq: PagedSequence, hit: CacheHit | None) -> None:
         if self.cache is not None:
@@ -209,5 +212,5 @@ class KVManager:
         pages = seq.pages
         boundaries = self.cache.boundaries(pages.windows_done, committed, seq.num_prompt)
         boundaries += [b for b in extra_boundaries if b not in boundaries]
-        self.cache.register(pages, seq.token_ids, committed, boundaries)
+        self.cache.register(pages, seq.token_ids, committed, boundaries, seq.cache_salt)
         pages.windows_done = max(pages.windows_done, committed)

@@ -1,11 +1,13 @@
 """Prefix caching over the arena: full-layer pages by content, sliding pages by window.
 
 A full-layer page is keyed by a hash chained over the token ids of every full page up to and
-including it (rooted in the model and dtype), so equal keys mean equal KV. Sliding layers only need
-the window before the first new token, so at cacheable boundaries b the cache keeps the sliding
-pages that cover [b - keep, b), keyed by the chain hash at b: a hit at b needs the full pages below
-b and that one window, however many windows long the prefix is. Boundaries are multiples of both
-page lengths, so a sequence resuming at b never writes into a shared page.
+including it (rooted in the model and dtype, and in the request's cache salt if it has one), so
+equal keys mean equal KV, and a salted request shares pages only with requests of its salt.
+Sliding layers only need the window before the first new token, so at cacheable boundaries b the
+cache keeps the sliding pages that cover [b - keep, b), keyed by the chain hash at b: a hit at b
+needs the full pages below b and that one window, however many windows long the prefix is.
+Boundaries are multiples of both page lengths, so a sequence resuming at b never writes into a
+shared page.
 
 The cache claims pages; sequences hold them. An unheld claimed page is idle and is evicted least
 recently used first when the arena needs pages (`PagePool`); a held page is never evicted.
@@ -68,20 +70,30 @@ class PrefixCache:
 
     # ---- lookup -----------------------------------------------------------------------------
 
-    def chain(self, token_ids: list[int], num_pages: int, known: list[bytes]) -> None:
+    def chain(
+        self, token_ids: list[int], num_pages: int, known: list[bytes], salt: str | None
+    ) -> None:
         """Extend `known` (the chain hashes computed already) to at least the first `num_pages`
         full pages' (in place: a copy each step would cost a long sequence's whole chain)."""
         size = self.full_page_tokens
         while len(known) < num_pages:
             i = len(known)
-            parent = known[-1] if known else self.root
+            parent = known[-1] if known else self._root(salt)
             page = array("q", token_ids[i * size : (i + 1) * size]).tobytes()
             known.append(hashlib.blake2b(parent + page, digest_size=16).digest())
 
-    def lookup(self, token_ids: list[int], limit: int, known: list[bytes]) -> CacheHit | None:
+    def _root(self, salt: str | None) -> bytes:
+        if not salt:
+            return self.root
+        # its own hash domain, so that no salt's root can equal a page's chain hash
+        return hashlib.blake2b(self.root + salt.encode(), digest_size=16, person=b"salt").digest()
+
+    def lookup(
+        self, token_ids: list[int], limit: int, known: list[bytes], salt: str | None = None
+    ) -> CacheHit | None:
         """The longest cached prefix of at most `limit` tokens, or None. `known`: the chain
         hashes computed already (extended in place, so a waiting prompt is hashed once)."""
-        self.chain(token_ids, limit // self.full_page_tokens, known)
+        self.chain(token_ids, limit // self.full_page_tokens, known, salt)
         hashes = known[: limit // self.full_page_tokens]
         matched = 0
         while matched < len(hashes) and hashes[matched] in self.full:
@@ -98,12 +110,19 @@ class PrefixCache:
 
     # ---- registration -----------------------------------------------------------------------
 
-    def register(self, pages, token_ids: list[int], committed: int, boundaries: list[int]) -> None:
+    def register(
+        self,
+        pages,
+        token_ids: list[int],
+        committed: int,
+        boundaries: list[int],
+        salt: str | None = None,
+    ) -> None:
         """Cache a sequence's full pages wholly below `committed` (rows whose KV is final) and its
         windows at `boundaries` (each <= committed) while their sliding pages are mapped.
         `pages` is the sequence's SeqPages (its chain hashes and cached count are kept there)."""
         num_full = min(committed // self.full_page_tokens, len(pages.full))
-        self.chain(token_ids, num_full, pages.hashes)
+        self.chain(token_ids, num_full, pages.hashes, salt)
         hashes = pages.hashes  # read below num_full only (a lookup may have hashed further)
         for i in range(pages.num_cached_full, num_full):
             page, key = pages.full[i], hashes[i]

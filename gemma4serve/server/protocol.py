@@ -21,6 +21,7 @@ from gemma4serve.engine.outputs import TokenLogprob
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.structured.spec import StructuredOutputsParams
 
+_SALT_FORBIDDEN = frozenset("@/\\\0")  # vLLM's rule for a cache_salt
 TEXT_CONSTRAINTS = ("regex", "choice", "grammar")  # vLLM's constraints besides the JSON ones
 
 # -------------------------------------------------------------------------------------------------
@@ -195,6 +196,7 @@ class _GenerationRequest(_Request):
     # vLLM's: logprobs name tokens "token_id:{id}" (None: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids
+    cache_salt: str | None = None  # vLLM's: prefix-cache pages shared only within one salt
     truncation_side: Literal["left", "right"] = "left"  # vLLM's: which end truncation keeps
     # vLLM features this server does not have: refused rather than silently ignored
     thinking_token_budget: int | None = None
@@ -269,6 +271,14 @@ class _GenerationRequest(_Request):
         for name, given in unsupported.items():
             if given:
                 raise ApiError(400, f"{name} is not supported by this server.", param=name)
+        salt = self.cache_salt
+        if salt is not None and not (0 < len(salt) <= 128 and not set(salt) & _SALT_FORBIDDEN):
+            raise ApiError(  # vLLM's rule, so that a salt either server takes works on both
+                400,
+                "cache_salt must be a non-empty string of at most 128 characters without '@', "
+                "'/', '\\' or NUL.",
+                param="cache_salt",
+            )
         if self.stream_options is not None and not self.stream:
             raise ApiError(
                 400, "stream_options is only allowed when stream is true.", param="stream_options"
@@ -344,6 +354,7 @@ class _GenerationRequest(_Request):
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
                 structured_outputs=self.structured_outputs_params(),
+                cache_salt=self.cache_salt,
                 **chosen,
             )
         except ValueError as e:
