@@ -24,13 +24,15 @@ import socket
 import sys
 from pathlib import Path
 
-from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.args import GENERATION_DEFAULTS, EngineArgs
 from gemma4serve.engine_process import ITERATION_TIMEOUT_S
+from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.server.limits import RequestLimits
-from gemma4serve.server.state import (
+from gemma4serve.server.settings import (
     DEFAULT_MAX_LOGPROBS,
     RESERVED_TEMPLATE_KWARGS,
     CorsSettings,
+    ServerSettings,
 )
 from gemma4serve.server.stats_log import INTERVAL_S as STATS_INTERVAL_S
 
@@ -268,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Where default sampling settings (temperature, top_p, top_k, min_p, "
         "repetition_penalty) come from: auto = the model's generation_config.json, vllm = none "
         "(vLLM's own defaults), or a folder holding a generation_config.json.",
+    )
+    model.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        metavar="JSON",
+        help="Default sampling settings over --generation-config's, e.g. "
+        """'{"temperature": 0.5}' (the keys it lists, and presence_penalty, frequency_penalty).""",
     )
     model.add_argument(
         "--chat-template",
@@ -518,6 +527,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="Logprobs name tokens 'token_id:{id}' unless a request's return_tokens_as_token_ids "
         "says otherwise.",
     )
+    api.add_argument(
+        "--enable-force-include-usage",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Every stream carries usage, in each chunk and a last one, whatever its "
+        "stream_options say.",
+    )
+    api.add_argument(
+        "--disable-fastapi-docs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="No /openapi.json and /docs (vLLM's name for the flag).",
+    )
+    for always_on in ("--enable-prompt-tokens-details", "--enable-request-id-headers"):
+        api.add_argument(
+            always_on,
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="Accepted for vLLM compatibility: always on (usage's cached_tokens; the "
+            "X-Request-Id echo).",
+        )
     limits = p.add_argument_group(
         "request limits",
         "Bounds on what one request may ask for; past one, the request gets a 400.",
@@ -648,6 +678,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         revision=ns.revision,
         download_dir=ns.download_dir,
         generation_config=ns.generation_config,
+        override_generation_config=ns.override_generation_config or {},
         dtype=_DTYPE_ALIASES.get(ns.dtype, ns.dtype),
         device=ns.device,
         tensor_parallel_size=ns.tensor_parallel_size,
@@ -674,6 +705,30 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 def _is_string_list(value) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def server_settings(ns: argparse.Namespace, served_model_names: list[str]) -> ServerSettings:
+    return ServerSettings(
+        served_model_names=served_model_names,
+        api_keys=ns.api_key,
+        drain_timeout=ns.drain_timeout,
+        cors=CorsSettings(
+            allowed_origins=ns.allowed_origins,
+            allowed_methods=ns.allowed_methods,
+            allowed_headers=ns.allowed_headers,
+            allow_credentials=ns.allow_credentials,
+        ),
+        limits=request_limits(ns),
+        max_logprobs=ns.max_logprobs,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        log_requests=ns.enable_log_requests,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        default_chat_template_kwargs=ns.default_chat_template_kwargs or {},
+        log_stats_interval=ns.log_stats_interval,
+        metrics_prefix=ns.metrics_prefix,
+        openapi_docs=not ns.disable_fastapi_docs,
+        force_include_usage=ns.enable_force_include_usage,
+    )
 
 
 def request_limits(ns: argparse.Namespace) -> RequestLimits:
@@ -780,6 +835,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         except (ValueError, argparse.ArgumentTypeError):
             parser.error(f"${LOG_STATS_INTERVAL_ENV} must be a number of seconds")
+    override = ns.override_generation_config or {}
+    unknown = sorted(set(override) - set(GENERATION_DEFAULTS))
+    if unknown:
+        parser.error(
+            f"--override-generation-config: {', '.join(unknown)} not supported; give "
+            f"{', '.join(GENERATION_DEFAULTS)}"
+        )
+    try:  # the values every request would otherwise be refused for
+        SamplingParams(**override)
+    except (TypeError, ValueError) as e:
+        parser.error(f"--override-generation-config: {e}")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & (ns.default_chat_template_kwargs or {}).keys())
     if reserved:
         parser.error(f"--default-chat-template-kwargs may not set {reserved}")
@@ -866,26 +932,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def serve(
     engine,
+    settings: ServerSettings,
     *,
     sock: socket.socket,
     host: str,
-    served_model_name: str | list[str],
-    api_keys: list[str] | None = None,
-    drain_timeout: float = 30.0,
     log_level: str = "info",
     access_log: bool = True,
     root_path: str = "",
     ssl_keyfile: str | None = None,
     ssl_certfile: str | None = None,
-    cors: CorsSettings | None = None,
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-    return_tokens_as_token_ids: bool = False,
-    log_requests: bool = False,
-    limits: RequestLimits | None = None,
-    exclude_tools_when_tool_choice_none: bool = False,
-    default_chat_template_kwargs: dict | None = None,
-    log_stats_interval: float | None = None,
-    metrics_prefix: str = "gemma4serve",
 ) -> None:
     """Serve `engine` on `sock` (`listening_socket`; `host` names it in the ready line) until
     SIGTERM/SIGINT, then drain and return (the caller exits 0). Blocks; call it from the main
@@ -894,24 +949,9 @@ def serve(
 
     from gemma4serve.server.app import build_app
 
-    app = build_app(
-        engine,
-        served_model_name=served_model_name,
-        api_keys=api_keys,
-        drain_timeout=drain_timeout,
-        cors=cors,
-        max_logprobs=max_logprobs,
-        return_tokens_as_token_ids=return_tokens_as_token_ids,
-        log_requests=log_requests,
-        limits=limits,
-        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
-        default_chat_template_kwargs=default_chat_template_kwargs,
-        log_stats_interval=log_stats_interval,
-        metrics_prefix=metrics_prefix,
-    )
+    app = build_app(engine, settings)
     scheme = "https" if ssl_certfile else "http"
     state = app.state.gemma4serve
-    names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
@@ -919,7 +959,8 @@ def serve(
             if self.started:
                 bound = self.servers[0].sockets[0].getsockname()[1]
                 url = _url(host, bound, scheme)
-                print(f"gemma4serve ready: {url} (model {names[0]})", flush=True)
+                name = settings.served_model_names[0]
+                print(f"gemma4serve ready: {url} (model {name})", flush=True)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -949,7 +990,7 @@ def serve(
             logger.info(
                 "%s: draining (up to %.0fs for running requests)",
                 signal.Signals(sig).name,
-                drain_timeout,
+                settings.drain_timeout,
             )
             state.begin_drain()
             if not self.started:  # nothing to drain yet: stop starting
@@ -1049,30 +1090,14 @@ def main(argv: list[str] | None = None) -> int:
         engine.tokenizer.chat_template = ns.chat_template
     serve(
         engine,
+        server_settings(ns, served_model_names=ns.served_model_name or [engine.model_name]),
         sock=sock,
         host=ns.host,
-        served_model_name=ns.served_model_name or [engine.model_name],
-        api_keys=ns.api_key,
-        drain_timeout=ns.drain_timeout,
         log_level=ns.uvicorn_log_level,
         access_log=not ns.disable_uvicorn_access_log,
         root_path=ns.root_path,
         ssl_keyfile=ns.ssl_keyfile,
         ssl_certfile=ns.ssl_certfile,
-        cors=CorsSettings(
-            allowed_origins=ns.allowed_origins,
-            allowed_methods=ns.allowed_methods,
-            allowed_headers=ns.allowed_headers,
-            allow_credentials=ns.allow_credentials,
-        ),
-        max_logprobs=ns.max_logprobs,
-        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
-        log_requests=ns.enable_log_requests,
-        limits=request_limits(ns),
-        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
-        default_chat_template_kwargs=ns.default_chat_template_kwargs,
-        log_stats_interval=ns.log_stats_interval,
-        metrics_prefix=ns.metrics_prefix,
     )
     if engine.dead:
         logger.error("stopped: the engine failed")

@@ -490,17 +490,14 @@ def main() -> None:
     ns = p.parse_args()
 
     from gemma4serve.cli import listening_socket, serve, setup_logging
+    from gemma4serve.server.settings import ServerSettings
 
     setup_logging("info")
     engine = FakeEngine(token_delay=ns.token_delay, max_model_len=4096)
-    serve(
-        engine,
-        sock=listening_socket("127.0.0.1", ns.port),
-        host="127.0.0.1",
-        served_model_name="fake",
-        api_keys=[ns.api_key] if ns.api_key else None,
-        drain_timeout=ns.drain_timeout,
+    settings = ServerSettings(
+        ["fake"], api_keys=[ns.api_key] if ns.api_key else [], drain_timeout=ns.drain_timeout
     )
+    serve(engine, settings, sock=listening_socket("127.0.0.1", ns.port), host="127.0.0.1")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def test_sampling_params_cross_the_boundary_whole():
             parallel_tool_calls=True,
             thinking="open",
         ),
+        cache_salt="tenant",
     )
     default = SamplingParams()
     unset = [

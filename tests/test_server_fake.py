@@ -22,6 +22,7 @@ import uvicorn
 from fake_engine import REPLY, REPO_ROOT, FakeEngine, ServerProcess, metric, sse_data, wait_until
 
 from gemma4serve.server.app import build_app
+from gemma4serve.server.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,9 +57,10 @@ class ThreadServer:
         assert not self.thread.is_alive(), "test server did not stop"
 
 
-def serve_fake(engine: FakeEngine, **kwargs) -> ThreadServer:
-    kwargs.setdefault("served_model_name", ["fake", "fake-alias"])
-    return ThreadServer(build_app(engine, **kwargs))
+def serve_fake(engine: FakeEngine, **settings) -> ThreadServer:
+    """The app over `engine` in a thread; `settings` are ServerSettings' fields."""
+    settings.setdefault("served_model_names", ["fake", "fake-alias"])
+    return ThreadServer(build_app(engine, ServerSettings(**settings)))
 
 
 @pytest.fixture(scope="module")
@@ -430,11 +432,11 @@ def test_reasoning_effort_turns_thinking_on_as_in_vllm():
     """OpenAI's reasoning_effort, as vLLM maps it for Gemma 4: thinking on, off for "none"; the
     request's own enable_thinking wins over it, and it wins over the server's default."""
     for default, effort, kwargs, thinks in (
-        (None, "high", None, True),
-        (None, "low", None, True),
-        (None, "none", None, False),
-        (None, "high", {"enable_thinking": False}, False),
-        (None, None, None, False),
+        ({}, "high", None, True),
+        ({}, "low", None, True),
+        ({}, "none", None, False),
+        ({}, "high", {"enable_thinking": False}, False),
+        ({}, None, None, False),
         ({"enable_thinking": True}, "none", None, False),
         ({"enable_thinking": True}, None, None, True),
     ):
@@ -966,7 +968,7 @@ def test_api_key():
 
 def test_health_lifecycle_and_draining():
     engine = FakeEngine()
-    app = build_app(engine, served_model_name="fake", drain_timeout=7.0)
+    app = build_app(engine, ServerSettings(["fake"], drain_timeout=7.0))
     state = app.state.gemma4serve
     assert not engine.started and not state.ready
     with ThreadServer(app) as s:
@@ -991,7 +993,7 @@ def test_dead_engine_fails_fast():
 
 def test_drain_timeout_aborts_running_requests_cleanly():
     engine = FakeEngine(token_delay=0.02, max_model_len=4096)
-    app = build_app(engine, served_model_name="fake", drain_timeout=0.3)
+    app = build_app(engine, ServerSettings(["fake"], drain_timeout=0.3))
     with ThreadServer(app) as s:
         body = {"messages": HI, "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + CHAT, json=body, timeout=20) as r:
@@ -1006,6 +1008,21 @@ def test_drain_timeout_aborts_running_requests_cleanly():
 
 # --------------------------------------------------------------------------------------------------
 # Metrics
+
+
+def test_force_include_usage_and_no_docs():
+    """vLLM's --enable-force-include-usage (usage in every chunk and a last one, whatever the
+    request asks) and --disable-fastapi-docs."""
+    with serve_fake(FakeEngine(), force_include_usage=True, openapi_docs=False) as s:
+        body = {"messages": HI, "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", s.url + CHAT, json=body) as stream:
+            events = [json.loads(d) for d in sse_data(stream.iter_lines()) if d != "[DONE]"]
+        assert all(event["usage"] is not None for event in events)
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+        for path in ("/docs", "/openapi.json"):
+            assert httpx.get(s.url + path).status_code == 404
+    with serve_fake(FakeEngine()) as s:
+        assert httpx.get(s.url + "/openapi.json").status_code == 200
 
 
 def test_metrics_prefix_gives_vllms_names():
@@ -1422,6 +1439,17 @@ def test_cli_takes_vllms_spellings():
     assert parse_args(["m", "--kv-cache-memory-bytes", "2G"]).kv_cache_memory == 2 * 1024**3
     with pytest.raises(SystemExit):
         parse_args(["m", "--quantization", "fp8"])
+    ns = parse_args(["m", "--enable-prompt-tokens-details", "--enable-request-id-headers"])
+    assert ns.enable_prompt_tokens_details and ns.enable_request_id_headers  # always on here
+    override = '{"temperature": 0.5, "presence_penalty": 0.1}'
+    ns = parse_args(["m", "--override-generation-config", override])
+    assert engine_args(ns).override_generation_config == {
+        "temperature": 0.5,
+        "presence_penalty": 0.1,
+    }
+    for bad in ('{"max_new_tokens": 5}', '{"temperature": -1}', '{"top_k": "x"}'):
+        with pytest.raises(SystemExit):
+            parse_args(["m", "--override-generation-config", bad])
     assert parse_args(["m", "--metrics-prefix", "vllm"]).metrics_prefix == "vllm"
     with pytest.raises(SystemExit):
         parse_args(["m", "--metrics-prefix", "vllm:"])

@@ -293,6 +293,23 @@ def _hub_cache_with(target, cache, repo: str) -> None:
     (folder / "refs" / "main").write_text("0" * 40)
 
 
+def test_override_generation_config_sits_over_the_checkpoints(demo_root):
+    """vLLM's --override-generation-config: its settings over the checkpoint's defaults (the
+    demo's temperature 1.0 becomes 0 here, so a request that says nothing is greedy)."""
+    _, target, assistant = demo_root
+    override = '{"temperature": 0.0}'
+    with start(
+        str(target), "--draft", str(assistant), "--override-generation-config", override
+    ) as proc:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        kwargs = dict(model=client.models.list().data[0].id, prompt="The sea", max_tokens=12)
+        defaulted = client.completions.create(**kwargs, n=3)
+        greedy = client.completions.create(**kwargs, temperature=0)
+        assert {c.text for c in defaulted.choices} == {greedy.choices[0].text}
+        sampled = client.completions.create(**kwargs, n=3, temperature=1.0, seed=1)
+        assert len({c.text for c in sampled.choices}) > 1
+
+
 def test_download_dir_generation_config_and_chat_template(demo_root, tmp_path):
     """A Hub id found offline in --download-dir; defaults from a --generation-config folder
     (temperature 0: greedy unless the request asks otherwise); an inline --chat-template; uvicorn

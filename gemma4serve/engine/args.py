@@ -3,7 +3,19 @@ benchmarks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# The sampling settings a model's generation_config.json or --override-generation-config may
+# default (vLLM's list, less max_new_tokens and skip_special_tokens).
+GENERATION_DEFAULTS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass
@@ -14,8 +26,9 @@ class EngineArgs:
     revision: str | None = None
     download_dir: str | None = None  # where Hub checkpoints go (default: the HF cache)
     # Default sampling settings: "auto" = the model's generation_config.json, "vllm" = none, or a
-    # folder holding a generation_config.json
+    # folder holding a generation_config.json; then these over them (GENERATION_DEFAULTS' keys)
     generation_config: str = "auto"
+    override_generation_config: dict = field(default_factory=dict)
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto = cuda if available
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights of the real shapes)

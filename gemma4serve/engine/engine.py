@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.args import GENERATION_DEFAULTS, EngineArgs
 from gemma4serve.engine.cuda_graphs import capture_graphs
 from gemma4serve.engine.models import check_tensor_parallel, load_models
 from gemma4serve.engine.output_processor import OutputProcessor, StopChoice
@@ -53,15 +53,12 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # choices of one request get well-separated s
 
 # generation_config.json fields that become the server's sampling defaults (vLLM's behaviour): the
 # IT checkpoints ship temperature 1.0, top_k 64, top_p 0.95.
-_GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-
-
 def generation_defaults(checkpoint_dir: Path) -> dict:
     path = checkpoint_dir / "generation_config.json"
     if not path.exists():
         return {}
     gen = json.loads(path.read_text())
-    return {k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None}
+    return {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
 
 
 @dataclass(eq=False)
@@ -146,7 +143,7 @@ class LLMEngine:
                 if args.generation_config == "auto"
                 else Path(args.generation_config)
             )
-        )
+        ) | args.override_generation_config
         plan = self.state.kv_plan
         self.max_model_len = plan.max_model_len
         salt = f"{self.state.target_dir.resolve()}|{self.state.dtype}|{args.load_format}"

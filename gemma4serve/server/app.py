@@ -36,8 +36,8 @@ from gemma4serve.chat.output import ChatMarkers
 from gemma4serve.engine.client import EngineClient
 from gemma4serve.server.drain import drain_when_asked
 from gemma4serve.server.formats import ChatFormat, CompletionFormat, Prompt, ResponseFormat
-from gemma4serve.server.limits import RequestLimits, read_body, read_request
-from gemma4serve.server.metrics import DEFAULT_PREFIX, ServerMetrics
+from gemma4serve.server.limits import read_body, read_request
+from gemma4serve.server.metrics import ServerMetrics
 from gemma4serve.server.middleware import ApiGate, RequestIdHeader, given_request_id
 from gemma4serve.server.openapi import docs_page, openapi_document
 from gemma4serve.server.protocol import (
@@ -46,6 +46,7 @@ from gemma4serve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     ResponseHeader,
+    StreamOptions,
     TokenIdStrings,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -55,12 +56,8 @@ from gemma4serve.server.protocol import (
     validate_request,
 )
 from gemma4serve.server.responses import GenerationResponse, json_response
-from gemma4serve.server.state import (
-    DEFAULT_MAX_LOGPROBS,
-    RESERVED_TEMPLATE_KWARGS,
-    CorsSettings,
-    ServerState,
-)
+from gemma4serve.server.settings import RESERVED_TEMPLATE_KWARGS, ServerSettings
+from gemma4serve.server.state import ServerState
 from gemma4serve.server.stats_log import log_stats
 from gemma4serve.stop_strings import StopStrings
 from gemma4serve.validation import (
@@ -132,7 +129,7 @@ def _fill_template_kwargs(req: ChatCompletionRequest | TokenizeChatRequest, stat
     if effort is not None:
         given["reasoning_effort"] = effort
         given.setdefault("enable_thinking", effort != "none")
-    merged = (state.default_chat_template_kwargs or {}) | given
+    merged = (state.settings.default_chat_template_kwargs or {}) | given
     req.chat_template_kwargs = merged or None
 
 
@@ -172,25 +169,29 @@ async def _generation(
     """The pipeline both generation endpoints share: parse, prompt (off the event loop), context
     and sampling checks, then the response that runs the request."""
     state = _state(request)
-    req = await read_request(request, request_type, state.limits)
+    settings = state.settings
+    req = await read_request(request, request_type, settings.limits)
+    if settings.force_include_usage and req.stream:  # vLLM: usage in every chunk too
+        req.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
     if isinstance(req, ChatCompletionRequest):
         _fill_template_kwargs(req, state)
     tokenizer = state.engine.tokenizer
-    state.limits.check(req, tokenizer.vocab_size if tokenizer is not None else None)
+    settings.limits.check(req, tokenizer.vocab_size if tokenizer is not None else None)
     model = state.resolve_model(req.model)
     num_logprobs = req.num_logprobs
-    if num_logprobs is not None and 0 <= state.max_logprobs < num_logprobs:
+    if num_logprobs is not None and 0 <= settings.max_logprobs < num_logprobs:
         param = "top_logprobs" if request_type is ChatCompletionRequest else "logprobs"
         raise ApiError(
             400,
-            f"{param} must be at most {state.max_logprobs} (--max-logprobs), got {num_logprobs}",
+            f"{param} must be at most {settings.max_logprobs} (--max-logprobs), got {num_logprobs}",
             param=param,
         )
     wanted = req.wanted_prompt_logprobs
-    if wanted is not None and 0 <= state.max_logprobs < wanted:
+    if wanted is not None and 0 <= settings.max_logprobs < wanted:
         raise ApiError(
             400,
-            f"prompt_logprobs must be at most {state.max_logprobs} (--max-logprobs), got {wanted}",
+            f"prompt_logprobs must be at most {settings.max_logprobs} (--max-logprobs), "
+            f"got {wanted}",
             param="prompt_logprobs",
         )
     prompts: list[Prompt] = await run_in_threadpool(build_prompt, state.engine.tokenizer, req)
@@ -213,7 +214,7 @@ async def _generation(
     request_id = f"{id_prefix}-{given.decode('latin-1') if given else uuid.uuid4().hex}"
     if request_id in state.inflight:
         request_id += f"-{uuid.uuid4().hex[:8]}"
-    if state.log_requests:
+    if settings.log_requests:
         logger.info(
             "Received request %s: %s prompt tokens, params: %s",
             request_id,
@@ -223,7 +224,7 @@ async def _generation(
     header = ResponseHeader(request_id, int(time.time()), model)
     strings = state.token_strings
     as_ids = req.return_tokens_as_token_ids
-    if as_ids or (as_ids is None and state.return_tokens_as_token_ids):
+    if as_ids or (as_ids is None and settings.return_tokens_as_token_ids):
         strings = TokenIdStrings(strings)
     fmt = response_format(header, req, strings, prompts, markers=state.chat_markers)
     if isinstance(req, ChatCompletionRequest) and state.chat_markers is not None:
@@ -260,7 +261,7 @@ def _truncate(prompt: Prompt, req, max_model_len: int) -> None:
 
 
 async def chat_completions(request: Request):
-    exclude_tools = _state(request).exclude_tools_when_tool_choice_none
+    exclude_tools = _state(request).settings.exclude_tools_when_tool_choice_none
     prompts = functools.partial(_chat_prompts, exclude_tools=exclude_tools)
     return await _generation(
         request, ChatCompletionRequest, prompts, ChatFormat, id_prefix="chatcmpl"
@@ -276,7 +277,7 @@ async def completions(request: Request):
 async def tokenize(request: Request):
     """vLLM's /tokenize: a prompt or chat messages -> {count, max_model_len, tokens}."""
     state = _state(request)
-    data = load_json_object(await read_body(request, state.limits))
+    data = load_json_object(await read_body(request, state.settings.limits))
     chat = "messages" in data
     req = validate_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
     if chat:
@@ -301,7 +302,7 @@ async def tokenize(request: Request):
 async def detokenize(request: Request):
     """vLLM's /detokenize: {tokens} -> {prompt} (special tokens kept)."""
     state = _state(request)
-    req = await read_request(request, DetokenizeRequest, state.limits)
+    req = await read_request(request, DetokenizeRequest, state.settings.limits)
     state.resolve_model(req.model)
     tokenizer = state.engine.tokenizer
     _needs_tokenizer(tokenizer, "token ids", "tokens")
@@ -396,22 +397,7 @@ async def _internal_error(request: Request, exc: Exception):
 # ------------------------------------------------------------------------------------------------
 
 
-def build_app(
-    engine: EngineClient,
-    *,
-    served_model_name: str | list[str],
-    api_keys: list[str] | None = None,
-    drain_timeout: float = 30.0,
-    cors: CorsSettings | None = None,
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-    return_tokens_as_token_ids: bool = False,
-    log_requests: bool = False,
-    limits: RequestLimits | None = None,
-    exclude_tools_when_tool_choice_none: bool = False,
-    default_chat_template_kwargs: dict | None = None,
-    log_stats_interval: float | None = None,
-    metrics_prefix: str = DEFAULT_PREFIX,
-) -> Starlette:
+def build_app(engine: EngineClient, settings: ServerSettings) -> Starlette:
     """The ASGI app over `engine` (an EngineProcessClient or anything with its interface).
 
     The app's startup calls `engine.start()`; its shutdown calls `engine.shutdown(drain_timeout)`
@@ -419,42 +405,27 @@ def build_app(
     calls it on SIGTERM) makes /health and new requests 503 and, `drain_timeout` seconds later,
     aborts what still runs; then it calls `on_drained` (server/drain.py). When the engine offers
     `default_sampling_params` (a dict, e.g. the checkpoint's generation_config), those fill what
-    a request leaves unset, as vLLM does with a model's generation config. `limits` bound what
-    one request may ask for (RequestLimits' defaults when None). `api_keys`: /v1 takes any of them
-    (none: no key). `log_stats_interval`: seconds between vLLM's stats lines in the log (None: no
-    lines). `metrics_prefix`: /metrics names are `{metrics_prefix}:x`.
+    a request leaves unset, as vLLM does with a model's generation config.
     """
-    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-    if not names:
-        raise ValueError("served_model_name must name at least one model")
-    reserved = RESERVED_TEMPLATE_KWARGS & (default_chat_template_kwargs or {}).keys()
-    if reserved:
-        raise ValueError(f"default_chat_template_kwargs may not set {sorted(reserved)}")
     state = ServerState(
         engine=engine,
-        model_names=names,
-        api_keys=list(api_keys or ()),
-        metrics=ServerMetrics(engine.stats, names[0], metrics_prefix),
+        settings=settings,
+        metrics=ServerMetrics(
+            engine.stats, settings.served_model_names[0], settings.metrics_prefix
+        ),
         token_strings=TokenStrings(engine.tokenizer),
         chat_markers=ChatMarkers.from_tokenizer(engine.tokenizer),
         sampling_defaults=dict(engine.default_sampling_params),
-        drain_timeout=drain_timeout,
-        max_logprobs=max_logprobs,
-        return_tokens_as_token_ids=return_tokens_as_token_ids,
-        log_requests=log_requests,
-        limits=limits or RequestLimits(),
-        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
-        default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
     )
-    cors = cors or CorsSettings()
+    cors = settings.cors
 
     @asynccontextmanager
     async def lifespan(app):
         engine.start()  # on the loop: the engine may bind its output queues to it
         state.ready = True
         timers = [asyncio.create_task(drain_when_asked(state))]
-        if log_stats_interval:
-            timers.append(asyncio.create_task(log_stats(state, log_stats_interval)))
+        if settings.log_stats_interval:
+            timers.append(asyncio.create_task(log_stats(state, settings.log_stats_interval)))
         try:
             yield
         finally:
@@ -470,13 +441,16 @@ def build_app(
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/openapi.json", openapi, methods=["GET"]),
-        Route("/docs", docs, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),  # vLLM's alias (SageMaker's probe)
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
     ]
+    if settings.openapi_docs:
+        routes += [
+            Route("/openapi.json", openapi, methods=["GET"]),
+            Route("/docs", docs, methods=["GET"]),
+        ]
     app = Starlette(
         routes=routes,
         # Outermost first: CORS answers preflights before the gate asks for a key.

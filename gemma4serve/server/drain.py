@@ -20,21 +20,21 @@ POLL_S = 0.05  # draining is switched on in a signal handler, where asyncio obje
 
 
 async def drain_when_asked(state: ServerState) -> None:
-    """Wait for `state.draining`, let running requests finish for up to `state.drain_timeout`
-    seconds (or until `state.cut_drain()`), abort the rest, then call `state.on_drained` (the
-    CLI's: close the listener)."""
+    """Wait for `state.draining`, let running requests finish for up to the settings'
+    `drain_timeout` seconds (or until `state.cut_drain()`), abort the rest, then call
+    `state.on_drained` (the CLI's: close the listener)."""
     while not state.draining:
         await asyncio.sleep(POLL_S)
     loop = asyncio.get_running_loop()
-    started = loop.time()
-    while state.inflight and not state.drain_cut and loop.time() < started + state.drain_timeout:
+    started, timeout = loop.time(), state.settings.drain_timeout
+    while state.inflight and not state.drain_cut and loop.time() < started + timeout:
         await asyncio.sleep(POLL_S)
     if state.inflight:
         logger.warning(
             "aborting %d running request(s) after %.1fs of drain (timeout %.0fs)",
             len(state.inflight),
             loop.time() - started,
-            state.drain_timeout,
+            timeout,
         )
         state.abort_inflight()
     if state.on_drained is not None:

@@ -26,7 +26,6 @@ from prometheus_client.registry import Collector
 
 from gemma4serve.engine.outputs import ITERATION_TOKEN_BUCKETS, EngineStats, RequestOutput
 
-DEFAULT_PREFIX = "gemma4serve"
 FINISH_REASONS = (
     "stop",
     "length",
@@ -210,12 +209,7 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """The registry behind /metrics, and the histograms the server observes per finished request."""
 
-    def __init__(
-        self,
-        read_stats: Callable[[], EngineStats],
-        model_name: str,
-        prefix: str = DEFAULT_PREFIX,
-    ):
+    def __init__(self, read_stats: Callable[[], EngineStats], model_name: str, prefix: str):
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(read_stats, model_name, prefix))
         ProcessCollector(

@@ -23,7 +23,7 @@ class ApiGate:
     def __init__(self, app, state: ServerState):
         self.app = app
         self.state = state
-        self._keys = [key.encode() for key in state.api_keys]
+        self._keys = [key.encode() for key in state.settings.api_keys]
 
     async def __call__(self, scope, receive, send):
         # A CORS preflight (OPTIONS) carries no credentials: CORSMiddleware answers it before this.

@@ -1,5 +1,4 @@
-"""What the routes share: the engine, the served names, the settings and the server's lifecycle
-switches."""
+"""What the routes share: the engine, the settings and the server's lifecycle switches."""
 
 from __future__ import annotations
 
@@ -10,51 +9,21 @@ from dataclasses import dataclass, field
 
 from gemma4serve.chat.output import ChatMarkers
 from gemma4serve.engine.client import EngineClient
-from gemma4serve.server.limits import RequestLimits
 from gemma4serve.server.metrics import ServerMetrics
 from gemma4serve.server.protocol import ApiError, TokenStrings
-
-DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
-# Template variables chat_template_kwargs must not set: they come from the request's own fields.
-RESERVED_TEMPLATE_KWARGS = {
-    "messages",
-    "tools",
-    "documents",
-    "add_generation_prompt",
-    "continue_final_message",
-    "chat_template",
-}
-
-
-@dataclass
-class CorsSettings:
-    """vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials."""
-
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
+from gemma4serve.server.settings import ServerSettings
 
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine, the served names, the server's lifecycle switches."""
+    """What the routes share: the engine, the settings, the server's lifecycle switches."""
 
     engine: EngineClient
-    model_names: list[str]
-    api_keys: list[str]  # /v1 requires one of them as a bearer token; empty: open
+    settings: ServerSettings
     metrics: ServerMetrics
     token_strings: TokenStrings
     chat_markers: ChatMarkers | None  # the tokenizer's channel and tool-call tokens, if any
     sampling_defaults: dict
-    drain_timeout: float
-    limits: RequestLimits
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1 = no cap
-    return_tokens_as_token_ids: bool = False  # vLLM's flag: a request's default for its field
-    log_requests: bool = False  # one log line per request: its id, prompt size and settings
-    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: such prompts get no tools
-    # vLLM's --default-chat-template-kwargs: what a request's chat_template_kwargs leave unset
-    default_chat_template_kwargs: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False  # the engine thread runs
     draining: bool = False  # shutting down: refuse new work, let running requests finish
@@ -100,8 +69,12 @@ class ServerState:
             self._engine_stopped = True
         self.ready = False
         self.engine.shutdown(
-            drain_timeout=self.drain_timeout if drain_timeout is None else drain_timeout
+            drain_timeout=self.settings.drain_timeout if drain_timeout is None else drain_timeout
         )
+
+    @property
+    def model_names(self) -> list[str]:
+        return self.settings.served_model_names
 
     def resolve_model(self, requested: str | None) -> str:
         if requested is None:  # vLLM accepts a request without "model"

@@ -1,0 +1,57 @@
+"""The HTTP layer's settings, one typed object: the CLI builds it from its flags, `build_app`
+takes it, and the routes read it through the server state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gemma4serve.server.limits import RequestLimits
+
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+# Template variables chat_template_kwargs must not set: they come from the request's own fields.
+RESERVED_TEMPLATE_KWARGS = {
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+}
+
+
+@dataclass
+class CorsSettings:
+    """vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+@dataclass
+class ServerSettings:
+    """Each field is the CLI flag of the same name (`gemma4serve --help`)."""
+
+    served_model_names: list[str]  # the first is the one /metrics labels and "model" defaults to
+    api_keys: list[str] = field(default_factory=list)  # /v1 takes any of them; none: open
+    drain_timeout: float = 30.0  # after SIGTERM, seconds running requests get to finish
+    cors: CorsSettings = field(default_factory=CorsSettings)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # -1 = no cap
+    return_tokens_as_token_ids: bool = False  # a request's default for its field
+    log_requests: bool = False  # one log line per request: its id, prompt size and settings
+    exclude_tools_when_tool_choice_none: bool = False  # such prompts get no tools
+    # what a request's chat_template_kwargs leave unset
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    log_stats_interval: float | None = None  # seconds between stats lines in the log; None: none
+    metrics_prefix: str = "gemma4serve"  # /metrics names are `{metrics_prefix}:x`
+    openapi_docs: bool = True  # serve /openapi.json and /docs (vLLM's --disable-fastapi-docs)
+    force_include_usage: bool = False  # every stream ends with usage (vLLM's flag of that name)
+
+    def __post_init__(self):
+        if not self.served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+        reserved = RESERVED_TEMPLATE_KWARGS & self.default_chat_template_kwargs.keys()
+        if reserved:
+            raise ValueError(f"default_chat_template_kwargs may not set {sorted(reserved)}")
