@@ -35,6 +35,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt: int
     pages: SeqPages = field(default_factory=SeqPages)
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +51,7 @@ def per_step_ms(context: int, batch: int, steps: int, prefix_caching: bool) -> t
             full_page_tokens=PAGE_TOKENS[FULL],
             sliding_page_tokens=PAGE_TOKENS[SLIDING],
             sliding_keep=SLIDING_KEEP,
-            salt="bench",
+            model_key="bench",
             window_interval=2048,
         )
     kv = KVManager(pool, PAGE_TOKENS, SLIDING_KEEP, SLIDING_KEEP + 4096, cache)

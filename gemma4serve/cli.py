@@ -42,7 +42,6 @@ DEMO_MODEL_NAME = "gemma4serve-demo"
 API_KEY_ENVS = ("GEMMA4SERVE_API_KEY", "VLLM_API_KEY")  # read in this order
 DRAIN_TIMEOUT_ENV = "GEMMA4SERVE_DRAIN_TIMEOUT"  # the Docker image sets it to fit `docker stop`
 LOG_STATS_INTERVAL_ENV = "GEMMA4SERVE_LOG_STATS_INTERVAL"  # vLLM's VLLM_LOG_STATS_INTERVAL
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
 SHUTDOWN_BACKSTOP_S = 5.0  # after the drain timeout's aborts, how long aborted requests get to end
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a supervisor's stop
 
@@ -55,19 +54,19 @@ _SCALES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 _SCALES |= {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
-def _token_count(text: str) -> int:
-    """vLLM's human-readable integers: `32768`, `32k` (x1000) or `32K` (x1024); k, m, g and t
-    count in thousands, K, M, G and T in 1024s."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)\s*", text)
-    if not match:
+def _human_int(text: str) -> int:
+    """vLLM's human-readable integers: `32768`, `32k` or `2.5k` (x1000), `32K` (x1024); k, m, g
+    and t count in thousands, K, M, G and T in 1024s; a decimal needs a thousands unit."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kmgtKMGT]?)\s*", text)
+    if not match or ("." in match.group(1) and match.group(2) not in "kmgt"):
         raise argparse.ArgumentTypeError(f"expected a count like 8192, 8k or 8K, got {text!r}")
     number, unit = match.groups()
     return int(float(number) * _SCALES[unit])
 
 
-def _token_count_or_auto(text: str) -> int | None:
+def _human_int_or_auto(text: str) -> int | None:
     """vLLM's --max-model-len: a count, or auto / -1 for the default (None)."""
-    return None if text.strip().lower() in ("auto", "-1") else _token_count(text)
+    return None if text.strip().lower() in ("auto", "-1") else _human_int(text)
 
 
 _BYTE_UNITS = {
@@ -313,10 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--max-model-len",
-        type=_token_count_or_auto,
+        type=_human_int_or_auto,
         metavar="TOKENS",
         help="Context length (prompt + output), e.g. 32768, 32k (x1000) or 32K (x1024) "
-        "(default: the config's, capped by the KV cache).",
+        "(default, or auto / -1: the config's, capped by the KV cache).",
     )
     engine.add_argument(
         "--max-num-seqs",
@@ -326,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--max-num-batched-tokens",
-        type=_token_count,
+        type=_human_int,
         default=EngineArgs.max_num_batched_tokens,
         help="Token budget of one engine step (longer prompts are prefilled in chunks).",
     )
@@ -358,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--kv-cache-memory-bytes",
         dest="kv_cache_memory",
-        type=_token_count,
+        type=_human_int,
         metavar="BYTES",
         help="vLLM's spelling of --kv-cache-memory, in its units (20g = 20e9, 20G = 20 x 2^30).",
     )
@@ -460,11 +459,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--api-key",  # the env default is read in parse_args: --help must not print the key
+        dest="api_keys",
         nargs="+",
         metavar="KEY",
         help="Require `Authorization: Bearer KEY` on /v1/*, any of the keys given (default: "
-        f"${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]}, if set). /health, /metrics and CORS "
-        "preflights stay open.",
+        f"${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]}, if set). The rest stays open (/health, "
+        "/ping, /metrics, /version, /tokenize, /detokenize, /docs), as in vLLM, and so do CORS "
+        "preflights.",
     )
     server.add_argument(
         "--root-path",
@@ -508,8 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="On SIGTERM, seconds to let running requests finish before aborting them "
-        f"(default: ${DRAIN_TIMEOUT_ENV}, if set, else {DEFAULT_DRAIN_TIMEOUT_S:.0f}). Keep it "
-        f"{SHUTDOWN_BACKSTOP_S:.0f}s under the stop grace of whatever sends SIGTERM.",
+        f"(default: ${DRAIN_TIMEOUT_ENV}, if set, else {ServerSettings.drain_timeout:.0f}). "
+        f"Keep it {SHUTDOWN_BACKSTOP_S:.0f}s under the stop grace of whatever sends SIGTERM.",
     )
 
     api = p.add_argument_group("API")
@@ -541,10 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="No /openapi.json and /docs (vLLM's name for the flag).",
     )
     for always_on in ("--enable-prompt-tokens-details", "--enable-request-id-headers"):
-        api.add_argument(
+        api.add_argument(  # no --no- form: it could not be honoured
             always_on,
-            action=argparse.BooleanOptionalAction,
-            default=True,
+            action="store_true",
             help="Accepted for vLLM compatibility: always on (usage's cached_tokens; the "
             "X-Request-Id echo).",
         )
@@ -637,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logs.add_argument(
         "--metrics-prefix",
-        default="gemma4serve",
+        default=ServerSettings.metrics_prefix,
         metavar="NAME",
         help="/metrics names are NAME:x (vLLM's names with our prefix); `vllm` gives vLLM's own, "
         "for the dashboards, autoscalers and `vllm bench serve` reports that look for them.",
@@ -678,7 +678,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         revision=ns.revision,
         download_dir=ns.download_dir,
         generation_config=ns.generation_config,
-        override_generation_config=ns.override_generation_config or {},
+        override_generation_config=ns.override_generation_config,
         dtype=_DTYPE_ALIASES.get(ns.dtype, ns.dtype),
         device=ns.device,
         tensor_parallel_size=ns.tensor_parallel_size,
@@ -710,7 +710,7 @@ def _is_string_list(value) -> bool:
 def server_settings(ns: argparse.Namespace, served_model_names: list[str]) -> ServerSettings:
     return ServerSettings(
         served_model_names=served_model_names,
-        api_keys=ns.api_key,
+        api_keys=ns.api_keys,
         drain_timeout=ns.drain_timeout,
         cors=CorsSettings(
             allowed_origins=ns.allowed_origins,
@@ -787,8 +787,11 @@ def _vllm_spelling(argv: list[str]) -> list[str]:
 
 
 def _api_keys(given: list[str] | None) -> list[str]:
-    if given:
-        return given
+    """The keys given, else the environment's; an empty one is dropped (it would let in a bearer
+    token of nothing), as vLLM drops it."""
+    keys = [key for key in given or () if key]
+    if keys:
+        return keys
     from_env = next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
     return [from_env] if from_env else []
 
@@ -796,7 +799,7 @@ def _api_keys(given: list[str] | None) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     ns = parser.parse_args(_vllm_spelling(sys.argv[1:] if argv is None else argv))
-    ns.api_key = _api_keys(ns.api_key)
+    ns.api_keys = _api_keys(ns.api_keys)
     if ns.quantization is not None:
         parser.error(
             f"--quantization {ns.quantization}: this server runs bf16, float16 or float32 "
@@ -815,12 +818,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if ns.demo and (ns.model or ns.draft):
         parser.error("--demo serves the built-in tiny model; leave out MODEL/--model and --draft")
     if not ns.demo and not ns.model:
-        parser.error("a model is required: gemma4serve MODEL (or --demo for the built-in one)")
+        hint = ""
+        if len(ns.api_keys) > 1 or len(ns.served_model_name or ()) > 1:
+            hint = " (--api-key and --served-model-name take several values: put MODEL first)"
+        parser.error(
+            f"a model is required: gemma4serve MODEL (or --demo for the built-in one){hint}"
+        )
     if ns.port < 0 or ns.port > 65535:
         parser.error(f"--port must be in 0..65535, got {ns.port}")
     if ns.drain_timeout is None:
         try:
-            ns.drain_timeout = float(os.environ.get(DRAIN_TIMEOUT_ENV, DEFAULT_DRAIN_TIMEOUT_S))
+            ns.drain_timeout = float(
+                os.environ.get(DRAIN_TIMEOUT_ENV, ServerSettings.drain_timeout)
+            )
         except ValueError:
             parser.error(f"${DRAIN_TIMEOUT_ENV} must be a number of seconds")
     if ns.drain_timeout < 0:
@@ -835,17 +845,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         except (ValueError, argparse.ArgumentTypeError):
             parser.error(f"${LOG_STATS_INTERVAL_ENV} must be a number of seconds")
-    override = ns.override_generation_config or {}
+    # vLLM skips a null; a value that is not a number would fail every request that takes it.
+    override = {k: v for k, v in (ns.override_generation_config or {}).items() if v is not None}
     unknown = sorted(set(override) - set(GENERATION_DEFAULTS))
     if unknown:
         parser.error(
             f"--override-generation-config: {', '.join(unknown)} not supported; give "
             f"{', '.join(GENERATION_DEFAULTS)}"
         )
-    try:  # the values every request would otherwise be refused for
+    try:
+        if any(type(value) not in (int, float) for value in override.values()):
+            raise ValueError("the values must be numbers")
         SamplingParams(**override)
-    except (TypeError, ValueError) as e:
+    except ValueError as e:
         parser.error(f"--override-generation-config: {e}")
+    ns.override_generation_config = override
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & (ns.default_chat_template_kwargs or {}).keys())
     if reserved:
         parser.error(f"--default-chat-template-kwargs may not set {reserved}")

@@ -54,7 +54,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # None = unconstrained
     # vLLM's per-request prefix-cache salt (a request field there): pages are shared only among
     # requests of the same salt, so tenants cannot probe each other's prompts through cache hits
-    cache_salt: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)  # kept out of logged settings
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -14,7 +14,7 @@ import pytest
 from gemma4serve.chat.arguments import NotationError, arguments_json
 from gemma4serve.chat.output import LABEL, ChatDelta, ChatMarkers, ChatOutputParser
 from gemma4serve.demo.tokenizer import build_tiny_tokenizer
-from gemma4serve.engine.outputs import CompletionOutput, RequestOutput
+from gemma4serve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from gemma4serve.server.formats import ChatFormat, Prompt
 from gemma4serve.server.protocol import ChatCompletionRequest, ResponseHeader, TokenStrings
 from gemma4serve.tokenizer import Tokenizer
@@ -371,6 +371,17 @@ def test_include_reasoning_false_and_raw_special_tokens(tokenizer, markers):
     final = outputs([COMPLETIONS["thinking then answer"]])[-1]
     message = chat_format(tokenizer, markers, include_reasoning=False).body(final, {})
     assert message["choices"][0]["message"] == {"role": "assistant", "content": "The answer is 4."}
+    # the reasoning's token ids and logprobs would show it: dropped with it, as vLLM drops them
+    asks = dict(return_token_ids=True, logprobs=True)
+    hidden = chat_format(tokenizer, markers, include_reasoning=False, **asks)
+    choice = hidden.body(final, {0: [TokenLogprob(7, -0.5, [])]})["choices"][0]
+    assert "token_ids" not in choice and choice["logprobs"] is None
+    pieces = random_splits(COMPLETIONS["thinking then answer"], random.Random(5))
+    chunks = [c for o in outputs(pieces) for c in hidden.step(o)]
+    assert not any("token_ids" in c for chunk in chunks for c in chunk["choices"])
+    shown = chat_format(tokenizer, markers, **asks).body(final, {0: [TokenLogprob(7, -0.5, [])]})
+    assert shown["choices"][0]["token_ids"] == final.outputs[0].token_ids
+    assert shown["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.5
     raw = chat_format(tokenizer, markers, skip_special_tokens=False)
     assert not raw.parses_output
     assert raw.body(final, {})["choices"][0]["message"]["content"] == final.outputs[0].text

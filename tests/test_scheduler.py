@@ -114,9 +114,9 @@ def test_sliding_pages_behind_every_reader_go_back_to_the_arena():
     """Growing a sequence a verify step at a time keeps exactly the sliding pages some reader can
     still reach (every entry below them 0, none of them 0), draws its full pages once, and `free`
     returns every page; with a prefix cache, a hit's sequence does the same from the hit on."""
-    for cache_salt in (None, "test"):
+    for model_key in (None, "test"):
         plan = KVPlan(400, PAGE_TOKENS, 1, KEEP, 1024, peak_sliding_rows=PEAK_ROWS)
-        kv = KVManager.for_plan(plan, cache_salt)
+        kv = KVManager.for_plan(plan, model_key)
         seqs = [
             Sequence(name, 0, list(range(10, 40)), 30, SamplingParams(), 0, i, 200)
             for i, name in enumerate("ab")
@@ -139,4 +139,4 @@ def test_sliding_pages_behind_every_reader_go_back_to_the_arena():
             kv.free(seq, seq.num_tokens)
         assert kv.pool.num_free == kv.pool.capacity
         # "b" (the same prompt) starts from "a"'s cached prefix where there is a cache
-        assert hits[0] is None and (cache_salt is None) == (hits[1] is None)
+        assert hits[0] is None and (model_key is None) == (hits[1] is None)

@@ -514,7 +514,14 @@ def test_vllm_features_this_server_lacks_are_refused(server, field, value):
     for path, body in ((CHAT, {"messages": HI}), (COMPLETIONS, {"prompt": "Once"})):
         r = httpx.post(server.url + path, json={**body, field: value})
         assert_openai_error(r, 400, param=field)
-    assert httpx.post(server.url + CHAT, json={"messages": HI, "use_beam_search": False}).is_success
+    # values that ask for nothing pass, as vLLM takes them for "off"
+    for off in (
+        {"use_beam_search": False},
+        {"thinking_token_budget": -1},
+        {"logprob_token_ids": []},
+        {"repetition_detection": {"max_pattern_size": 0}},
+    ):
+        assert httpx.post(server.url + CHAT, json={"messages": HI, **off}).is_success, off
 
 
 def test_tool_choice_none_renders_the_tools_unless_told_not_to():
@@ -1384,18 +1391,28 @@ def test_cli_maps_vllm_flags_to_engine_args(monkeypatch):
     assert engine_args(parse_args(["--model", "m"])).num_draft_tokens == 4
 
 
-def test_cli_api_key_from_env(monkeypatch):
+def test_cli_api_key_from_env(monkeypatch, capsys):
     """--api-key first, then $GEMMA4SERVE_API_KEY, then vLLM's $VLLM_API_KEY."""
     from gemma4serve.cli import parse_args
 
     monkeypatch.delenv("GEMMA4SERVE_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    assert parse_args(["--model", "m"]).api_key == []
+    assert parse_args(["--model", "m"]).api_keys == []
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")
-    assert parse_args(["--model", "m"]).api_key == ["from-vllm-env"]
+    assert parse_args(["--model", "m"]).api_keys == ["from-vllm-env"]
     monkeypatch.setenv("GEMMA4SERVE_API_KEY", "from-env")
-    assert parse_args(["--model", "m"]).api_key == ["from-env"]
-    assert parse_args(["--model", "m", "--api-key", "a", "b"]).api_key == ["a", "b"]
+    assert parse_args(["--model", "m"]).api_keys == ["from-env"]
+    assert parse_args(["--model", "m", "--api-key", "a", "b"]).api_keys == ["a", "b"]
+    # an empty key (an unset variable in "$K1" "$K2") would let in a bearer token of nothing
+    assert parse_args(["--model", "m", "--api-key", "a", ""]).api_keys == ["a"]
+    assert parse_args(["--model", "m", "--api-key", ""]).api_keys == ["from-env"]
+    with pytest.raises(ValueError, match="api_keys"):
+        ServerSettings(["m"], api_keys=["a", ""])
+    with pytest.raises(ValueError, match="api_keys"):
+        ServerSettings(["m"], api_keys="sekret")
+    with pytest.raises(SystemExit):  # --api-key takes several keys: MODEL after it is one
+        parse_args(["--api-key", "k", "google/gemma-4-31B-it"])
+    assert "put MODEL first" in capsys.readouterr().err
 
 
 def test_cli_takes_vllms_spellings():
@@ -1441,13 +1458,25 @@ def test_cli_takes_vllms_spellings():
         parse_args(["m", "--quantization", "fp8"])
     ns = parse_args(["m", "--enable-prompt-tokens-details", "--enable-request-id-headers"])
     assert ns.enable_prompt_tokens_details and ns.enable_request_id_headers  # always on here
+    with pytest.raises(SystemExit):  # off is not on offer
+        parse_args(["m", "--no-enable-request-id-headers"])
+    with pytest.raises(SystemExit, match="2"):  # vLLM's counts: a decimal needs a unit of 1000s
+        parse_args(["m", "--max-num-batched-tokens", "1.5K"])
+    assert parse_args(["m", "--max-num-batched-tokens", "2.5k"]).max_num_batched_tokens == 2500
     override = '{"temperature": 0.5, "presence_penalty": 0.1}'
     ns = parse_args(["m", "--override-generation-config", override])
     assert engine_args(ns).override_generation_config == {
         "temperature": 0.5,
         "presence_penalty": 0.1,
     }
-    for bad in ('{"max_new_tokens": 5}', '{"temperature": -1}', '{"top_k": "x"}'):
+    nulls = parse_args(["m", "--override-generation-config", '{"top_p": null}'])
+    assert nulls.override_generation_config == {}  # vLLM skips a null
+    for bad in (
+        '{"max_new_tokens": 5}',
+        '{"temperature": -1}',
+        '{"top_k": "x"}',
+        '{"top_k": true}',
+    ):
         with pytest.raises(SystemExit):
             parse_args(["m", "--override-generation-config", bad])
     assert parse_args(["m", "--metrics-prefix", "vllm"]).metrics_prefix == "vllm"

@@ -146,8 +146,8 @@ class LLMEngine:
         ) | args.override_generation_config
         plan = self.state.kv_plan
         self.max_model_len = plan.max_model_len
-        salt = f"{self.state.target_dir.resolve()}|{self.state.dtype}|{args.load_format}"
-        self.kv = KVManager.for_plan(plan, salt if args.enable_prefix_caching else None)
+        model_key = f"{self.state.target_dir.resolve()}|{self.state.dtype}|{args.load_format}"
+        self.kv = KVManager.for_plan(plan, model_key if args.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         k = args.num_draft_tokens if self.state.draft is not None else 0
         self.num_draft_tokens = k

@@ -64,17 +64,17 @@ class KVManager:
         self.cache = cache
 
     @classmethod
-    def for_plan(cls, plan: KVPlan, cache_salt: str | None) -> KVManager:
-        """The pages of `plan`'s arena, with a prefix cache keyed by `cache_salt` (None: none)."""
+    def for_plan(cls, plan: KVPlan, model_key: str | None) -> KVManager:
+        """The pages of `plan`'s arena, with a prefix cache rooted in `model_key` (None: none)."""
         pool = PagePool(plan.num_pages)
         cache = None
-        if cache_salt is not None:
+        if model_key is not None:
             cache = PrefixCache(
                 pool,
                 full_page_tokens=plan.page_tokens[FULL],
                 sliding_page_tokens=plan.page_tokens[SLIDING],
                 sliding_keep=plan.sliding_keep,
-                salt=cache_salt,
+                model_key=model_key,
                 window_interval=PREFIX_WINDOW_INTERVAL,
             )
         return cls(pool, plan.page_tokens, plan.sliding_keep, plan.peak_sliding_rows, cache)
@@ -173,7 +173,7 @@ class KVManager:
         if self.cache is None or seq.pages.full:
             return None
         return self.cache.lookup(
-            seq.token_ids, seq.num_tokens - 1, seq.pages.hashes, seq.cache_salt
+            seq.token_ids, seq.num_tokens - 1, seq.pages.hashes, cache_salt=seq.cache_salt
         )
 
     def record_lookup(self, seq: PagedSequence, hit: CacheHit | None) -> None:
@@ -212,5 +212,5 @@ class KVManager:
         pages = seq.pages
         boundaries = self.cache.boundaries(pages.windows_done, committed, seq.num_prompt)
         boundaries += [b for b in extra_boundaries if b not in boundaries]
-        self.cache.register(pages, seq.token_ids, committed, boundaries, seq.cache_salt)
+        self.cache.register(pages, seq.token_ids, committed, boundaries, cache_salt=seq.cache_salt)
         pages.windows_done = max(pages.windows_done, committed)

@@ -49,7 +49,7 @@ class PrefixCache:
         full_page_tokens: int,
         sliding_page_tokens: int,
         sliding_keep: int,
-        salt: str,
+        model_key: str,  # what the cached KV depends on besides the tokens (model, dtype)
         window_interval: int,
     ):
         self.pool = pool
@@ -59,7 +59,7 @@ class PrefixCache:
         self.boundary = math.lcm(full_page_tokens, sliding_page_tokens)  # cacheable positions
         # Windows are kept at multiples of this inside long sequences (besides prompt and end).
         self.window_interval = -(-window_interval // self.boundary) * self.boundary
-        self.root = hashlib.blake2b(salt.encode(), digest_size=16).digest()
+        self.root = hashlib.blake2b(model_key.encode(), digest_size=16).digest()
         self.full: dict[bytes, int] = {}  # chain hash -> physical full page
         self.hash_of_page: dict[int, bytes] = {}
         self.windows: dict[bytes, Window] = {}  # chain hash at a boundary -> its window
@@ -71,29 +71,30 @@ class PrefixCache:
     # ---- lookup -----------------------------------------------------------------------------
 
     def chain(
-        self, token_ids: list[int], num_pages: int, known: list[bytes], salt: str | None
+        self, token_ids: list[int], num_pages: int, known: list[bytes], cache_salt: str | None
     ) -> None:
         """Extend `known` (the chain hashes computed already) to at least the first `num_pages`
         full pages' (in place: a copy each step would cost a long sequence's whole chain)."""
         size = self.full_page_tokens
         while len(known) < num_pages:
             i = len(known)
-            parent = known[-1] if known else self._root(salt)
+            parent = known[-1] if known else self._root(cache_salt)
             page = array("q", token_ids[i * size : (i + 1) * size]).tobytes()
             known.append(hashlib.blake2b(parent + page, digest_size=16).digest())
 
-    def _root(self, salt: str | None) -> bytes:
-        if not salt:
+    def _root(self, cache_salt: str | None) -> bytes:
+        if not cache_salt:
             return self.root
         # its own hash domain, so that no salt's root can equal a page's chain hash
-        return hashlib.blake2b(self.root + salt.encode(), digest_size=16, person=b"salt").digest()
+        salted = self.root + cache_salt.encode()
+        return hashlib.blake2b(salted, digest_size=16, person=b"salt").digest()
 
     def lookup(
-        self, token_ids: list[int], limit: int, known: list[bytes], salt: str | None = None
+        self, token_ids: list[int], limit: int, known: list[bytes], *, cache_salt: str | None
     ) -> CacheHit | None:
         """The longest cached prefix of at most `limit` tokens, or None. `known`: the chain
         hashes computed already (extended in place, so a waiting prompt is hashed once)."""
-        self.chain(token_ids, limit // self.full_page_tokens, known, salt)
+        self.chain(token_ids, limit // self.full_page_tokens, known, cache_salt)
         hashes = known[: limit // self.full_page_tokens]
         matched = 0
         while matched < len(hashes) and hashes[matched] in self.full:
@@ -116,13 +117,14 @@ class PrefixCache:
         token_ids: list[int],
         committed: int,
         boundaries: list[int],
-        salt: str | None = None,
+        *,
+        cache_salt: str | None,
     ) -> None:
         """Cache a sequence's full pages wholly below `committed` (rows whose KV is final) and its
         windows at `boundaries` (each <= committed) while their sliding pages are mapped.
         `pages` is the sequence's SeqPages (its chain hashes and cached count are kept there)."""
         num_full = min(committed // self.full_page_tokens, len(pages.full))
-        self.chain(token_ids, num_full, pages.hashes, salt)
+        self.chain(token_ids, num_full, pages.hashes, cache_salt)
         hashes = pages.hashes  # read below num_full only (a lookup may have hashed further)
         for i in range(pages.num_cached_full, num_full):
             page, key = pages.full[i], hashes[i]

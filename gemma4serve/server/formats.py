@@ -137,6 +137,16 @@ class ChatFormat(ResponseFormat):
     def parses_output(self) -> bool:
         return self.markers is not None and self.request.skip_special_tokens
 
+    @property
+    def hides_tokens(self) -> bool:
+        """With the reasoning dropped, a choice's logprobs and token ids are too (they would
+        show it), as vLLM drops them."""
+        return self.parses_output and not self.request.include_reasoning
+
+    @property
+    def shows_token_ids(self) -> bool:
+        return self.request.return_token_ids and not self.hides_tokens
+
     def opening(self, output: RequestOutput) -> list[dict]:
         # OpenAI's first chunk of each choice carries the role and an empty content.
         chunks = [
@@ -146,21 +156,21 @@ class ChatFormat(ResponseFormat):
         prompt_logprobs = self.prompt_logprobs(output)
         if prompt_logprobs is not None:  # vLLM: at the top of the first chunk
             chunks[0]["prompt_logprobs"] = prompt_logprobs
-        if self.request.return_token_ids:  # vLLM: the same
-            chunks[0]["prompt_token_ids"] = output.prompt_token_ids
+        if self.request.return_token_ids:  # vLLM: at the top of each choice's first chunk
+            for chunk in chunks:
+                chunk["prompt_token_ids"] = output.prompt_token_ids
         return chunks
 
     def envelope(self, choices, usage, *, with_usage) -> dict:
         return self.header.chat_chunk(choices, usage, with_usage=with_usage)
 
     def delta_choice(self, c: CompletionOutput, output: RequestOutput) -> dict | None:
-        logprobs = (
-            chat_logprobs(c.new_logprobs, self.strings) if c.new_logprobs is not None else None
-        )
+        new_logprobs = None if self.hides_tokens else c.new_logprobs
+        logprobs = chat_logprobs(new_logprobs, self.strings) if new_logprobs is not None else None
         # With return_token_ids every token is shown, so a chunk goes out even without text.
-        ids = self.request.return_token_ids and c.new_token_ids
+        ids = self.shows_token_ids and c.new_token_ids
         if not self.parses_output:
-            if not (c.new_text or c.new_logprobs or ids):
+            if not (c.new_text or new_logprobs or ids):
                 return None
             fields = {"content": c.new_text}
         else:
@@ -171,10 +181,10 @@ class ChatFormat(ResponseFormat):
             if c.finish_reason is not None:
                 delta += parser.finish()
             fields = self._fields(delta, streamed=True)
-            if not (fields or c.new_logprobs or ids):
+            if not (fields or new_logprobs or ids):
                 return None
         choice = chat_delta_choice(c.index, fields, logprobs)
-        if self.request.return_token_ids:
+        if self.shows_token_ids:
             choice["token_ids"] = c.new_token_ids
         return choice
 
@@ -184,7 +194,7 @@ class ChatFormat(ResponseFormat):
         return chat_delta_choice(c.index, {}, None, reason, c.stop_reason)
 
     def body(self, output, logprobs) -> dict:
-        want = self.request.logprobs
+        want = self.request.logprobs and not self.hides_tokens
         choices = []
         for c in output.outputs:
             message, parser = {"content": c.text}, None
@@ -200,7 +210,7 @@ class ChatFormat(ResponseFormat):
                 _finish_reason(c.finish_reason, parser),
                 c.stop_reason,
             )
-            if self.request.return_token_ids:
+            if self.shows_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
         body = self.header.chat_completion(choices, self.usage())
@@ -328,7 +338,9 @@ class CompletionFormat(ResponseFormat):
         return self._first_of_choice(choice)
 
     def finish_choice(self, c: CompletionOutput) -> dict:
-        return completion_choice(c.index, "", None, c.finish_reason, c.stop_reason)
+        return self._first_of_choice(
+            completion_choice(c.index, "", None, c.finish_reason, c.stop_reason)
+        )
 
     def body(self, output, logprobs) -> dict:
         want = self.request.logprobs is not None

@@ -262,11 +262,12 @@ class _GenerationRequest(_Request):
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour rather than silently ignoring it."""
-        unsupported = {
-            "thinking_token_budget": self.thinking_token_budget is not None,
-            "logprob_token_ids": self.logprob_token_ids is not None,
+        unsupported = {  # values that ask for nothing (vLLM's "off") pass
+            "thinking_token_budget": self.thinking_token_budget not in (None, -1),
+            "logprob_token_ids": bool(self.logprob_token_ids),
             "use_beam_search": self.use_beam_search,
-            "repetition_detection": self.repetition_detection is not None,
+            "repetition_detection": (self.repetition_detection or {}).get("max_pattern_size", 0)
+            != 0,
         }
         for name, given in unsupported.items():
             if given:

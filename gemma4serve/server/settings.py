@@ -31,10 +31,10 @@ class CorsSettings:
 
 @dataclass
 class ServerSettings:
-    """Each field is the CLI flag of the same name (`gemma4serve --help`)."""
+    """The CLI's flags (`gemma4serve --help`), most under the same name."""
 
     served_model_names: list[str]  # the first is the one /metrics labels and "model" defaults to
-    api_keys: list[str] = field(default_factory=list)  # /v1 takes any of them; none: open
+    api_keys: list[str] = field(default_factory=list)  # --api-key: /v1 takes any; none: open
     drain_timeout: float = 30.0  # after SIGTERM, seconds running requests get to finish
     cors: CorsSettings = field(default_factory=CorsSettings)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
@@ -46,12 +46,16 @@ class ServerSettings:
     default_chat_template_kwargs: dict = field(default_factory=dict)
     log_stats_interval: float | None = None  # seconds between stats lines in the log; None: none
     metrics_prefix: str = "gemma4serve"  # /metrics names are `{metrics_prefix}:x`
-    openapi_docs: bool = True  # serve /openapi.json and /docs (vLLM's --disable-fastapi-docs)
-    force_include_usage: bool = False  # every stream ends with usage (vLLM's flag of that name)
+    openapi_docs: bool = True  # serve /openapi.json and /docs (not --disable-fastapi-docs)
+    # --enable-force-include-usage: usage in every chunk of every stream and a last one
+    force_include_usage: bool = False
 
     def __post_init__(self):
         if not self.served_model_names:
             raise ValueError("served_model_names must name at least one model")
+        # an empty key would let in a bearer token of nothing; a bare string, each character
+        if isinstance(self.api_keys, str) or not all(self.api_keys):
+            raise ValueError("api_keys must be a list of non-empty keys")
         reserved = RESERVED_TEMPLATE_KWARGS & self.default_chat_template_kwargs.keys()
         if reserved:
             raise ValueError(f"default_chat_template_kwargs may not set {sorted(reserved)}")
