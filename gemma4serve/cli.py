@@ -479,9 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--allowed-origins",
         type=json.loads,
-        default=["*"],
+        default=[],
         metavar="JSON",
-        help='CORS: origins allowed to call the API, a JSON list (default: ["*"]).',
+        help='CORS: origins whose pages may call the API, a JSON list, e.g. ["*"] (default: '
+        "none, as in vLLM: a web page cannot make a visitor's browser call this server).",
     )
     server.add_argument(
         "--allowed-methods",

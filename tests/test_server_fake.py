@@ -22,7 +22,7 @@ import uvicorn
 from fake_engine import REPLY, REPO_ROOT, FakeEngine, ServerProcess, metric, sse_data, wait_until
 
 from gemma4serve.server.app import build_app
-from gemma4serve.server.settings import ServerSettings
+from gemma4serve.server.settings import CorsSettings, ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -971,6 +971,19 @@ def test_api_key():
             assert good.chat.completions.create(model="fake", messages=HI, max_tokens=2).choices
         assert httpx.get(s.url + "/health").status_code == 200
         assert httpx.get(s.url + "/metrics").status_code == 200
+
+
+def test_cors_is_off_unless_origins_are_given():
+    """vLLM 0.33's default: no web page may make a visitor's browser call the server."""
+    preflight = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST"}
+    with serve_fake(FakeEngine()) as s:
+        r = httpx.options(s.url + CHAT, headers=preflight)
+        assert "access-control-allow-origin" not in r.headers
+        r = httpx.get(s.url + "/v1/models", headers={"Origin": "http://page.example"})
+        assert r.is_success and "access-control-allow-origin" not in r.headers
+    with serve_fake(FakeEngine(), cors=CorsSettings(allowed_origins=["*"])) as s:
+        r = httpx.options(s.url + CHAT, headers=preflight)
+        assert r.is_success and r.headers["access-control-allow-origin"] == "*"
 
 
 def test_health_lifecycle_and_draining():

@@ -23,7 +23,7 @@ RESERVED_TEMPLATE_KWARGS = {
 class CorsSettings:
     """vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials."""
 
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_origins: list[str] = field(default_factory=list)  # none: no cross-origin pages
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
