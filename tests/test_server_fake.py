@@ -1030,6 +1030,20 @@ def test_drain_timeout_aborts_running_requests_cleanly():
 # Metrics
 
 
+def test_continuous_usage_needs_include_usage(server):
+    """vLLM's continuous_usage_stats: usage in every chunk, only beside include_usage."""
+    for options, every, last in (
+        ({"include_usage": True, "continuous_usage_stats": True}, True, True),
+        ({"include_usage": True}, False, True),
+        ({"continuous_usage_stats": True}, False, False),
+    ):
+        body = {"messages": HI, "max_tokens": 3, "stream": True, "stream_options": options}
+        with httpx.stream("POST", server.url + CHAT, json=body) as stream:
+            events = [json.loads(d) for d in sse_data(stream.iter_lines()) if d != "[DONE]"]
+        assert all(e.get("usage") is not None for e in events[:-1]) == every, options
+        assert (events[-1].get("usage") is not None) == last, options
+
+
 def test_force_include_usage_and_no_docs():
     """vLLM's --enable-force-include-usage (usage in every chunk and a last one, whatever the
     request asks) and --disable-fastapi-docs."""

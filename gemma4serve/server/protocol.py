@@ -266,8 +266,7 @@ class _GenerationRequest(_Request):
             "thinking_token_budget": self.thinking_token_budget not in (None, -1),
             "logprob_token_ids": bool(self.logprob_token_ids),
             "use_beam_search": self.use_beam_search,
-            "repetition_detection": (self.repetition_detection or {}).get("max_pattern_size", 0)
-            != 0,
+            "repetition_detection": bool((self.repetition_detection or {}).get("max_pattern_size")),
         }
         for name, given in unsupported.items():
             if given:
@@ -310,7 +309,8 @@ class _GenerationRequest(_Request):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """vLLM's: usage in every chunk, only together with include_usage."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(
         self, *, max_tokens: int, logprobs: int | None, defaults: dict | None = None
