@@ -77,6 +77,7 @@ def test_sampling_params_cross_the_boundary_whole():
             tool_calls='[{"name": "f", "parameters": null}]',
             parallel_tool_calls=True,
             thinking="open",
+            any_whitespace=False,
         ),
         cache_salt="tenant",
     )

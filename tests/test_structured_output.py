@@ -194,6 +194,47 @@ def test_a_bad_regex_or_grammar_is_a_400(server, extra, words):
     assert error["param"] == "structured_outputs" and words in error["message"], error
 
 
+def whitespace_outside_strings(text: str) -> str:
+    """The whitespace characters of a JSON text that are not inside a string."""
+    found, in_string, escaped = [], False, False
+    for ch in text:
+        if in_string:
+            in_string = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+        elif ch == '"':
+            in_string = True
+        elif ch.isspace():
+            found.append(ch)
+    return "".join(found)
+
+
+def test_disable_any_whitespace_gives_compact_json(server, client):
+    """vLLM's structured_outputs.disable_any_whitespace: the JSON kinds without whitespace
+    between tokens (beside response_format too, as vLLM merges them); alone, or not a boolean,
+    a 400."""
+    assert whitespace_outside_strings('{"a b": [1, 2],\n "c\\"": 3}') == "  \n  "
+    response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=HI,
+            max_tokens=MAX_TOKENS,
+            seed=seed,
+            temperature=1.5,
+            response_format=response_format,
+            extra_body=compact,
+        )
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", text
+        jsonschema.validate(check_strict_json(text), SCHEMA)
+        assert whitespace_outside_strings(text) == "", text
+    for extra in (compact, {"structured_outputs": {"disable_any_whitespace": "yes", "json": {}}}):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 5, **extra}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+
+
 @pytest.mark.parametrize("pattern", [".*", "\\S+", "[^x]*"])
 def test_no_marker_token_enters_a_regex_answer_after_thinking(tiny_checkpoints, pattern):
     """With thinking on, the answer's regex is compiled beside the marker tokens (the thought

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -219,13 +219,20 @@ class _GenerationRequest(_Request):
             given = getattr(self, f"guided_{kind}")
             if given is not None:
                 found.append((f"guided_{kind}", _text_constraint(kind, given, f"guided_{kind}")))
-        outputs = self.structured_outputs or {}
+        outputs = dict(self.structured_outputs or {})
+        compact = outputs.pop("disable_any_whitespace", False)  # an option of the JSON kinds
+        if not isinstance(compact, bool):
+            raise ApiError(
+                400,
+                "structured_outputs.disable_any_whitespace must be a boolean.",
+                param="structured_outputs",
+            )
         kinds = [key for key, value in outputs.items() if value is not None and value is not False]
         if outputs and (not kinds or not set(kinds) <= {"json", "json_object", *TEXT_CONSTRAINTS}):
             raise ApiError(
                 400,
                 "structured_outputs supports 'json', 'json_object', 'regex', 'choice' and "
-                "'grammar' on this server.",
+                "'grammar' (and 'disable_any_whitespace' for the JSON ones) on this server.",
                 param="structured_outputs",
             )
         for kind in kinds:
@@ -258,6 +265,17 @@ class _GenerationRequest(_Request):
                 "'json_schema'.",
                 param="response_format",
             )
+        if compact:  # the JSON kinds only: the other languages say their own whitespace
+            if not any(_is_json(spec) for _, spec in found):
+                raise ApiError(
+                    400,
+                    "structured_outputs.disable_any_whitespace needs a JSON constraint.",
+                    param="structured_outputs",
+                )
+            found = [
+                (name, replace(spec, any_whitespace=False) if _is_json(spec) else spec)
+                for name, spec in found
+            ]
         return found
 
     def check_supported(self) -> None:
@@ -840,6 +858,10 @@ def _schema_text(schema: dict | str, param: str) -> str:
     if not isinstance(schema, dict):
         raise ApiError(400, "the JSON schema must be an object.", param=param)
     return json.dumps(schema)
+
+
+def _is_json(spec: StructuredOutputsParams) -> bool:
+    return spec.json is not None or spec.json_object
 
 
 def _only_one(

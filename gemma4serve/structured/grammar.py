@@ -107,9 +107,14 @@ class GrammarCompiler:
     def _json_grammar(self, spec: StructuredOutputsParams) -> xgrammar.Grammar:
         # json_object: any JSON object, with the same bounded whitespace and strict strings.
         schema = spec.json if spec.json is not None else '{"type": "object"}'
-        grammar = xgrammar.Grammar.from_json_schema(
-            schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
-        )
+        if spec.any_whitespace:
+            grammar = xgrammar.Grammar.from_json_schema(
+                schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
+            )
+        else:  # compact: no space after "," and ":" either, as vLLM asks xgrammar
+            grammar = xgrammar.Grammar.from_json_schema(
+                schema, any_whitespace=False, separators=(",", ":")
+            )
         # xgrammar's length-bounded strings let raw control characters through (strict JSON
         # forbids U+0000-U+001F inside strings): its unbounded strings' class is used instead.
         text = str(grammar).replace(_LOOSE_STRING_CHARACTER, _STRICT_STRING_CHARACTER)

@@ -23,6 +23,8 @@ class StructuredOutputsParams:
     tool_calls: str | None = None
     parallel_tool_calls: bool = False  # with tool_calls: one or more calls, else exactly one
     thinking: str = NO_THINKING  # NO_THINKING, MAY_THINK or IN_THOUGHT
+    # The JSON kinds: bounded whitespace between tokens, or none (vLLM's disable_any_whitespace)
+    any_whitespace: bool = True
 
     def __post_init__(self):
         if self.choice is not None:  # vLLM's callers give a list; the spec must stay hashable
