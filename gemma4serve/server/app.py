@@ -129,7 +129,7 @@ def _fill_template_kwargs(req: ChatCompletionRequest | TokenizeChatRequest, stat
     if effort is not None:
         given["reasoning_effort"] = effort
         given.setdefault("enable_thinking", effort != "none")
-    merged = (state.settings.default_chat_template_kwargs or {}) | given
+    merged = state.settings.default_chat_template_kwargs | given
     req.chat_template_kwargs = merged or None
 
 
@@ -244,7 +244,9 @@ async def _generation(
     )
 
 
-def _truncate(prompt: Prompt, req, max_model_len: int) -> None:
+def _truncate(
+    prompt: Prompt, req: ChatCompletionRequest | CompletionRequest, max_model_len: int
+) -> None:
     """vLLM's truncate_prompt_tokens: keep that many of the prompt's tokens (-1: the context
     length), the last ones unless truncation_side is "right"."""
     if req.truncate_prompt_tokens is None:
