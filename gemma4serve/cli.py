@@ -542,12 +542,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="No /openapi.json and /docs (vLLM's name for the flag).",
     )
-    for always_on in ("--enable-prompt-tokens-details", "--enable-request-id-headers"):
-        api.add_argument(  # no --no- form: it could not be honoured
-            always_on,
-            action="store_true",
-            help="Accepted for vLLM compatibility: always on (usage's cached_tokens; the "
-            "X-Request-Id echo).",
+    always_on = {
+        "--enable-prompt-tokens-details": "usage's prompt_tokens_details.cached_tokens",
+        "--enable-request-id-headers": "the X-Request-Id echo",
+    }
+    for flag, what in always_on.items():  # no --no- form: it could not be honoured
+        api.add_argument(
+            flag, action="store_true", help=f"Accepted for vLLM compatibility: {what} is always on."
         )
     limits = p.add_argument_group(
         "request limits",
@@ -593,8 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     # switches for that are accepted so that vLLM command lines run unchanged.
     api.add_argument(
         "--enable-auto-tool-choice",
-        action=argparse.BooleanOptionalAction,
-        default=False,
+        action="store_true",  # no --no- form: calls are always parsed
         help="Accepted for vLLM compatibility: tool calls are always parsed.",
     )
     api.add_argument(
