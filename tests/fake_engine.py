@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import re
@@ -446,6 +447,12 @@ def sse_data(lines) -> list[str]:
             payloads.append(line[len("data: ") :])
             expect_blank = True
     return payloads
+
+
+def streamed_events(url: str, body: dict, timeout: float = 60) -> list[dict]:
+    """The JSON events of one streamed POST (its framing checked), [DONE] left out."""
+    with httpx.stream("POST", url, json=body, timeout=timeout) as stream:
+        return [json.loads(d) for d in sse_data(stream.iter_lines()) if d != "[DONE]"]
 
 
 def metric(text: str, sample_name: str, **labels) -> float:

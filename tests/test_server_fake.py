@@ -19,7 +19,16 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from fake_engine import REPLY, REPO_ROOT, FakeEngine, ServerProcess, metric, sse_data, wait_until
+from fake_engine import (
+    REPLY,
+    REPO_ROOT,
+    FakeEngine,
+    ServerProcess,
+    metric,
+    sse_data,
+    streamed_events,
+    wait_until,
+)
 
 from gemma4serve.server.app import build_app
 from gemma4serve.server.settings import CorsSettings, ServerSettings
@@ -461,8 +470,7 @@ def test_chat_returns_token_ids(server, engine):
     assert r["prompt_token_ids"] == prompt_ids
     choice = r["choices"][0]
     assert choice["token_ids"] == engine.tokenizer.encode(REPLY[:12])
-    with httpx.stream("POST", server.url + CHAT, json={**body, "stream": True}) as stream:
-        events = [json.loads(d) for d in sse_data(stream.iter_lines()) if d != "[DONE]"]
+    events = streamed_events(server.url + CHAT, {**body, "stream": True})
     assert events[0]["prompt_token_ids"] == prompt_ids
     assert all("prompt_token_ids" not in event for event in events[1:])
     streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
@@ -474,8 +482,7 @@ def test_chat_returns_token_ids(server, engine):
 def test_completion_stream_sends_prompt_token_ids_first(server, engine):
     """vLLM: with return_token_ids each choice's first streamed chunk carries its prompt's ids."""
     body = {"prompt": ["Once", "Hey"], "max_tokens": 3, "n": 2, "return_token_ids": True}
-    with httpx.stream("POST", server.url + COMPLETIONS, json={**body, "stream": True}) as stream:
-        events = [json.loads(d) for d in sse_data(stream.iter_lines()) if d != "[DONE]"]
+    events = streamed_events(server.url + COMPLETIONS, {**body, "stream": True})
     firsts = {}
     for event in events:
         for choice in event["choices"]:
@@ -1038,8 +1045,7 @@ def test_continuous_usage_needs_include_usage(server):
         ({"continuous_usage_stats": True}, False, False),
     ):
         body = {"messages": HI, "max_tokens": 3, "stream": True, "stream_options": options}
-        with httpx.stream("POST", server.url + CHAT, json=body) as stream:
-            events = [json.loads(d) for d in sse_data(stream.iter_lines()) if d != "[DONE]"]
+        events = streamed_events(server.url + CHAT, body)
         assert all(e.get("usage") is not None for e in events[:-1]) == every, options
         assert (events[-1].get("usage") is not None) == last, options
 
@@ -1049,8 +1055,7 @@ def test_force_include_usage_and_no_docs():
     request asks) and --disable-fastapi-docs."""
     with serve_fake(FakeEngine(), force_include_usage=True, openapi_docs=False) as s:
         body = {"messages": HI, "max_tokens": 3, "stream": True}
-        with httpx.stream("POST", s.url + CHAT, json=body) as stream:
-            events = [json.loads(d) for d in sse_data(stream.iter_lines()) if d != "[DONE]"]
+        events = streamed_events(s.url + CHAT, body)
         assert all(event["usage"] is not None for event in events)
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
         for path in ("/docs", "/openapi.json"):

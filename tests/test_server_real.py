@@ -16,7 +16,14 @@ import sys
 import httpx
 import openai
 import pytest
-from fake_engine import ServerProcess, free_pages, metric, sse_data, wait_for_free_pages
+from fake_engine import (
+    ServerProcess,
+    free_pages,
+    metric,
+    sse_data,
+    streamed_events,
+    wait_for_free_pages,
+)
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -374,13 +381,9 @@ def test_completion_returns_token_ids(server):
     choice = r.json()["choices"][0]
     assert choice["prompt_token_ids"] == [2, 300, 301, 302]
     assert len(choice["token_ids"]) == r.json()["usage"]["completion_tokens"] > 0
-    with httpx.stream(
-        "POST",
-        server.url + "/v1/completions",
-        json={**body, "return_token_ids": True, "stream": True},
-        timeout=60,
-    ) as s:
-        events = [json.loads(d) for d in sse_data(s.iter_lines()) if d != "[DONE]"]
+    events = streamed_events(
+        server.url + "/v1/completions", {**body, "return_token_ids": True, "stream": True}
+    )
     streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
     assert streamed == choice["token_ids"]
     plain = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]

@@ -70,13 +70,11 @@ def check_strict_json(text: str) -> object:
     return json.loads(text, strict=True)
 
 
-def test_json_schema_outputs_validate_over_seeds(server, client):
-    free0 = free_pages(server)
-    response_format = {
-        "type": "json_schema",
-        "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
-    }
-    for seed in range(8):
+def schema_outputs(client, response_format: dict, seeds: range, **extra) -> list[str]:
+    """One sampled chat answer per seed under `response_format`, each ended by the grammar and
+    valid against SCHEMA."""
+    texts = []
+    for seed in seeds:
         r = client.chat.completions.create(
             model=MODEL,
             messages=HI,
@@ -84,10 +82,22 @@ def test_json_schema_outputs_validate_over_seeds(server, client):
             seed=seed,
             temperature=1.5,
             response_format=response_format,
+            **extra,
         )
         choice = r.choices[0]
         assert choice.finish_reason == "stop", choice.message.content  # ended by the grammar
         jsonschema.validate(check_strict_json(choice.message.content), SCHEMA)
+        texts.append(choice.message.content)
+    return texts
+
+
+def test_json_schema_outputs_validate_over_seeds(server, client):
+    free0 = free_pages(server)
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
+    }
+    schema_outputs(client, response_format, range(8))
     wait_for_free_pages(server, free0)
 
 
@@ -215,19 +225,7 @@ def test_disable_any_whitespace_gives_compact_json(server, client):
     assert whitespace_outside_strings('{"a b": [1, 2],\n "c\\"": 3}') == "  \n  "
     response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
     compact = {"structured_outputs": {"disable_any_whitespace": True}}
-    for seed in range(4):
-        r = client.chat.completions.create(
-            model=MODEL,
-            messages=HI,
-            max_tokens=MAX_TOKENS,
-            seed=seed,
-            temperature=1.5,
-            response_format=response_format,
-            extra_body=compact,
-        )
-        text = r.choices[0].message.content
-        assert r.choices[0].finish_reason == "stop", text
-        jsonschema.validate(check_strict_json(text), SCHEMA)
+    for text in schema_outputs(client, response_format, range(4), extra_body=compact):
         assert whitespace_outside_strings(text) == "", text
     for extra in (compact, {"structured_outputs": {"disable_any_whitespace": "yes", "json": {}}}):
         body = {"model": MODEL, "prompt": "x", "max_tokens": 5, **extra}
