@@ -63,7 +63,16 @@ def ptxas_report(ptx: str) -> str:
 
 
 def compile_attention(
-    head_dim, group, block_t, block_n, warps, stages, query_rows, page=16, split=False
+    head_dim,
+    group,
+    block_t,
+    block_n,
+    warps,
+    stages,
+    query_rows,
+    page=16,
+    split=False,
+    value_parts=1,
 ):
     group_p = triton.next_power_of_2(group)
     entries, chunk = table_chunk(page, block_n)
@@ -93,6 +102,7 @@ def compile_attention(
         SHORT_CHUNK_TILES=chunk,
         LAUNCH_NEXT_LATE=False,
         PREFILL=prefill,
+        VALUE_PARTS=value_parts,
     )
     names = _attn_kernel.arg_names
     signature = {
@@ -153,6 +163,9 @@ def main() -> None:
     parser.add_argument(
         "--split", action="store_true", help="the split-KV variant (partials for the merge)"
     )
+    parser.add_argument(
+        "--value-parts", type=int, default=1, help="prefill: programs sharing a row's value columns"
+    )
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90a")
     print(
@@ -164,7 +177,15 @@ def main() -> None:
     ):
         try:
             r = compile_attention(
-                hd, args.group, bt, bn, warps, stages, args.query_rows, split=args.split
+                hd,
+                args.group,
+                bt,
+                bn,
+                warps,
+                stages,
+                args.query_rows,
+                split=args.split,
+                value_parts=args.value_parts,
             )
             result = (
                 f"{r['registers']:9d} {r['spill_bytes']:11d} {r['shared_kib']:10.0f} "

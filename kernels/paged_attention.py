@@ -12,6 +12,8 @@ heads that share the KV head, so every K/V tile is read once for BLOCK_T * GROUP
 rows of the tl.dot). The KV range of the block [min start, max end) is split across num_splits
 programs (flash-decoding) when the grid would otherwise be too small to fill the GPU (batch-1
 decode of a long context); a second kernel merges the partial results through their log-sum-exp.
+Prefill tiles of 512-wide heads may split the value columns over programs instead (each computes
+the scores of its rows, and keeps an accumulator of half the width).
 Decode and verification give each group max_q_len rows of programs (one block). Prefill chunks
 number the query blocks of all groups in one flat axis instead: a grid of groups x the longest
 chunk's blocks would be mostly programs with no rows when a long chunk shares the step with many
@@ -43,6 +45,10 @@ from ._common import (
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
 # page-table entries a program holds in registers (more where one key tile needs more)
 TABLE_CHUNK = 32
+# Programs of 128-row prefill tiles a launch needs before they beat the 64-row ones, by value
+# parts (docs/performance.md, H200: the 31B's and 26B-A4B's sliding layers at 2048 rows, the 31B's
+# full layers at 2048; fewer leave SMs idle while the longest programs run).
+WIDE_TILE_PROGRAMS = {1: 256, 2: 1024}
 
 
 def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
@@ -68,6 +74,7 @@ def _attend_keys(
     end,
     kvh,
     d,
+    dv,
     stride_kp,
     stride_ks,
     stride_kh,
@@ -89,7 +96,7 @@ def _attend_keys(
         other=0.0,
     )
     v = tl.load(
-        v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+        v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None] + dv[None, :],
         mask=kv_ok[:, None],
         other=0.0,
     )
@@ -143,6 +150,7 @@ def _attend_rows(
     row_end,
     kvh,
     split,
+    v0,
     window,
     num_q_heads,
     num_splits,
@@ -172,9 +180,10 @@ def _attend_rows(
     CHUNK_TILES: tl.constexpr,
     LAUNCH_NEXT_LATE: tl.constexpr,
     PAGES_IN_REGISTERS: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
 ):
     """Query rows [row0, min(row0 + BLOCK_T, row_end)) of one group, all heads of KV head `kvh`,
-    over this program's split of their keys."""
+    over this program's split of their keys, into value columns [v0, v0 + VALUE_DIM)."""
     # Rows of the dot: token-major, GROUP_P head slots per token (padding slots and tokens masked).
     offs_m = tl.arange(0, BLOCK_M)
     tok = row0 + offs_m // GROUP_P
@@ -216,6 +225,7 @@ def _attend_rows(
     else:
         wait_for_producer(PDL)
     d = tl.arange(0, HEAD_DIM)
+    dv = v0 + tl.arange(0, VALUE_DIM)
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None],
@@ -226,7 +236,7 @@ def _attend_rows(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, VALUE_DIM], tl.float32)
     if PAGES_IN_REGISTERS:
         for c_lo in range(b_lo, b_hi, CHUNK_TILES):
             # Most splits fit in one chunk; longer ones read the next chunk's pages while this one's
@@ -261,6 +271,7 @@ def _attend_rows(
                     end,
                     kvh,
                     d,
+                    dv,
                     stride_kp,
                     stride_ks,
                     stride_kh,
@@ -296,6 +307,7 @@ def _attend_rows(
                 end,
                 kvh,
                 d,
+                dv,
                 stride_kp,
                 stride_ks,
                 stride_kh,
@@ -312,7 +324,7 @@ def _attend_rows(
     has = l_i > 0.0  # a row with no visible key (never scheduled) yields zeros, not NaN
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if not SPLIT:
-        o = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        o = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         DT: tl.constexpr = o_ptr.dtype.element_ty
         tl.store(o, round_to(out, DT).to(DT), mask=row_ok[:, None])
     else:
@@ -323,7 +335,7 @@ def _attend_rows(
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         tl.store(
-            part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=(row_ok & has)[:, None]
+            part_o_ptr + part[:, None] * HEAD_DIM + dv[None, :], out, mask=(row_ok & has)[:, None]
         )
 
 
@@ -379,15 +391,19 @@ def _attn_kernel(
     PDL: tl.constexpr,
     LAUNCH_NEXT_LATE: tl.constexpr,
     PREFILL: tl.constexpr,
+    VALUE_PARTS: tl.constexpr,
 ):
+    VALUE_DIM: tl.constexpr = HEAD_DIM // VALUE_PARTS
+    value_part = 0
     if PREFILL:
         # One axis (no 65535 bound on the blocks), every head's programs of a query block before
         # the next block's, from the last block on: the prompt chunks (packed after the decoding
         # groups) start first and the short groups fill the GPU around them, instead of the
         # chunks' long programs starting last.
-        heads_splits = (num_q_heads // GROUP) * num_splits
-        kvh = tl.program_id(0) % heads_splits // num_splits
-        split = tl.program_id(0) % num_splits
+        heads_splits = (num_q_heads // GROUP) * num_splits * VALUE_PARTS
+        kvh = tl.program_id(0) % heads_splits // (num_splits * VALUE_PARTS)
+        split = tl.program_id(0) % (num_splits * VALUE_PARTS) // VALUE_PARTS
+        value_part = tl.program_id(0) % VALUE_PARTS
         block = tl.num_programs(0) // heads_splits - 1 - tl.program_id(0) // heads_splits
         g = _group_of_block(cu_ptr, num_groups, block, BLOCK_T)
         first_row = tl.load(cu_ptr + g)
@@ -409,30 +425,30 @@ def _attn_kernel(
         if row_end - first_row > SHORT_T:
             _attend_rows(
                 q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, token_seq_ptr, kv_end_ptr,
-                table_ptr, row0, row_end, kvh, split, window, num_q_heads, num_splits,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
-                stride_vp, stride_vs, stride_vh, stride_table,
+                table_ptr, row0, row_end, kvh, split, value_part * VALUE_DIM, window, num_q_heads,
+                num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks,
+                stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
                 GROUP, GROUP_P, HEAD_DIM, PAGE, BLOCK_T, BLOCK_M, BLOCK_N, SPLIT, MIN_BLOCKS,
-                DOT_FP32, PDL, TABLE_CHUNK, CHUNK_TILES, LAUNCH_NEXT_LATE, False,
+                DOT_FP32, PDL, TABLE_CHUNK, CHUNK_TILES, LAUNCH_NEXT_LATE, False, VALUE_DIM,
             )
-        else:
+        elif value_part == 0:  # a short group's program computes every value column
             _attend_rows(
                 q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, token_seq_ptr, kv_end_ptr,
-                table_ptr, row0, row_end, kvh, split, window, num_q_heads, num_splits,
+                table_ptr, row0, row_end, kvh, split, 0, window, num_q_heads, num_splits,
                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
                 stride_vp, stride_vs, stride_vh, stride_table,
                 GROUP, GROUP_P, HEAD_DIM, PAGE, SHORT_T, SHORT_M, SHORT_N, SPLIT,
                 SHORT_MIN_BLOCKS, DOT_FP32, PDL, SHORT_TABLE_CHUNK, SHORT_CHUNK_TILES,
-                LAUNCH_NEXT_LATE, True,
+                LAUNCH_NEXT_LATE, True, HEAD_DIM,
             )
     else:
         _attend_rows(
             q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, token_seq_ptr, kv_end_ptr,
-            table_ptr, row0, row_end, kvh, split, window, num_q_heads, num_splits,
+            table_ptr, row0, row_end, kvh, split, 0, window, num_q_heads, num_splits,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
             stride_vp, stride_vs, stride_vh, stride_table,
             GROUP, GROUP_P, HEAD_DIM, PAGE, BLOCK_T, BLOCK_M, BLOCK_N, SPLIT, MIN_BLOCKS,
-            DOT_FP32, PDL, TABLE_CHUNK, CHUNK_TILES, LAUNCH_NEXT_LATE, True,
+            DOT_FP32, PDL, TABLE_CHUNK, CHUNK_TILES, LAUNCH_NEXT_LATE, True, HEAD_DIM,
         )
     # fmt: on
 
@@ -467,13 +483,16 @@ def _merge_kernel(
     tl.store(o_ptr + t * stride_ot + h * stride_oh + d, round_to(out, DT).to(DT))
 
 
-def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
+def attention_config(
+    head_dim: int, group: int, max_q_len: int, tokens: int = 0, kv_heads: int = 1
+) -> dict:
     """Tile shapes by head dim and phase, measured with bench/bench_kernels.py.
 
     The fp32 accumulator holds BLOCK_M x head_dim values, so in decode and verification wide heads
-    get fewer rows per program; prefill chunks (more than 8 query rows) have their own tiles.
-    Stages count the key tiles in flight (the page numbers are in registers, so no table read is
-    staged with them).
+    get fewer rows per program; prefill chunks (more than 8 query rows) have their own tiles, and
+    a launch of `tokens` query rows over `kv_heads` KV heads with programs enough for them takes
+    the 128-row tiles. Stages count the key tiles in flight (the page numbers are in registers, so
+    no table read is staged with them).
     """
     group_p = next_pow2(group)
     if max_q_len > 8:
@@ -485,7 +504,7 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
         # Groups of a few rows beside the chunks (decodes, verifications): the fewest rows an MMA
         # takes, with the chunks' key tiles (the same shared memory).
         short_m = max(16, group_p)
-        return dict(
+        cfg = dict(
             block_t=block_t,
             block_m=block_m,
             block_n=32,
@@ -494,7 +513,25 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
             short_block_n=32,
             num_warps=8 if block_m * head_dim > 16384 else 4,
             num_stages=3,
+            value_parts=1,
         )
+        # 128-row tiles read each key tile for twice the rows, and pay where the launch has
+        # programs for two waves of them (docs/performance.md): on the 256-wide heads with 64-key
+        # tiles; on the 512-wide ones, whose 128-row accumulator would not fit in registers, with
+        # the value columns split over two programs (each computes the scores again).
+        wide_t = max(1, 128 // group_p)
+        value_parts = 2 if head_dim > 256 else 1
+        programs = triton.cdiv(tokens, wide_t) * kv_heads * value_parts
+        if max_q_len >= wide_t and programs >= WIDE_TILE_PROGRAMS[value_parts]:
+            cfg.update(
+                block_t=wide_t,
+                block_m=wide_t * group_p,
+                block_n=32 if value_parts > 1 else 64,
+                num_warps=8,
+                num_stages=2 if value_parts > 1 else 3,
+                value_parts=value_parts,
+            )
+        return cfg
     max_rows = 64 if head_dim <= 256 else 32
     block_t = max(1, min(next_pow2(max_q_len), max_rows // group_p))
     block_m = max(16, block_t * group_p)
@@ -506,6 +543,7 @@ def attention_config(head_dim: int, group: int, max_q_len: int) -> dict:
         # 16 or 32 rows are faster on 4 (docs/performance.md)
         num_warps=8 if block_m * head_dim >= 16384 and block_m >= 64 else 4,
         num_stages=2,
+        value_parts=1,
     )
 
 
@@ -577,7 +615,8 @@ def paged_attention(
     if T == 0 or G == 0:
         return out
     group = nh // nkv
-    cfg = attention_config(hd, group, max_q_len)
+    # fp32 keeps the 64-row prefill tiles (the ieee FMA dot spills past them)
+    cfg = attention_config(hd, group, max_q_len, 0 if q.dtype == torch.float32 else T, nkv)
     if config:  # a benchmark's explicit tiles
         cfg.update(config)
         if "block_m" not in config:
@@ -632,7 +671,12 @@ def paged_attention(
     # Single-query grids of at most two programs per SM let it launch only after their key loops,
     # which pays there and costs verification and larger decode grids (docs/performance.md).
     late = max_q_len == 1 and G * nkv * num_splits <= 2 * sm_count(q.device)
-    grid = (grid_blocks[0] * nkv * num_splits,) if prefill else (*grid_blocks, nkv * num_splits)
+    value_parts = cfg["value_parts"]
+    grid = (
+        (grid_blocks[0] * nkv * num_splits * value_parts,)
+        if prefill
+        else (*grid_blocks, nkv * num_splits)
+    )
     _attn_kernel[grid](
         q,
         k_cache,
@@ -679,6 +723,7 @@ def paged_attention(
         DOT_FP32=dot_in_fp32(q.dtype),
         LAUNCH_NEXT_LATE=late,
         PREFILL=prefill,  # prefill chunks: the flat grid, the long groups' table-read key loop
+        VALUE_PARTS=value_parts,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),

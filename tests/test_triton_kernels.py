@@ -37,6 +37,7 @@ from gemma4serve.model.layers import (  # noqa: E402
 from gemma4serve_kernels import (  # noqa: E402
     PeerBuffers,
     all_reduce_residual_norm,
+    attention_config,
     first_max,
     floor_table,
     gelu_tanh_mul,
@@ -269,15 +270,19 @@ def test_attention_prefill_flat_grid_many_groups():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("tiles", [{}, dict(block_t=16), dict(short_block_t=16)])
+@pytest.mark.parametrize(
+    "tiles",
+    [{}, dict(block_t=16), dict(short_block_t=16), dict(value_parts=2), dict(value_parts=4)],
+)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_attention_short_groups_beside_a_prompt_chunk(num_splits, tiles, monkeypatch):
     """In a prefill launch, groups of at most the short tiles' tokens (8 here: 16 rows of a
     2-head group) run the few-row key loop, longer ones the chunk's: groups of 1, 9, 1 and 8 rows
     before a chunk, then empty groups as a mixed graph pads them. With 16-token query blocks the
     8 rows cross a block's edge; 16-token short tiles (their rows sized to fit) take the 9 too.
+    The chunks' value columns may be split over programs (the short groups' are not).
     Splits' partials start as NaN, the page table is read in chunks of 4 entries, and the output
-    starts as NaN: every row is written."""
+    starts as NaN: every row and column is written."""
     module = importlib.import_module("gemma4serve_kernels.paged_attention")
     monkeypatch.setattr(module, "TABLE_CHUNK", 4)
     seqs = [(23, [23]), (44, list(range(36, 45))), (5, [5]), (37, list(range(30, 38)))]
@@ -295,6 +300,19 @@ def test_attention_short_groups_beside_a_prompt_chunk(num_splits, tiles, monkeyp
         q, kc, vc, meta, 20, out=out, num_splits=num_splits, min_split_keys=1, config=config
     )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_takes_128_row_tiles_only_with_programs_for_them():
+    """The 31B's shapes: sliding layers (16 KV heads of 2 query heads, 256 wide) from 1024 rows,
+    full layers (4 KV heads of 8, 512 wide) from 2048 with their value columns split; the
+    26B-A4B's full layers (2 KV heads) not at 2048; decode and verification never."""
+    assert attention_config(256, 2, 1024, tokens=1024, kv_heads=16)["block_m"] == 128
+    assert attention_config(256, 2, 512, tokens=512, kv_heads=16)["block_m"] == 64
+    wide = attention_config(512, 8, 2048, tokens=2048, kv_heads=4)
+    assert (wide["block_m"], wide["value_parts"]) == (128, 2)
+    assert attention_config(512, 8, 1024, tokens=1024, kv_heads=4)["value_parts"] == 1
+    assert attention_config(512, 8, 2048, tokens=2048, kv_heads=2)["value_parts"] == 1
+    assert attention_config(512, 8, 3, tokens=4096, kv_heads=4)["value_parts"] == 1
 
 
 def test_attention_grid_within_cuda_limits_for_a_huge_step(monkeypatch):

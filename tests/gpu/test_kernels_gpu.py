@@ -41,6 +41,7 @@ from gemma4serve.attention.triton_backend import TritonAttention  # noqa: E402
 from gemma4serve.config import RopeSpec  # noqa: E402
 from gemma4serve.model.layers import Experts, rms_norm, rope_cos_sin, rope_inv_freq  # noqa: E402
 from gemma4serve_kernels import (  # noqa: E402
+    attention_config,
     gelu_tanh_mul,
     gelu_tanh_times,
     gemv,
@@ -83,6 +84,12 @@ def _seqs(phase, B, seed=0):
             (2600, [2590]),  # drafter-style: committed length 2590, stale rows beyond
             (200, list(range(1, 201))),  # a prompt's first chunk
         ]
+    if phase == "wide":  # a step of 2052 rows: the prefill launch's 128-row tiles
+        return [
+            (3000, [3000]),  # decode
+            (1500, list(range(1498, 1501))),  # verify
+            (3072, list(range(1025, 3073))),  # 2048-token chunk after 1024 cached positions
+        ]
     raise ValueError(phase)
 
 
@@ -105,16 +112,15 @@ def _batch(shape, seqs, window=None, seed=0):
     return q, kc, vc, meta
 
 
-def _reference(q, kc, vc, meta):
-    """The torch backend in fp32, one sequence group at a time.
+def _reference(q, kc, vc, meta, rows=128):
+    """The torch backend in fp32, `rows` query rows at a time.
 
     Its per-token gather would need tens of GB for a whole batch at these shapes.
     """
     q, kc, vc = q.float(), kc.float(), vc.float()
-    cu = meta.cu_seqlens_q.tolist()
     out = torch.empty_like(q)
-    for group in range(len(cu) - 1):
-        r0, r1 = cu[group], cu[group + 1]
+    for r0 in range(0, q.shape[0], rows):
+        r1 = min(r0 + rows, q.shape[0])
         sub = dataclasses.replace(
             meta,
             token_seq=meta.token_seq[r0:r1],
@@ -144,10 +150,15 @@ def _check_attention(out, q, kc, vc, meta):
         ("verify", 8),
         ("verify", 32),
         ("mixed", 5),
+        ("wide", 3),
     ],
 )
 def test_attention_real_shapes(shape, phase, B):
     q, kc, vc, meta = _batch(shape, _seqs(phase, B))
+    if phase == "wide":  # the step is wide enough for the 128-row prefill tiles
+        s = SHAPES[shape]
+        tiles = attention_config(s["hd"], s["nh"] // s["nkv"], meta.max_q_len, q.shape[0], s["nkv"])
+        assert tiles["block_m"] == 128
     _check_attention(TritonAttention().forward(q, kc, vc, meta, KIND), q, kc, vc, meta)
 
 
