@@ -46,8 +46,7 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in the exp2 domain
 # page-table entries a program holds in registers (more where one key tile needs more)
 TABLE_CHUNK = 32
 # Programs of 128-row prefill tiles a launch needs before they beat the 64-row ones, by value
-# parts (docs/performance.md, H200: the 31B's and 26B-A4B's sliding layers at 2048 rows, the 31B's
-# full layers at 2048; fewer leave SMs idle while the longest programs run).
+# parts (docs/performance.md, H200): with fewer, SMs idle while the longest (causal) programs run.
 WIDE_TILE_PROGRAMS = {1: 256, 2: 1024}
 
 
@@ -516,9 +515,9 @@ def attention_config(
             value_parts=1,
         )
         # 128-row tiles read each key tile for twice the rows, and pay where the launch has
-        # programs for two waves of them (docs/performance.md): on the 256-wide heads with 64-key
-        # tiles; on the 512-wide ones, whose 128-row accumulator would not fit in registers, with
-        # the value columns split over two programs (each computes the scores again).
+        # programs enough (WIDE_TILE_PROGRAMS): on the 256-wide heads with 64-key tiles; on the
+        # 512-wide ones, whose 128-row accumulator would not fit in registers, with the value
+        # columns split over two programs (each computes the scores again).
         wide_t = max(1, 128 // group_p)
         value_parts = 2 if head_dim > 256 else 1
         programs = triton.cdiv(tokens, wide_t) * kv_heads * value_parts
