@@ -384,7 +384,7 @@ def test_a_pass_reads_requests_for_a_bounded_time():
         for i in range(6):
             sender.send(codec.encode(AddRequest(f"r{i}", [2, 7], SamplingParams(), 0.0)))
         assert inbox.poll(5000)
-        core = EngineCore(SlowEngine(), inbox, None, codec)
+        core = EngineCore(SlowEngine(), inbox, None, codec, os.getppid())
         taken = []
         while core.messages_taken < 6:
             assert core._take_requests([], [])
@@ -505,7 +505,7 @@ def test_a_stop_signal_to_every_process_still_drains(demo_model):
             assert not process_exists(pid)
 
 
-SLOW_START = """
+SLOW_LOAD = """
 import multiprocessing, time
 import gemma4serve.engine.engine as engine_module
 start = engine_module.LLMEngine.__init__
@@ -515,12 +515,20 @@ def slow(self, *args, **kwargs):
     start(self, *args, **kwargs)
 engine_module.LLMEngine.__init__ = slow
 """
+# The engine process before it runs any of ours (a spawned child's argv ends so), as on a busy
+# machine where its imports take seconds.
+SLOW_SPAWN = """
+import sys, time
+if sys.argv[-1:] == ["--multiprocessing-fork"]:
+    time.sleep(6)
+"""
 
 
-def start_slowly(demo_model, tmp_path) -> tuple[subprocess.Popen, list[int]]:
+def start_slowly(demo_model, tmp_path, site=SLOW_LOAD) -> tuple[subprocess.Popen, list[int]]:
     """The server in a process group of its own, its engine process loading for a minute: the
-    server and its children (the engine, multiprocessing's resource tracker), 3 s into the load."""
-    (tmp_path / "sitecustomize.py").write_text(SLOW_START)
+    server and its children (the engine, multiprocessing's resource tracker), 3 s into the load
+    (or into the engine process's start, with SLOW_SPAWN)."""
+    (tmp_path / "sitecustomize.py").write_text(site)
     target, assistant = demo_model
     command = [sys.executable, "-m", "gemma4serve.cli", "--model", str(target), "--device", "cpu"]
     command += ["--draft", str(assistant), "--host", "127.0.0.1", "--port", "0"]
@@ -555,7 +563,20 @@ def test_an_engine_still_loading_exits_with_its_server(demo_model, tmp_path):
     try:
         server.kill()
         server.wait(10)
-        wait_gone(children, 15)  # within the minute the load takes, with room for a busy CPU
+        wait_gone(children, 5)
+    finally:
+        kill_group(server)
+
+
+def test_an_engine_still_starting_exits_with_its_server(demo_model, tmp_path):
+    """A server killed before its engine process has run a line of ours: the engine watches the
+    server's pid it was given, not whichever process is its parent once it gets there (init),
+    so it exits as soon as it starts instead of loading and serving nobody for ever."""
+    server, children = start_slowly(demo_model, tmp_path, site=SLOW_SPAWN)
+    try:
+        server.kill()
+        server.wait(10)
+        wait_gone(children, 20)  # the 3 s left of its start, then the imports of a busy CPU
     finally:
         kill_group(server)
 
@@ -569,7 +590,7 @@ def test_a_stop_while_the_engine_loads_ends_at_once(demo_model, tmp_path, sig):
     try:
         os.killpg(server.pid, sig)
         assert server.wait(5) == 128 + sig
-        wait_gone(children, 15)  # within the minute the load takes, with room for a busy CPU
+        wait_gone(children, 5)
     finally:
         kill_group(server)
 

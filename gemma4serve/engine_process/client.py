@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import threading
@@ -141,7 +142,7 @@ class EngineProcessClient:
             spawn = multiprocessing.get_context("spawn")
             self._engine = spawn.Process(
                 target=run_engine_core,
-                args=(args, input_address, output_address, log_level),
+                args=(args, input_address, output_address, log_level, os.getpid()),
                 name="gemma4serve-engine",
                 # A daemonic process may not start processes: the tensor-parallel workers.
                 daemon=args.tensor_parallel_size == 1,

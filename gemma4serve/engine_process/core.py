@@ -42,16 +42,24 @@ READ_BUDGET_S = 0.5
 
 
 def run_engine_core(
-    args: EngineArgs, input_address: str, output_address: str, log_level: str | None
+    args: EngineArgs,
+    input_address: str,
+    output_address: str,
+    log_level: str | None,
+    server_pid: int | None = None,
 ) -> None:
     """Serve the engine over the two sockets until `Shutdown` (or the server process dies).
 
-    `log_level` is set in a spawned process (its logging starts blank) and None in a thread."""
+    `log_level` and `server_pid` (the process that spawned this one) are set in a spawned process
+    (its logging starts blank) and None in a thread."""
     if log_level is not None:
         from gemma4serve.cli import setup_logging
 
         setup_logging(log_level)
-        stopped_by_parent(os.getppid())  # also while it loads, which takes minutes
+    if server_pid is not None:
+        # The server's own pid, not this process's parent when it gets here: a server that died
+        # while this process started (imports take seconds) would leave init to be watched.
+        stopped_by_parent(server_pid)  # also while it loads, which takes minutes
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)
@@ -76,7 +84,8 @@ def run_engine_core(
         )
         outbox.send(codec.encode(ready))
         try:
-            EngineCore(engine, inbox, outbox, codec).run()
+            parent_pid = os.getppid() if server_pid is None else server_pid
+            EngineCore(engine, inbox, outbox, codec, parent_pid).run()
         finally:
             engine.shutdown()
     finally:
@@ -84,12 +93,19 @@ def run_engine_core(
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        inbox: zmq.Socket,
+        outbox: zmq.Socket,
+        codec: Codec,
+        parent_pid: int,
+    ):
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
         self.codec = codec
-        self.parent_pid = os.getppid()
+        self.parent_pid = parent_pid  # the loop runs while this process is the parent
         self.messages_taken = 0
 
     def run(self) -> None:
