@@ -505,12 +505,14 @@ def test_a_stop_signal_to_every_process_still_drains(demo_model):
             assert not process_exists(pid)
 
 
+# Each writes the file `slow` beside itself when the engine process's slow part begins.
 SLOW_LOAD = """
-import multiprocessing, time
+import multiprocessing, pathlib, time
 import gemma4serve.engine.engine as engine_module
 start = engine_module.LLMEngine.__init__
 def slow(self, *args, **kwargs):
     if multiprocessing.parent_process() is not None:  # the engine process: load for a minute
+        pathlib.Path(__file__).with_name("slow").touch()
         time.sleep(60)
     start(self, *args, **kwargs)
 engine_module.LLMEngine.__init__ = slow
@@ -518,16 +520,18 @@ engine_module.LLMEngine.__init__ = slow
 # The engine process before it runs any of ours (a spawned child's argv ends so), as on a busy
 # machine where its imports take seconds.
 SLOW_SPAWN = """
-import sys, time
+import pathlib, sys, time
 if sys.argv[-1:] == ["--multiprocessing-fork"]:
+    pathlib.Path(__file__).with_name("slow").touch()
     time.sleep(6)
 """
 
 
 def start_slowly(demo_model, tmp_path, site=SLOW_LOAD) -> tuple[subprocess.Popen, list[int]]:
     """The server in a process group of its own, its engine process loading for a minute: the
-    server and its children (the engine, multiprocessing's resource tracker), 3 s into the load
-    (or into the engine process's start, with SLOW_SPAWN)."""
+    server and its children (the engine, multiprocessing's resource tracker), once the load has
+    begun (or the engine process's start, with SLOW_SPAWN). Waiting for the marker, not a fixed
+    time: on a busy CPU the engine's imports alone outlast seconds."""
     (tmp_path / "sitecustomize.py").write_text(site)
     target, assistant = demo_model
     command = [sys.executable, "-m", "gemma4serve.cli", "--model", str(target), "--device", "cpu"]
@@ -538,11 +542,12 @@ def start_slowly(demo_model, tmp_path, site=SLOW_LOAD) -> tuple[subprocess.Popen
         start_new_session=True,
     )  # fmt: skip
     children = f"/proc/{server.pid}/task/{server.pid}/children"
-    deadline = time.monotonic() + 60
-    while len(spawned := open(children).read().split()) < 2:  # the engine is spawned second
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "slow").exists():
         assert time.monotonic() < deadline and server.poll() is None
         time.sleep(0.2)
-    time.sleep(3)  # well inside its load
+    spawned = open(children).read().split()
+    assert len(spawned) == 2, spawned  # the resource tracker and the engine
     return server, [int(pid) for pid in spawned]
 
 
@@ -576,7 +581,7 @@ def test_an_engine_still_starting_exits_with_its_server(demo_model, tmp_path):
     try:
         server.kill()
         server.wait(10)
-        wait_gone(children, 20)  # the 3 s left of its start, then the imports of a busy CPU
+        wait_gone(children, 20)  # the 6 s of its start, then the imports of a busy CPU
     finally:
         kill_group(server)
 
