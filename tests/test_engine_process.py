@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -142,8 +143,12 @@ def server(demo_model):
 
 
 def test_engine_runs_in_a_child_process(server):
+    """The engine runs in a child process, and the server process never loads torch: only the
+    engine needs it (hundreds of MB, seconds of every start)."""
     pid = engine_pid(server)
     assert pid != server.proc.pid and process_exists(pid)
+    assert "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    assert "libtorch" not in Path(f"/proc/{server.proc.pid}/maps").read_text()
 
 
 def test_64_concurrent_greedy_streams_equal_the_in_process_engine(server, demo_model):

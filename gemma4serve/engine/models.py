@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from gemma4serve.attention.metadata import causal_metadata
 from gemma4serve.config import FULL, SLIDING, AssistantConfig, ConfigError, TextConfig, load_config
@@ -64,10 +65,17 @@ def resolve_device_dtype(args: EngineArgs) -> tuple[torch.device, torch.dtype]:
 
 def _empty_module(cls, cfg, device, dtype, tp: TensorParallel | None):
     """Build on the meta device and allocate uninitialised storage once: no wasted random init of
-    31B weights."""
+    31B weights. Each tensor is made with `torch.empty`: `Module.to_empty`'s `empty_like` of meta
+    tensors imports torch.fx's symbolic shapes, a second of every start."""
     with torch.device("meta"):
         module = cls(cfg, tp)
-    return module.to(dtype).to_empty(device=device).eval().requires_grad_(False)
+    for owner in module.modules():
+        tensors = [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]
+        for name, meta in tensors:
+            kind = dtype if meta.is_floating_point() else meta.dtype
+            tensor = torch.empty(meta.shape, dtype=kind, device=device)
+            setattr(owner, name, nn.Parameter(tensor) if isinstance(meta, nn.Parameter) else tensor)
+    return module.eval().requires_grad_(False)
 
 
 def _load(

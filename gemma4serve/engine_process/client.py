@@ -33,7 +33,6 @@ from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.output_processor import OutputProcessor
 from gemma4serve.engine.outputs import EngineStats, RequestOutput
 from gemma4serve.engine_process import ITERATION_TIMEOUT_S
-from gemma4serve.engine_process.core import run_engine_core
 from gemma4serve.engine_process.messages import (
     AbortRequests,
     AddRequest,
@@ -68,6 +67,14 @@ class EngineDeadError(RuntimeError):
 
 class EngineShuttingDown(RuntimeError):
     pass
+
+
+def run_engine(*args) -> None:
+    """The engine's entry in its process (or thread): the engine's imports (torch, xgrammar, CUDA's
+    libraries) happen there, never in the server process, which starts sooner and stays small."""
+    from gemma4serve.engine_process.core import run_engine_core
+
+    run_engine_core(*args)
 
 
 class _EngineThread:
@@ -137,11 +144,11 @@ class EngineProcessClient:
         self._send_lock = threading.Lock()  # sends come from the loop and the shutdown thread
         if in_process:
             core_args = (args, input_address, output_address, None)
-            self._engine = _EngineThread(run_engine_core, core_args)
+            self._engine = _EngineThread(run_engine, core_args)
         else:
             spawn = multiprocessing.get_context("spawn")
             self._engine = spawn.Process(
-                target=run_engine_core,
+                target=run_engine,
                 args=(args, input_address, output_address, log_level, os.getpid()),
                 name="gemma4serve-engine",
                 # A daemonic process may not start processes: the tensor-parallel workers.

@@ -14,7 +14,14 @@ from torch import nn
 from gemma4serve.config import AssistantConfig, TextConfig
 from gemma4serve.model import fused
 from gemma4serve.model.gemma4 import DecoderLayer, ForwardContext, Rotary, run_layers
-from gemma4serve.model.layers import REFERENCE_OPS, BestTokens, RMSNorm, TorchOps, bind_ops
+from gemma4serve.model.layers import (
+    REFERENCE_OPS,
+    BestTokens,
+    RMSNorm,
+    TorchOps,
+    bind_ops,
+    embedding,
+)
 from gemma4serve.parallel.group import TensorParallel
 
 
@@ -22,7 +29,7 @@ class _Stack(nn.Module):
     def __init__(self, cfg: TextConfig, tp: TensorParallel | None):
         super().__init__()
         # Only the tied LM head; replicated under tensor parallelism (every rank drafts the same).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, spec, tp) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -27,6 +27,7 @@ from gemma4serve.model.layers import (
     TorchOps,
     bind_ops,
     concat_weights,
+    embedding,
     rope_inv_freq,
 )
 from gemma4serve.parallel.group import (
@@ -269,12 +270,12 @@ class Gemma4Model(nn.Module):
         self.cfg = cfg
         self.tp = tp
         H, shards = cfg.hidden_size, tp.size if tp is not None else 1
-        self.embed_tokens = nn.Embedding(cfg.vocab_size // shards, H)
+        self.embed_tokens = embedding(cfg.vocab_size // shards, H)
         self.layers = nn.ModuleList(DecoderLayer(cfg, spec, tp) for spec in cfg.layers)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         if cfg.ple_dim:
             L, D = cfg.num_layers, cfg.ple_dim
-            self.embed_tokens_per_layer = nn.Embedding(cfg.ple_vocab_size // shards, L * D)
+            self.embed_tokens_per_layer = embedding(cfg.ple_vocab_size // shards, L * D)
             self.per_layer_model_projection = nn.Linear(H, L * D, bias=False)
             self.per_layer_projection_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary: Rotary | None = None

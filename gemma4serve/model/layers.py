@@ -28,6 +28,12 @@ class BestTokens(NamedTuple):
     values: torch.Tensor  # [T] fp32
 
 
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """An embedding table left uninitialised, as every weight is loaded: its random init (even on
+    the meta device) imports torch._dynamo, seconds of every start."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Gemma 4 RMSNorm: fp32 inside, `pow(., -0.5)`, scale by w (not 1 + w), cast back."""
     y = x.float()
