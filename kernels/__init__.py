@@ -13,7 +13,7 @@ from .greedy_head import floor_table, greedy_head, quantize_rows, value_table
 from .kv_write import kv_write
 from .moe import moe_align, moe_experts, moe_route
 from .norm import rms_norm, rmsnorm_residual_add, rmsnorm_rope
-from .paged_attention import attention_config, paged_attention
+from .paged_attention import LONG_PREFIX, attention_config, paged_attention
 from .qkv_epilogue import qkv_epilogue
 from .step_inputs import rope_tables, write_slots
 
@@ -29,6 +29,7 @@ __all__ = [
     "gemv_mlp",
     "greedy_head",
     "kv_write",
+    "LONG_PREFIX",
     "moe_align",
     "moe_experts",
     "moe_route",

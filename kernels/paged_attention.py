@@ -48,6 +48,17 @@ TABLE_CHUNK = 32
 # Programs of 128-row prefill tiles a launch needs before they beat the 64-row ones, by value
 # parts (docs/performance.md, H200): with fewer, SMs idle while the longest (causal) programs run.
 WIDE_TILE_PROGRAMS = {1: 256, 2: 1024}
+# A launch of at least LONG_PREFIX_TOKENS rows whose chunks reach LONG_PREFIX positions: every
+# program reads many key tiles, so on the 512-wide heads the split 128-row tiles win with fewer
+# programs (docs/performance.md, H200: every model's full layers from 1024 rows over 8192).
+LONG_PREFIX = 8192
+LONG_PREFIX_TOKENS = 1024
+
+
+def long_prefix(tokens: int, chunk_context: int) -> bool:
+    """Whether a launch of `tokens` query rows whose prefill chunks reach `chunk_context`
+    positions takes the full layers' 128-row tiles whatever its programs."""
+    return tokens >= LONG_PREFIX_TOKENS and chunk_context >= LONG_PREFIX
 
 
 def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
@@ -483,15 +494,21 @@ def _merge_kernel(
 
 
 def attention_config(
-    head_dim: int, group: int, max_q_len: int, tokens: int = 0, kv_heads: int = 1
+    head_dim: int,
+    group: int,
+    max_q_len: int,
+    tokens: int = 0,
+    kv_heads: int = 1,
+    chunk_context: int = 0,
 ) -> dict:
     """Tile shapes by head dim and phase, measured with bench/bench_kernels.py.
 
     The fp32 accumulator holds BLOCK_M x head_dim values, so in decode and verification wide heads
     get fewer rows per program; prefill chunks (more than 8 query rows) have their own tiles, and
-    a launch of `tokens` query rows over `kv_heads` KV heads with programs enough for them takes
-    the 128-row tiles. Stages count the key tiles in flight (the page numbers are in registers, so
-    no table read is staged with them).
+    a launch of `tokens` query rows over `kv_heads` KV heads with programs enough for them, or
+    (512-wide heads) whose chunks reach `chunk_context` positions of a long prefix, takes the
+    128-row tiles. Stages count the key tiles in flight (the page numbers are in registers, so no
+    table read is staged with them).
     """
     group_p = next_pow2(group)
     if max_q_len > 8:
@@ -521,7 +538,10 @@ def attention_config(
         wide_t = max(1, 128 // group_p)
         value_parts = 2 if head_dim > 256 else 1
         programs = triton.cdiv(tokens, wide_t) * kv_heads * value_parts
-        if max_q_len >= wide_t and programs >= WIDE_TILE_PROGRAMS[value_parts]:
+        enough = programs >= WIDE_TILE_PROGRAMS[value_parts] or (
+            value_parts > 1 and long_prefix(tokens, chunk_context)
+        )
+        if max_q_len >= wide_t and enough:
             cfg.update(
                 block_t=wide_t,
                 block_m=wide_t * group_p,
@@ -593,12 +613,15 @@ def paged_attention(
     window: int,
     out: torch.Tensor | None = None,
     *,
+    chunk_context: int = 0,
     num_splits: int | None = None,
     min_split_keys: int | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, nh, hd] over the paged caches -> [T, nh, hd], into `out` when given.
 
+    chunk_context: the most positions any prefill chunk of the launch reaches (a host int; it
+    picks the tiles, so a captured launch keeps the context it was captured with).
     num_splits, min_split_keys and config override the tuned choices (benchmarks, tests).
     """
     T, nh, hd = q.shape
@@ -615,7 +638,9 @@ def paged_attention(
         return out
     group = nh // nkv
     # fp32 keeps the 64-row prefill tiles (the ieee FMA dot spills past them)
-    cfg = attention_config(hd, group, max_q_len, 0 if q.dtype == torch.float32 else T, nkv)
+    cfg = attention_config(
+        hd, group, max_q_len, 0 if q.dtype == torch.float32 else T, nkv, chunk_context
+    )
     if config:  # a benchmark's explicit tiles
         cfg.update(config)
         if "block_m" not in config:

@@ -830,22 +830,30 @@ def test_steps_go_on_on_the_device_through_arrivals_and_finishes(tiny_checkpoint
 def test_a_prompt_in_chunks_goes_on_on_the_device(tiny_checkpoints):
     """A prompt longer than the token budget arrives beside a running request: every chunk of
     it after the first step is queued before the step before it is read, and so is the step
-    after its last chunk. Same tokens as the synchronous engine, every page back."""
+    after its last chunk; each of those steps' forwards knows how far its chunk reaches (the
+    attention tiles follow it). Same tokens as the synchronous engine, every page back."""
     args = engine_args(
         tiny_checkpoints, forced_acceptance=float(K + 1), page_size=4, max_num_batched_tokens=16
     )
     reqs = {"first": (prompt_of(9, 73), greedy(40)), "long": (prompt_of(45, 74), greedy(20))}
     want = run_requests(LLMEngine(dataclasses.replace(args, async_scheduling=False)), reqs)
     engine = LLMEngine(args)
-    scheduled, chunked = [], []
+    scheduled, chunked, chunk_ends, chunk_contexts = [], [], [9], []
     launch, launch_continued = engine.runner.launch, engine.runner.launch_continued
+    forward = engine.runner.forward
 
     def continued(previous, pages, draft_len, keep=None, prompt_chunks=()):
         chunked.extend(chunk for chunk in prompt_chunks if not chunk.samples)
+        chunk_ends.extend(c.start + c.length for c in prompt_chunks if c.length > 1)
         return launch_continued(previous, pages, draft_len, keep, prompt_chunks)
+
+    def recorded_forward(batch, *, greedy):
+        chunk_contexts.append(batch.chunk_context)
+        return forward(batch, greedy=greedy)
 
     engine.runner.launch = lambda *a: scheduled.append(1) or launch(*a)
     engine.runner.launch_continued = continued
+    engine.runner.forward = recorded_forward
     run = Run()
     engine.add_request("first", *reqs["first"])
     while engine.num_continued_steps < 2:
@@ -854,6 +862,7 @@ def test_a_prompt_in_chunks_goes_on_on_the_device(tiny_checkpoints):
     while engine.has_unfinished():
         step(engine, run)
     assert len(scheduled) == 1 and len(chunked) >= 2  # 45 tokens beside 5 rows: 4 chunks
+    assert [c for c in chunk_contexts if c] == chunk_ends and chunk_ends[-1] >= 44
     run.check_streams()
     for rid in reqs:
         assert choices(run.final[rid]) == choices(want.final[rid]), rid

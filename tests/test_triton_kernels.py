@@ -315,6 +315,33 @@ def test_prefill_takes_128_row_tiles_only_with_programs_for_them():
     assert attention_config(512, 8, 3, tokens=4096, kv_heads=4)["value_parts"] == 1
 
 
+def test_full_layers_take_128_row_tiles_over_a_long_prefix():
+    """Launches of 1024 rows and more whose chunks reach 8192 positions: the full layers take the
+    split 128-row tiles with fewer programs than alone (the 26B-A4B's 2 KV heads, the E4B's 4
+    query heads to a KV head); 4096 positions, fewer rows, the sliding layers and verification
+    keep their tiles."""
+    tiles = attention_config(512, 8, 2048, tokens=2048, kv_heads=2, chunk_context=8192)
+    assert (tiles["block_m"], tiles["value_parts"]) == (128, 2)
+    e4b = attention_config(512, 4, 1024, tokens=1024, kv_heads=2, chunk_context=32768)
+    assert (e4b["block_m"], e4b["value_parts"]) == (128, 2)
+    assert (
+        attention_config(512, 8, 2048, tokens=2048, kv_heads=2, chunk_context=4096)["value_parts"]
+        == 1
+    )
+    assert (
+        attention_config(512, 8, 512, tokens=512, kv_heads=4, chunk_context=32768)["value_parts"]
+        == 1
+    )
+    assert (
+        attention_config(256, 2, 1024, tokens=1024, kv_heads=8, chunk_context=32768)["block_m"]
+        == 64
+    )
+    assert (
+        attention_config(512, 8, 3, tokens=4096, kv_heads=4, chunk_context=32768)["value_parts"]
+        == 1
+    )
+
+
 def test_attention_grid_within_cuda_limits_for_a_huge_step(monkeypatch):
     """A step of 600,000 prompt tokens (a large --max-num-batched-tokens) on 8-head groups is
     75,000 query blocks: past CUDA's 65,535 on a grid's second and third axes, so they go on the

@@ -53,6 +53,8 @@ class AttentionMetadata:
     )  # [G+1] int32: query rows cu[g]:cu[g+1] are one sequence's consecutive tokens
     max_q_len: int  # host-side bound on the rows of one group (grid sizing)
     host: HostBatch | None = None  # eager target steps only (graphed and drafter steps have none)
+    # host-side: the most positions any prefill chunk reaches (0 where unknown: captured steps)
+    chunk_context: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +134,7 @@ def causal_metadata(
     max_q_len: int,
     page_tokens: dict[str, int],
     host: HostBatch | None = None,
+    chunk_context: int = 0,
 ) -> AttentionMetadata:
     """Metadata of a target pass, derived on the device: each token sees keys up to its own
     position and writes its K/V to the slot its page table maps its position to
@@ -161,4 +164,5 @@ def causal_metadata(
         cu_seqlens_q=cu_seqlens_q,
         max_q_len=max_q_len,
         host=host,
+        chunk_context=chunk_context,
     )

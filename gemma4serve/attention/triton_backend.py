@@ -10,7 +10,18 @@ from __future__ import annotations
 import torch
 
 from gemma4serve.attention.metadata import AttentionMetadata
-from gemma4serve_kernels import kv_write, paged_attention
+from gemma4serve.config import FULL, TextConfig
+from gemma4serve_kernels import attention_config, kv_write, paged_attention
+
+
+def context_changes_tiles(cfg: TextConfig, tokens: int, chunk_context: int) -> bool:
+    """Whether a prefill launch of `tokens` rows whose chunks reach `chunk_context` positions
+    takes other full-layer tiles than the same launch without them (`attention_config`): a
+    captured launch, which cannot see the context, runs the others."""
+    head_dim, kv_heads = cfg.kind_spec(FULL)
+    group = cfg.num_heads // kv_heads
+    tiles = attention_config(head_dim, group, tokens, tokens, kv_heads, chunk_context)
+    return tiles != attention_config(head_dim, group, tokens, tokens, kv_heads)
 
 
 class TritonAttention:
@@ -40,4 +51,5 @@ class TritonAttention:
             meta.cu_seqlens_q,
             meta.max_q_len,
             meta.window[kind],
+            chunk_context=meta.chunk_context,
         )

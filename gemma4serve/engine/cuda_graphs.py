@@ -37,6 +37,7 @@ from gemma4serve.attention.metadata import (
     readout_layout,
     to_device,
 )
+from gemma4serve.attention.triton_backend import context_changes_tiles
 from gemma4serve.config import FULL, SLIDING
 from gemma4serve.engine.spec import DraftLoop, StepCost, draft_choices
 from gemma4serve.model.gemma4 import ForwardContext
@@ -293,10 +294,14 @@ class CudaGraphs:
 
     def fits_mixed(self, batch) -> bool:
         """Whether a packed step (a TargetBatch packed on the host) has a mixed graph: its rows,
-        sequences, page tables and read-out rows a group."""
+        sequences, page tables and read-out rows a group, and no chunk that reaches positions
+        enough to change its attention tiles (the context, which a captured launch cannot see;
+        such a step takes longer on the GPU than its eager launches on the host)."""
+        T = batch.token_ids.shape[0]
         return (
             bool(self.mixed_tokens)
-            and batch.token_ids.shape[0] <= self.mixed_tokens[-1]
+            and T <= self.mixed_tokens[-1]
+            and not context_changes_tiles(self.state.target.cfg, T, batch.chunk_context)
             and batch.num_groups <= self.mixed_groups[-1]
             and all(t.shape[1] < self.width[kind] for kind, t in batch.page_tables.items())
             and int(batch.readout_counts().max()) <= self.readout_max_q_len

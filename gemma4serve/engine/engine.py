@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gemma4serve.attention.triton_backend import context_changes_tiles
 from gemma4serve.engine.args import GENERATION_DEFAULTS, EngineArgs
 from gemma4serve.engine.cuda_graphs import capture_graphs
 from gemma4serve.engine.models import check_tensor_parallel, load_models
@@ -45,6 +46,7 @@ from gemma4serve.validation import (
     encode_text,
     with_bos,
 )
+from gemma4serve_kernels import LONG_PREFIX
 
 log = logging.getLogger("gemma4serve")
 
@@ -180,7 +182,9 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """One eager step per chunk-length bucket, so Triton compiles the shape-selected kernel
         variants before serving rather than while requests wait; one greedy step for the greedy
-        heads' kernels. Its pages are freed again."""
+        heads' kernels; and the chunk lengths whose tiles a long prefix changes once more over
+        one (`context_changes_tiles`; the prefix's K/V is left unwritten, the outputs are
+        dropped). Its pages are freed again."""
         t0 = time.monotonic()
         limit = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
         longest = limit // 16 * 16
@@ -191,21 +195,27 @@ class LLMEngine:
         }
         sampled = SamplingParams(max_tokens=1)
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
-        runs = [(n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(1, greedy)]
-        for n, params in runs:
+        runs = [(0, n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(0, 1, greedy)]
+        if self.max_model_len > LONG_PREFIX:
+            runs += [
+                (LONG_PREFIX - n, n, sampled)
+                for n in sorted(lengths)
+                if n <= limit and context_changes_tiles(self.cfg, n, LONG_PREFIX)
+            ]
+        for start, n, params in runs:
             seq = Sequence(
                 request_id="warm-up",
                 index=0,
-                token_ids=[0] * n,
-                num_prompt=n,
+                token_ids=[0] * (start + n),
+                num_prompt=start + n,
                 params=params,
                 seed=0,
                 arrival=0,
-                max_len=n + 1,
+                max_len=start + n + 1,
             )
-            self.kv.grow(seq, 0, n)
+            self.kv.grow(seq, 0, start + n)
             try:
-                chunk = ScheduledChunk(seq, 0, n, [])
+                chunk = ScheduledChunk(seq, start, n, [])
                 self.runner.launch([chunk], self.num_draft_tokens).results()
             finally:
                 self.kv.free(seq, committed=0)

@@ -92,6 +92,7 @@ def scheduled_batch(chunks: list[ScheduledChunk]) -> TargetBatch:
         group_starts=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
         key_lengths=torch.tensor([c.start + c.num_query for c in chunks], dtype=torch.int32),
         readout=None if readout == query_lens else torch.tensor(readout, dtype=torch.int32),
+        chunk_context=max((c.start + c.num_query for c in chunks if c.length > 1), default=0),
     )
 
 
@@ -473,6 +474,7 @@ class ModelRunner:
                 int(sizes.max()),
                 self.state.kv.page_tokens,
                 host,
+                batch.chunk_context,
             )
         Q = batch.decode_query_len
         T = positions.shape[0]
@@ -704,6 +706,7 @@ class ModelRunner:
                 readout=torch.cat(
                     [torch.full((B,), Q, dtype=torch.int32), packed.readout_counts().int()]
                 ),
+                chunk_context=packed.chunk_context,
             )
         # Prompt chunks that sample (their prompts' last): their last row, repeated as a verify's
         # Q rows.

@@ -29,6 +29,8 @@ class TargetBatch:
     # host [G] int32: how many of each group's last rows are read after the forward (sampled, or
     # scoring the prompt); None: every row
     readout: torch.Tensor | None = None
+    # the most positions a prompt chunk of the step reaches (0: none); it picks attention tiles
+    chunk_context: int = 0
 
     @property
     def num_groups(self) -> int:

@@ -8,6 +8,9 @@ and compares nothing after it.
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -332,13 +335,25 @@ def test_steps_make_no_implicit_host_sync(ckpt):
     assert [len(output.outputs[0].token_ids) for output in outputs] == [12] * 4
 
 
-def _jit_functions():
+@contextlib.contextmanager
+def _cold_kernel_caches():
+    """Every kernel's in-process cache emptied (so variants that earlier tests compiled do not
+    hide a missing warm-up), restored after; yields a count of the variants compiled since."""
     from triton.runtime.jit import JITFunction
 
     import gemma4serve_kernels
 
     mods = [m for m in vars(gemma4serve_kernels).values() if type(m).__name__ == "module"]
-    return [f for m in mods for f in vars(m).values() if isinstance(f, JITFunction)]
+    fns = [f for m in mods for f in vars(m).values() if isinstance(f, JITFunction)]
+    # Kept alive: earlier graphs may still point at them.
+    saved = {f: dict(f.device_caches) for f in fns}
+    try:
+        for f in fns:
+            f.device_caches.clear()
+        yield lambda: {f.__name__: sum(len(c[0]) for c in f.device_caches.values()) for f in fns}
+    finally:
+        for f, caches in saved.items():
+            f.device_caches.update(caches)
 
 
 def test_no_kernel_compiles_while_serving(ckpt):
@@ -346,21 +361,11 @@ def test_no_kernel_compiles_while_serving(ckpt):
 
     Start-up is graph capture, then one eager step per chunk-length bucket; prompts run alone and
     batched, with drafts. A compile would stall every running request (about a second each on a
-    cold cache). The in-process kernel caches start empty here, so variants that earlier tests
-    compiled do not hide a missing warm-up.
+    cold cache).
     """
     variant, target, assistant = ckpt
-    fns = _jit_functions()
-    # Kept alive: earlier graphs may still point at them.
-    saved = {f: dict(f.device_caches) for f in fns}
-    try:
-        for f in fns:
-            f.device_caches.clear()
+    with _cold_kernel_caches() as compiled:
         llm = gpu_llm(target, assistant, num_draft_tokens=3)
-
-        def compiled():
-            return {f.__name__: sum(len(c[0]) for c in f.device_caches.values()) for f in fns}
-
         start = compiled()
         sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         for lens in (
@@ -388,6 +393,43 @@ def test_no_kernel_compiles_while_serving(ckpt):
                 f"prompts of {lens} tokens compiled {[k for k in now if now[k] != start[k]]}"
             )
         assert sum(start.values()) > 0
-    finally:
-        for f, caches in saved.items():
-            f.device_caches.update(caches)
+
+
+def _wide_full_heads(tmp_path: Path, monkeypatch) -> Path:
+    """The dense tiny target with the 31B's full-layer heads (512 wide, 8 query heads to a KV
+    head), whose prefill tiles a long prefix changes, and 16,384 positions."""
+    from gemma4serve.demo import checkpoints
+
+    dense = checkpoints.target_text_config("dense")
+    wide = dict(dense, num_attention_heads=8, global_head_dim=512, max_position_embeddings=16384)
+    monkeypatch.setattr(checkpoints, "target_text_config", lambda variant: wide)
+    return checkpoints.write_tiny_checkpoint(tmp_path / "wide", "dense", release_format=False)
+
+
+def test_chunks_over_a_long_prefix_run_eagerly_on_warm_kernels(tmp_path, monkeypatch):
+    """Steps whose chunks reach positions enough to change their full layers' attention tiles
+    (`context_changes_tiles`) run eagerly, since a captured graph cannot see the context, on
+    kernels the warm-up compiled, and give the tokens of an engine without graphs. A
+    10,000-token prompt in chunks of 2048: those ending at 2048 to 6144 replay graphs, those
+    ending at 8192 and 10,000 do not."""
+    target = _wide_full_heads(tmp_path, monkeypatch)
+    settings = dict(max_num_batched_tokens=2048, max_model_len=12288)
+    prompt = prompt_of(10_000, seed=3)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with _cold_kernel_caches() as compiled:
+        llm = gpu_llm(target, **settings)
+        graphs, chose = llm.engine.runner.graphs, []
+        fits_mixed = graphs.fits_mixed
+
+        def recorded(batch):
+            chose.append((batch.chunk_context, fits_mixed(batch)))
+            return chose[-1][1]
+
+        graphs.fits_mixed = recorded
+        start = compiled()
+        got = llm.generate([prompt], sp)[0].token_ids
+        assert compiled() == start
+    assert [fits for context, fits in chose if context] == [True, True, True, False, False]
+    assert [context for context, _ in chose if context] == [2048, 4096, 6144, 8192, 10_000]
+    eager = gpu_llm(target, enforce_eager=True, **settings)
+    assert got == eager.generate([prompt], sp)[0].token_ids

@@ -41,6 +41,7 @@ from gemma4serve.attention.triton_backend import TritonAttention  # noqa: E402
 from gemma4serve.config import RopeSpec  # noqa: E402
 from gemma4serve.model.layers import Experts, rms_norm, rope_cos_sin, rope_inv_freq  # noqa: E402
 from gemma4serve_kernels import (  # noqa: E402
+    LONG_PREFIX,
     attention_config,
     gelu_tanh_mul,
     gelu_tanh_times,
@@ -90,6 +91,11 @@ def _seqs(phase, B, seed=0):
             (1500, list(range(1498, 1501))),  # verify
             (3072, list(range(1025, 3073))),  # 2048-token chunk after 1024 cached positions
         ]
+    if phase == "long":  # 1025 rows, too few programs alone: the full layers' tiles by context
+        return [
+            (3000, [3000]),  # decode
+            (LONG_PREFIX, list(range(LONG_PREFIX - 1023, LONG_PREFIX + 1))),
+        ]
     raise ValueError(phase)
 
 
@@ -132,8 +138,8 @@ def _reference(q, kc, vc, meta, rows=128):
     return out
 
 
-def _check_attention(out, q, kc, vc, meta):
-    ref = _reference(q, kc, vc, meta)
+def _check_attention(out, q, kc, vc, meta, rows=128):
+    ref = _reference(q, kc, vc, meta, rows)
     assert out.dtype == BF16 and not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     assert (out.float() - ref).abs().mean().item() < 2e-3
@@ -151,15 +157,22 @@ def _check_attention(out, q, kc, vc, meta):
         ("verify", 32),
         ("mixed", 5),
         ("wide", 3),
+        ("long", 2),
     ],
 )
 def test_attention_real_shapes(shape, phase, B):
     q, kc, vc, meta = _batch(shape, _seqs(phase, B))
-    if phase == "wide":  # the step is wide enough for the 128-row prefill tiles
+    if phase == "long":  # a 1024-token chunk reaching 8192 positions
+        meta = dataclasses.replace(meta, chunk_context=LONG_PREFIX)
+    if phase in ("wide", "long"):  # the step takes the 128-row prefill tiles
         s = SHAPES[shape]
-        tiles = attention_config(s["hd"], s["nh"] // s["nkv"], meta.max_q_len, q.shape[0], s["nkv"])
+        tiles = attention_config(
+            s["hd"], s["nh"] // s["nkv"], meta.max_q_len, q.shape[0], s["nkv"], meta.chunk_context
+        )
         assert tiles["block_m"] == 128
-    _check_attention(TritonAttention().forward(q, kc, vc, meta, KIND), q, kc, vc, meta)
+    out = TritonAttention().forward(q, kc, vc, meta, KIND)
+    # The fp32 reference gathers every row's keys: fewer rows at a time over the long prefix.
+    _check_attention(out, q, kc, vc, meta, rows=32 if phase == "long" else 128)
 
 
 @pytest.mark.parametrize("shape", ["sliding", "full"])
