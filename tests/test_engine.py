@@ -19,15 +19,20 @@ import pytest
 import torch
 
 import gemma4serve.engine.runner as runner_module
+from gemma4serve.attention.triton_backend import context_changes_tiles
+from gemma4serve.config import load_config
 from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
+from gemma4serve.engine.cuda_graphs import EAGER_STEP_FLOPS, matmul_flops_per_row
 from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.llm import LLM
 from gemma4serve.engine.output_processor import OutputProcessor
 from gemma4serve.engine.outputs import ITERATION_TOKEN_BUCKETS, RequestOutput
 from gemma4serve.engine.spec import DraftLength, StepCost, draft_choices
 from gemma4serve.engine_process.client import EngineProcessClient
+from gemma4serve.model.gemma4 import Gemma4Model
 from gemma4serve.sampling_params import SamplingParams
+from gemma4serve_kernels import LONG_PREFIX
 
 K = 3  # draft tokens per step
 EOS = {1, 106, 50}  # the tiny checkpoints' generation_config, as in the released IT models
@@ -902,6 +907,34 @@ def launch_steps(dl: DraftLength, batch_size: int, steps: int) -> list[int]:
         lengths.append(dl.choose(batch_size))
         dl.launched(lengths[-1])
     return lengths
+
+
+@pytest.mark.parametrize(
+    "model,eager_from",
+    [
+        ("gemma-4-31B-it", 1024),
+        ("gemma-4-26B-A4B-it", None),
+        ("gemma-4-E4B-it", None),
+        ("gemma-4-E2B-it", None),
+    ],
+)
+def test_long_steps_alone_leave_their_graphs_for_the_long_prefix_tiles(model, eager_from):
+    """A step whose chunks reach 8192 positions takes other full-layer tiles from 1024 rows, but
+    runs eagerly (where its context can pick them) only where its layers' matmuls outlast the
+    host's launch: at the default budget of 2048 rows, the 31B (58.6 GFLOP a row) from 1024
+    rows, the other models never."""
+    cfg = load_config(f"configs/{model}")
+    with torch.device("meta"):
+        flops = matmul_flops_per_row(Gemma4Model(cfg))
+    if model == "gemma-4-31B-it":
+        assert flops == pytest.approx(58.6e9, rel=1e-3)
+    eager = [
+        T
+        for T in range(1, 2049)
+        if T * flops >= EAGER_STEP_FLOPS and context_changes_tiles(cfg, T, LONG_PREFIX)
+    ]
+    assert (eager[0] if eager else None) == eager_from
+    assert 2048 not in eager  # the 31B's 2048 rows take the 128-row tiles without a prefix
 
 
 def test_draft_length_policy():

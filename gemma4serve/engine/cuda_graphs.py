@@ -44,6 +44,22 @@ from gemma4serve.model.gemma4 import ForwardContext
 
 log = logging.getLogger("gemma4serve")
 
+# A step whose chunks' context changes its attention tiles runs eagerly only where its layers'
+# matmuls outlast the host's eager launch (30-60 ms, H200): from this much work, the 31B's 1024
+# rows; the E models' 2048-row steps ran 6-36% slower eagerly (docs/performance.md).
+EAGER_STEP_FLOPS = 40e12
+
+
+def matmul_flops_per_row(model: torch.nn.Module) -> float:
+    """FLOPs of the matrices one row multiplies in the decoder layers (an MoE layer's experts by
+    the share of them a row routes to)."""
+    cfg, total = model.cfg, 0.0
+    for name, param in model.named_parameters():
+        if name.startswith("layers.") and param.dim() >= 2:
+            share = cfg.top_k_experts / cfg.num_experts if ".experts." in name else 1.0
+            total += 2 * param.numel() * share
+    return total
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
@@ -106,6 +122,7 @@ class CudaGraphs:
         # No mixed graphs (max_mixed_tokens 0): the decode benchmarks capture decode steps only.
         self.mixed_tokens = mixed_token_buckets(max_mixed_tokens) if max_mixed_tokens else []
         self.mixed_groups = mixed_group_buckets(max_batch) if max_mixed_tokens else []
+        self.eager_context_rows = EAGER_STEP_FLOPS / matmul_flops_per_row(state.target)
         B = self.buckets[-1]
         T = max(B * max(self.q_lens), max_mixed_tokens)
         dev, page_tokens = state.device, state.kv.page_tokens
@@ -294,14 +311,17 @@ class CudaGraphs:
 
     def fits_mixed(self, batch) -> bool:
         """Whether a packed step (a TargetBatch packed on the host) has a mixed graph: its rows,
-        sequences, page tables and read-out rows a group, and no chunk that reaches positions
-        enough to change its attention tiles (the context, which a captured launch cannot see;
-        such a step takes longer on the GPU than its eager launches on the host)."""
+        sequences, page tables and read-out rows a group; and, on a step long enough to launch
+        eagerly (`EAGER_STEP_FLOPS`), no chunk that reaches positions enough to change its
+        attention tiles (the context, which a captured launch cannot see)."""
         T = batch.token_ids.shape[0]
         return (
             bool(self.mixed_tokens)
             and T <= self.mixed_tokens[-1]
-            and not context_changes_tiles(self.state.target.cfg, T, batch.chunk_context)
+            and not (
+                T >= self.eager_context_rows
+                and context_changes_tiles(self.state.target.cfg, T, batch.chunk_context)
+            )
             and batch.num_groups <= self.mixed_groups[-1]
             and all(t.shape[1] < self.width[kind] for kind, t in batch.page_tables.items())
             and int(batch.readout_counts().max()) <= self.readout_max_q_len

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gemma4serve import LLM, SamplingParams
+from gemma4serve.engine import cuda_graphs
 from gemma4serve.structured.spec import StructuredOutputsParams
 from tests.hf_oracle import hf_logits, load_hf_target
 from tests.test_model_parity import engine_logits, prompt_of, rel_err
@@ -407,12 +408,14 @@ def _wide_full_heads(tmp_path: Path, monkeypatch) -> Path:
 
 
 def test_chunks_over_a_long_prefix_run_eagerly_on_warm_kernels(tmp_path, monkeypatch):
-    """Steps whose chunks reach positions enough to change their full layers' attention tiles
-    (`context_changes_tiles`) run eagerly, since a captured graph cannot see the context, on
+    """Long steps whose chunks reach positions enough to change their full layers' attention
+    tiles (`context_changes_tiles`) run eagerly, since a captured graph cannot see the context, on
     kernels the warm-up compiled, and give the tokens of an engine without graphs. A
     10,000-token prompt in chunks of 2048: those ending at 2048 to 6144 replay graphs, those
     ending at 8192 and 10,000 do not."""
     target = _wide_full_heads(tmp_path, monkeypatch)
+    # The tiny model's steps are short: let them leave their graphs as the 31B's do.
+    monkeypatch.setattr(cuda_graphs, "EAGER_STEP_FLOPS", 0)
     settings = dict(max_num_batched_tokens=2048, max_model_len=12288)
     prompt = prompt_of(10_000, seed=3)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
