@@ -55,12 +55,6 @@ LONG_PREFIX = 8192
 LONG_PREFIX_TOKENS = 1024
 
 
-def long_prefix(tokens: int, chunk_context: int) -> bool:
-    """Whether a launch of `tokens` query rows whose prefill chunks reach `chunk_context`
-    positions takes the full layers' 128-row tiles whatever its programs."""
-    return tokens >= LONG_PREFIX_TOKENS and chunk_context >= LONG_PREFIX
-
-
 def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
     """(table entries held, key tiles whose pages surely lie in them from the first tile's page on,
     whatever the first tile's offset in its page)."""
@@ -538,9 +532,8 @@ def attention_config(
         wide_t = max(1, 128 // group_p)
         value_parts = 2 if head_dim > 256 else 1
         programs = triton.cdiv(tokens, wide_t) * kv_heads * value_parts
-        enough = programs >= WIDE_TILE_PROGRAMS[value_parts] or (
-            value_parts > 1 and long_prefix(tokens, chunk_context)
-        )
+        long_prefix = tokens >= LONG_PREFIX_TOKENS and chunk_context >= LONG_PREFIX
+        enough = programs >= WIDE_TILE_PROGRAMS[value_parts] or (value_parts > 1 and long_prefix)
         if max_q_len >= wide_t and enough:
             cfg.update(
                 block_t=wide_t,
