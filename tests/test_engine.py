@@ -19,11 +19,10 @@ import pytest
 import torch
 
 import gemma4serve.engine.runner as runner_module
-from gemma4serve.attention.triton_backend import context_changes_tiles
 from gemma4serve.config import load_config
 from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
-from gemma4serve.engine.cuda_graphs import EAGER_STEP_FLOPS, matmul_flops_per_row
+from gemma4serve.engine.cuda_graphs import leaves_graph_for_context, matmul_flops_per_row
 from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.llm import LLM
 from gemma4serve.engine.output_processor import OutputProcessor
@@ -928,11 +927,7 @@ def test_long_steps_alone_leave_their_graphs_for_the_long_prefix_tiles(model, ea
         flops = matmul_flops_per_row(Gemma4Model(cfg))
     if model == "gemma-4-31B-it":
         assert flops == pytest.approx(58.6e9, rel=1e-3)
-    eager = [
-        T
-        for T in range(1, 2049)
-        if T * flops >= EAGER_STEP_FLOPS and context_changes_tiles(cfg, T, LONG_PREFIX)
-    ]
+    eager = [T for T in range(1, 2049) if leaves_graph_for_context(cfg, flops, T, LONG_PREFIX)]
     assert (eager[0] if eager else None) == eager_from
     assert 2048 not in eager  # the 31B's 2048 rows take the 128-row tiles without a prefix
 

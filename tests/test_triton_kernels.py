@@ -320,26 +320,17 @@ def test_full_layers_take_128_row_tiles_over_a_long_prefix():
     split 128-row tiles with fewer programs than alone (the 26B-A4B's 2 KV heads, the E4B's 4
     query heads to a KV head); 4096 positions, fewer rows, the sliding layers and verification
     keep their tiles."""
-    tiles = attention_config(512, 8, 2048, tokens=2048, kv_heads=2, chunk_context=8192)
-    assert (tiles["block_m"], tiles["value_parts"]) == (128, 2)
-    e4b = attention_config(512, 4, 1024, tokens=1024, kv_heads=2, chunk_context=32768)
-    assert (e4b["block_m"], e4b["value_parts"]) == (128, 2)
-    assert (
-        attention_config(512, 8, 2048, tokens=2048, kv_heads=2, chunk_context=4096)["value_parts"]
-        == 1
-    )
-    assert (
-        attention_config(512, 8, 512, tokens=512, kv_heads=4, chunk_context=32768)["value_parts"]
-        == 1
-    )
-    assert (
-        attention_config(256, 2, 1024, tokens=1024, kv_heads=8, chunk_context=32768)["block_m"]
-        == 64
-    )
-    assert (
-        attention_config(512, 8, 3, tokens=4096, kv_heads=4, chunk_context=32768)["value_parts"]
-        == 1
-    )
+
+    def tiles(head_dim, group, rows, tokens, kv_heads, context):
+        cfg = attention_config(head_dim, group, rows, tokens, kv_heads, context)
+        return cfg["block_m"], cfg["value_parts"]
+
+    assert tiles(512, 8, 2048, 2048, 2, 8192) == (128, 2)
+    assert tiles(512, 4, 1024, 1024, 2, 32768) == (128, 2)  # the E4B's
+    assert tiles(512, 8, 2048, 2048, 2, 4096)[1] == 1
+    assert tiles(512, 8, 512, 512, 4, 32768)[1] == 1
+    assert tiles(256, 2, 1024, 1024, 8, 32768)[0] == 64
+    assert tiles(512, 8, 3, 4096, 4, 32768)[1] == 1  # verification
 
 
 def test_attention_grid_within_cuda_limits_for_a_huge_step(monkeypatch):

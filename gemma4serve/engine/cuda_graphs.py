@@ -38,7 +38,7 @@ from gemma4serve.attention.metadata import (
     to_device,
 )
 from gemma4serve.attention.triton_backend import context_changes_tiles
-from gemma4serve.config import FULL, SLIDING
+from gemma4serve.config import FULL, SLIDING, TextConfig
 from gemma4serve.engine.spec import DraftLoop, StepCost, draft_choices
 from gemma4serve.model.gemma4 import ForwardContext
 
@@ -59,6 +59,17 @@ def matmul_flops_per_row(model: torch.nn.Module) -> float:
             share = cfg.top_k_experts / cfg.num_experts if ".experts." in name else 1.0
             total += 2 * param.numel() * share
     return total
+
+
+def leaves_graph_for_context(
+    cfg: TextConfig, flops_per_row: float, tokens: int, chunk_context: int
+) -> bool:
+    """Whether a packed step of `tokens` rows whose chunks reach `chunk_context` positions runs
+    eagerly: that context changes its attention tiles (which a captured launch cannot see), and
+    its matmuls (`flops_per_row` a row) outlast the host's eager launch."""
+    return tokens * flops_per_row >= EAGER_STEP_FLOPS and context_changes_tiles(
+        cfg, tokens, chunk_context
+    )
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -122,7 +133,7 @@ class CudaGraphs:
         # No mixed graphs (max_mixed_tokens 0): the decode benchmarks capture decode steps only.
         self.mixed_tokens = mixed_token_buckets(max_mixed_tokens) if max_mixed_tokens else []
         self.mixed_groups = mixed_group_buckets(max_batch) if max_mixed_tokens else []
-        self.eager_context_rows = EAGER_STEP_FLOPS / matmul_flops_per_row(state.target)
+        self.flops_per_row = matmul_flops_per_row(state.target)
         B = self.buckets[-1]
         T = max(B * max(self.q_lens), max_mixed_tokens)
         dev, page_tokens = state.device, state.kv.page_tokens
@@ -311,17 +322,14 @@ class CudaGraphs:
 
     def fits_mixed(self, batch) -> bool:
         """Whether a packed step (a TargetBatch packed on the host) has a mixed graph: its rows,
-        sequences, page tables and read-out rows a group; and, on a step long enough to launch
-        eagerly (`EAGER_STEP_FLOPS`), no chunk that reaches positions enough to change its
-        attention tiles (the context, which a captured launch cannot see)."""
+        sequences, page tables and read-out rows a group; and not a step that runs eagerly for
+        its chunks' context (`leaves_graph_for_context`)."""
         T = batch.token_ids.shape[0]
+        cfg = self.state.target.cfg
         return (
             bool(self.mixed_tokens)
             and T <= self.mixed_tokens[-1]
-            and not (
-                T >= self.eager_context_rows
-                and context_changes_tiles(self.state.target.cfg, T, batch.chunk_context)
-            )
+            and not leaves_graph_for_context(cfg, self.flops_per_row, T, batch.chunk_context)
             and batch.num_groups <= self.mixed_groups[-1]
             and all(t.shape[1] < self.width[kind] for kind, t in batch.page_tables.items())
             and int(batch.readout_counts().max()) <= self.readout_max_q_len

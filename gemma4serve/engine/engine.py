@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gemma4serve.attention.triton_backend import context_changes_tiles
 from gemma4serve.engine.args import GENERATION_DEFAULTS, EngineArgs
-from gemma4serve.engine.cuda_graphs import capture_graphs
+from gemma4serve.engine.cuda_graphs import capture_graphs, leaves_graph_for_context
 from gemma4serve.engine.models import check_tensor_parallel, load_models
 from gemma4serve.engine.output_processor import OutputProcessor, StopChoice
 from gemma4serve.engine.outputs import (
@@ -182,9 +182,9 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """One eager step per chunk-length bucket, so Triton compiles the shape-selected kernel
         variants before serving rather than while requests wait; one greedy step for the greedy
-        heads' kernels; and the chunk lengths whose tiles a long prefix changes once more over
-        one (`context_changes_tiles`; the prefix's K/V is left unwritten, the outputs are
-        dropped). Its pages are freed again."""
+        heads' kernels; and the chunk lengths that run on the tiles a long prefix picks once more
+        over one (eagerly: `leaves_graph_for_context`, or every such length without graphs; the
+        prefix's K/V is left unwritten, the outputs are dropped). Its pages are freed again."""
         t0 = time.monotonic()
         limit = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
         longest = limit // 16 * 16
@@ -196,11 +196,18 @@ class LLMEngine:
         sampled = SamplingParams(max_tokens=1)
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         runs = [(0, n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(0, 1, greedy)]
+        graphs = self.runner.graphs
+
+        def over_long_prefix(n: int) -> bool:  # runs on the tiles a long prefix picks
+            if graphs is None:
+                return context_changes_tiles(self.cfg, n, LONG_PREFIX)
+            return leaves_graph_for_context(self.cfg, graphs.flops_per_row, n, LONG_PREFIX)
+
         if self.max_model_len > LONG_PREFIX:
             runs += [
                 (LONG_PREFIX - n, n, sampled)
                 for n in sorted(lengths)
-                if n <= limit and context_changes_tiles(self.cfg, n, LONG_PREFIX)
+                if n <= limit and over_long_prefix(n)
             ]
         for start, n, params in runs:
             seq = Sequence(
