@@ -533,8 +533,8 @@ def attention_config(
         value_parts = 2 if head_dim > 256 else 1
         programs = triton.cdiv(tokens, wide_t) * kv_heads * value_parts
         long_prefix = tokens >= LONG_PREFIX_TOKENS and chunk_context >= LONG_PREFIX
-        enough = programs >= WIDE_TILE_PROGRAMS[value_parts] or (value_parts > 1 and long_prefix)
-        if max_q_len >= wide_t and enough:
+        enough = programs >= WIDE_TILE_PROGRAMS[value_parts]
+        if max_q_len >= wide_t and (enough or (value_parts > 1 and long_prefix)):
             cfg.update(
                 block_t=wide_t,
                 block_m=wide_t * group_p,
@@ -542,6 +542,7 @@ def attention_config(
                 num_warps=8,
                 num_stages=2 if value_parts > 1 else 3,
                 value_parts=value_parts,
+                for_context=not enough,  # the context alone picked them
             )
         return cfg
     max_rows = 64 if head_dim <= 256 else 32
@@ -654,7 +655,13 @@ def paged_attention(
     max_splits, default_min_keys = split_limits(window, max_q_len)
     min_split_keys = min_split_keys or default_min_keys
     if num_splits is None:
-        programs = grid_blocks[0] * grid_blocks[1] * nkv
+        # Tiles the context alone picked run in eager steps only (a graph cannot see it), and
+        # split by their rows alone, as one chunk: the warm-up's lengths then compile every
+        # variant those steps take, whatever their groups.
+        blocks = (
+            T // cfg["block_t"] + 1 if cfg.get("for_context") else grid_blocks[0] * grid_blocks[1]
+        )
+        programs = blocks * nkv
         if window > 0 and 1 < max_q_len <= 8:
             num_splits = splits_within_waves(programs, sm_count(q.device), max_splits)
         else:

@@ -333,6 +333,38 @@ def test_full_layers_take_128_row_tiles_over_a_long_prefix():
     assert tiles(512, 8, 3, 4096, 4, 32768)[1] == 1  # verification
 
 
+def test_long_prefix_tiles_split_by_their_rows_alone(monkeypatch):
+    """A launch on the tiles a long prefix alone picks (run in eager steps only) splits its keys by
+    its rows, whatever its groups: the warm-up's one-chunk lengths then compile every variant it
+    takes. A rank of two's 31B full layer (16 query heads on 2 KV heads), 1408 rows as one chunk
+    or beside 47 one-row groups (by groups, those 47 would end the split). Launches are recorded
+    under a 132-SM GPU's split rule, not run."""
+    module = importlib.import_module("gemma4serve_kernels.paged_attention")
+    launches = []
+
+    class Recorder:  # (VALUE_PARTS, num_splits) of each attention launch
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((kwargs["VALUE_PARTS"], args[13]))
+
+    class Skip:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(module, "_attn_kernel", Recorder())
+    monkeypatch.setattr(module, "_merge_kernel", Skip())
+    monkeypatch.setattr(module, "sm_count", lambda device: 132)
+    T, nh, nkv, hd = 1408, 16, 2, 512
+    q = torch.zeros(1, nh, hd, dtype=torch.bfloat16).expand(T, nh, hd)
+    cache = torch.zeros(4, 32, nkv, hd, dtype=torch.bfloat16)
+    i32 = dict(dtype=torch.int32)
+    for groups in (1, 48):
+        chunk = T - (groups - 1)
+        cu = torch.tensor([0, *range(chunk, T + 1)], **i32)
+        args = (torch.zeros(T, **i32), torch.full((T,), 9000, **i32), torch.zeros(groups, 4, **i32))
+        paged_attention(q, cache, cache, *args, cu, chunk, 0, out=q, chunk_context=9000)
+    assert launches == [(2, 2), (2, 2)]  # split 128-row tiles, two splits each
+
+
 def test_attention_grid_within_cuda_limits_for_a_huge_step(monkeypatch):
     """A step of 600,000 prompt tokens (a large --max-num-batched-tokens) on 8-head groups is
     75,000 query blocks: past CUDA's 65,535 on a grid's second and third axes, so they go on the

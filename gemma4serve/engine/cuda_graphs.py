@@ -320,16 +320,22 @@ class CudaGraphs:
         wide = any(t.shape[1] >= self.width[kind] for kind, t in tables.items())
         return Q in self.q_lens and self.bucket(n) is not None and not wide
 
+    def leaves_for_context(self, batch) -> bool:
+        """Whether a packed step runs eagerly on the tiles its chunks' context picks
+        (`leaves_graph_for_context`)."""
+        T = batch.token_ids.shape[0]
+        cfg = self.state.target.cfg
+        return leaves_graph_for_context(cfg, self.flops_per_row, T, batch.chunk_context)
+
     def fits_mixed(self, batch) -> bool:
         """Whether a packed step (a TargetBatch packed on the host) has a mixed graph: its rows,
         sequences, page tables and read-out rows a group; and not a step that runs eagerly for
-        its chunks' context (`leaves_graph_for_context`)."""
+        its chunks' context (`leaves_for_context`)."""
         T = batch.token_ids.shape[0]
-        cfg = self.state.target.cfg
         return (
             bool(self.mixed_tokens)
             and T <= self.mixed_tokens[-1]
-            and not leaves_graph_for_context(cfg, self.flops_per_row, T, batch.chunk_context)
+            and not self.leaves_for_context(batch)
             and batch.num_groups <= self.mixed_groups[-1]
             and all(t.shape[1] < self.width[kind] for kind, t in batch.page_tables.items())
             and int(batch.readout_counts().max()) <= self.readout_max_q_len

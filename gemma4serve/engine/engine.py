@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemma4serve.attention.triton_backend import context_changes_tiles
+from gemma4serve.config import TextConfig
 from gemma4serve.engine.args import GENERATION_DEFAULTS, EngineArgs
 from gemma4serve.engine.cuda_graphs import capture_graphs, leaves_graph_for_context
 from gemma4serve.engine.models import check_tensor_parallel, load_models
@@ -61,6 +62,23 @@ def generation_defaults(checkpoint_dir: Path) -> dict:
         return {}
     gen = json.loads(path.read_text())
     return {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+
+
+def long_prefix_lengths(
+    cfg: TextConfig, limit: int, buckets: set[int], flops_per_row: float | None
+) -> list[int]:
+    """The chunk lengths (up to `limit`) the warm-up runs once more over a long prefix: of those
+    that run on the tiles it picks (eagerly, `leaves_graph_for_context` at `flops_per_row`; without
+    graphs, None, every one whose tiles it changes), the buckets', the shortest and the longest
+    (between which such a launch's split changes once, by its rows: `paged_attention`)."""
+
+    def on_its_tiles(n: int) -> bool:
+        if flops_per_row is None:
+            return context_changes_tiles(cfg, n, LONG_PREFIX)
+        return leaves_graph_for_context(cfg, flops_per_row, n, LONG_PREFIX)
+
+    taken = [n for n in range(1, limit + 1) if on_its_tiles(n)]
+    return sorted(buckets.intersection(taken) | set(taken[:1] + taken[-1:]))
 
 
 @dataclass(eq=False)
@@ -182,9 +200,10 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """One eager step per chunk-length bucket, so Triton compiles the shape-selected kernel
         variants before serving rather than while requests wait; one greedy step for the greedy
-        heads' kernels; and the chunk lengths that run on the tiles a long prefix picks once more
-        over one (eagerly: `leaves_graph_for_context`, or every such length without graphs; the
-        prefix's K/V is left unwritten, the outputs are dropped). Its pages are freed again."""
+        heads' kernels; and, once more over a long prefix, the chunk lengths that run on the tiles
+        it picks (eagerly: `leaves_graph_for_context`, or every such length without graphs): those
+        of the buckets, the shortest and the longest (the prefix's K/V is left unwritten, the
+        outputs are dropped). Its pages are freed again."""
         t0 = time.monotonic()
         limit = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
         longest = limit // 16 * 16
@@ -197,17 +216,13 @@ class LLMEngine:
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         runs = [(0, n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(0, 1, greedy)]
         graphs = self.runner.graphs
-
-        def over_long_prefix(n: int) -> bool:  # runs on the tiles a long prefix picks
-            if graphs is None:
-                return context_changes_tiles(self.cfg, n, LONG_PREFIX)
-            return leaves_graph_for_context(self.cfg, graphs.flops_per_row, n, LONG_PREFIX)
-
-        if self.max_model_len > LONG_PREFIX:
+        # (Triton's tiles: FlashInfer runs Triton's on the full layers; the torch backend has none,
+        # and would gather every row's keys over the prefix.)
+        if self.max_model_len > LONG_PREFIX and self.runner.state.attn.name != "torch":
+            flops = graphs.flops_per_row if graphs is not None else None
             runs += [
-                (LONG_PREFIX - n, n, sampled)
-                for n in sorted(lengths)
-                if n <= limit and over_long_prefix(n)
+                (max(0, LONG_PREFIX - n), n, sampled)
+                for n in long_prefix_lengths(self.cfg, limit, lengths, flops)
             ]
         for start, n, params in runs:
             seq = Sequence(

@@ -9,6 +9,7 @@ and compares nothing after it.
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -342,9 +343,9 @@ def _cold_kernel_caches():
     hide a missing warm-up), restored after; yields a count of the variants compiled since."""
     from triton.runtime.jit import JITFunction
 
-    import gemma4serve_kernels
+    import gemma4serve_kernels  # noqa: F401 (its modules, by name: functions shadow some)
 
-    mods = [m for m in vars(gemma4serve_kernels).values() if type(m).__name__ == "module"]
+    mods = [m for name, m in sys.modules.items() if name.startswith("gemma4serve_kernels.")]
     fns = [f for m in mods for f in vars(m).values() if isinstance(f, JITFunction)]
     # Kept alive: earlier graphs may still point at them.
     saved = {f: dict(f.device_caches) for f in fns}
@@ -436,3 +437,19 @@ def test_chunks_over_a_long_prefix_run_eagerly_on_warm_kernels(tmp_path, monkeyp
     assert [context for context, _ in chose if context] == [2048, 4096, 6144, 8192, 10_000]
     eager = gpu_llm(target, enforce_eager=True, **settings)
     assert got == eager.generate([prompt], sp)[0].token_ids
+
+
+def test_a_step_eager_for_its_logprobs_keeps_the_graphs_tiles(tmp_path, monkeypatch):
+    """A step that leaves its graph for another reason than its context (a prompt's logprobs read
+    every row) keeps the attention tiles the graphs take, whose kernels are warm: the tiny model
+    with the 31B's full heads keeps its graphs over a long prefix (its steps are below the floor
+    of work), and scoring a 10,000-token prompt, whose chunks reach 8192 and 10,000 positions,
+    compiles no attention variant after start."""
+    target = _wide_full_heads(tmp_path, monkeypatch)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    with _cold_kernel_caches() as compiled:
+        llm = gpu_llm(target, max_num_batched_tokens=2048, max_model_len=12288)
+        start = compiled()["_attn_kernel"]
+        out = llm.generate([prompt_of(10_000, seed=4)], sp)[0]
+        assert compiled()["_attn_kernel"] == start
+    assert len(out.prompt_logprobs) == 10_000
