@@ -922,15 +922,18 @@ def test_long_steps_alone_leave_their_graphs_for_the_long_prefix_tiles(model, ea
     """A step whose chunks reach 8192 positions takes other full-layer tiles from 1024 rows, but
     runs eagerly (where its context can pick them) only where its layers' matmuls outlast the
     host's launch: at the default budget of 2048 rows, the 31B (58.6 GFLOP a row) from 1024
-    rows, the other models never."""
+    rows, the other models never; and only where its longest group takes the 128-row tiles."""
     cfg = load_config(f"configs/{model}")
     with torch.device("meta"):
         flops = matmul_flops_per_row(Gemma4Model(cfg))
     if model == "gemma-4-31B-it":
         assert flops == pytest.approx(58.6e9, rel=1e-3)
-    eager = [T for T in range(1, 2049) if leaves_graph_for_context(cfg, flops, T, LONG_PREFIX)]
+    eager = [T for T in range(1, 2049) if leaves_graph_for_context(cfg, flops, T, T, LONG_PREFIX)]
     assert (eager[0] if eager else None) == eager_from
     assert 2048 not in eager  # the 31B's 2048 rows take the 128-row tiles without a prefix
+    if eager:  # groups too short for the 128-row tiles (verifications and a short tail) keep them
+        assert not leaves_graph_for_context(cfg, flops, 1100, 15, LONG_PREFIX)
+        assert leaves_graph_for_context(cfg, flops, 1100, 16, LONG_PREFIX)
 
 
 def test_the_warm_up_runs_the_long_prefix_lengths_serving_takes():

@@ -14,14 +14,14 @@ from gemma4serve.config import FULL, TextConfig
 from gemma4serve_kernels import attention_config, kv_write, paged_attention
 
 
-def context_changes_tiles(cfg: TextConfig, tokens: int, chunk_context: int) -> bool:
-    """Whether a prefill launch of `tokens` rows whose chunks reach `chunk_context` positions
-    takes other full-layer tiles than the same launch without them (`attention_config`): a
-    captured launch, which cannot see the context, runs the others."""
+def context_changes_tiles(cfg: TextConfig, tokens: int, max_q_len: int, chunk_context: int) -> bool:
+    """Whether a prefill launch of `tokens` rows (its longest group `max_q_len`) whose chunks
+    reach `chunk_context` positions takes other full-layer tiles than the same launch without
+    them (`attention_config`): a captured launch, which cannot see the context, runs the others."""
     head_dim, kv_heads = cfg.kind_spec(FULL)
     group = cfg.num_heads // kv_heads
-    tiles = attention_config(head_dim, group, tokens, tokens, kv_heads, chunk_context)
-    return tiles != attention_config(head_dim, group, tokens, tokens, kv_heads)
+    tiles = attention_config(head_dim, group, max_q_len, tokens, kv_heads, chunk_context)
+    return tiles != attention_config(head_dim, group, max_q_len, tokens, kv_heads)
 
 
 class TritonAttention:

@@ -62,13 +62,14 @@ def matmul_flops_per_row(model: torch.nn.Module) -> float:
 
 
 def leaves_graph_for_context(
-    cfg: TextConfig, flops_per_row: float, tokens: int, chunk_context: int
+    cfg: TextConfig, flops_per_row: float, tokens: int, max_q_len: int, chunk_context: int
 ) -> bool:
-    """Whether a packed step of `tokens` rows whose chunks reach `chunk_context` positions runs
-    eagerly: that context changes its attention tiles (which a captured launch cannot see), and
-    its matmuls (`flops_per_row` a row) outlast the host's eager launch."""
+    """Whether a packed step of `tokens` rows (its longest group `max_q_len`) whose chunks reach
+    `chunk_context` positions runs eagerly: that context changes its attention tiles (which a
+    captured launch cannot see), and its matmuls (`flops_per_row` a row) outlast the host's eager
+    launch."""
     return tokens * flops_per_row >= EAGER_STEP_FLOPS and context_changes_tiles(
-        cfg, tokens, chunk_context
+        cfg, tokens, max_q_len, chunk_context
     )
 
 
@@ -323,9 +324,11 @@ class CudaGraphs:
     def leaves_for_context(self, batch) -> bool:
         """Whether a packed step runs eagerly on the tiles its chunks' context picks
         (`leaves_graph_for_context`)."""
-        T = batch.token_ids.shape[0]
+        if not batch.chunk_context:
+            return False
+        T, longest = batch.token_ids.shape[0], int(batch.group_starts.diff().max())
         cfg = self.state.target.cfg
-        return leaves_graph_for_context(cfg, self.flops_per_row, T, batch.chunk_context)
+        return leaves_graph_for_context(cfg, self.flops_per_row, T, longest, batch.chunk_context)
 
     def fits_mixed(self, batch) -> bool:
         """Whether a packed step (a TargetBatch packed on the host) has a mixed graph: its rows,

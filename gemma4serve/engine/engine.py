@@ -74,8 +74,8 @@ def long_prefix_lengths(
 
     def on_its_tiles(n: int) -> bool:
         if flops_per_row is None:
-            return context_changes_tiles(cfg, n, LONG_PREFIX)
-        return leaves_graph_for_context(cfg, flops_per_row, n, LONG_PREFIX)
+            return context_changes_tiles(cfg, n, n, LONG_PREFIX)
+        return leaves_graph_for_context(cfg, flops_per_row, n, n, LONG_PREFIX)
 
     taken = [n for n in range(1, limit + 1) if on_its_tiles(n)]
     return sorted(buckets.intersection(taken) | set(taken[:1] + taken[-1:]))
