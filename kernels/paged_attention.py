@@ -635,7 +635,8 @@ def paged_attention(
     cfg = attention_config(
         hd, group, max_q_len, 0 if q.dtype == torch.float32 else T, nkv, chunk_context
     )
-    if config:  # a benchmark's explicit tiles
+    if config:  # a benchmark's explicit tiles (split by their groups unless they say otherwise)
+        cfg.pop("for_context", None)
         cfg.update(config)
         if "block_m" not in config:
             cfg["block_m"] = max(16, cfg["block_t"] * next_pow2(group))
