@@ -20,22 +20,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from triton.runtime.jit import JITFunction
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic_tokenizer import write_synthetic_tokenizer  # noqa: E402
 
-import gemma4serve_kernels  # noqa: E402, F401 (its modules, by name: functions shadow some)
 from gemma4serve import LLM, SamplingParams  # noqa: E402
 from gemma4serve.structured.spec import StructuredOutputsParams  # noqa: E402
+from gemma4serve_kernels._common import jit_kernels  # noqa: E402
 
 
 def loaded_variants() -> dict[str, int]:
-    """Each kernel's loaded variants, over every gemma4serve_kernels module."""
-    mods = [m for name, m in sys.modules.items() if name.startswith("gemma4serve_kernels.")]
-    kernels = {f for m in mods for f in vars(m).values() if isinstance(f, JITFunction)}
-    return {f.__name__: sum(len(c[0]) for c in f.device_caches.values()) for f in kernels}
+    """Each kernel's loaded variants."""
+    return {f.__name__: sum(len(c[0]) for c in f.device_caches.values()) for f in jit_kernels()}
 
 
 def cases(longest: int, rng: random.Random) -> dict[str, list[tuple[list, SamplingParams]]]:

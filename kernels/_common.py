@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 import triton
@@ -39,6 +40,16 @@ def round_to(x, DTYPE: tl.constexpr):
         return x.to(tl.float16).to(tl.float32)
     else:
         return x
+
+
+def jit_kernels() -> list:
+    """Every Triton kernel (JITFunction) of this package's modules, found by module name: the
+    package's namespace holds functions in place of the modules they share a name with
+    (paged_attention, gemv, ...)."""
+    from triton.runtime.jit import JITFunction
+
+    modules = [m for name, m in sys.modules.items() if name.startswith(f"{__package__}.")]
+    return list({f for m in modules for f in vars(m).values() if isinstance(f, JITFunction)})
 
 
 def next_pow2(n: int) -> int:

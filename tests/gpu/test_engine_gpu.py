@@ -9,7 +9,6 @@ and compares nothing after it.
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -341,12 +340,9 @@ def test_steps_make_no_implicit_host_sync(ckpt):
 def _cold_kernel_caches():
     """Every kernel's in-process cache emptied (so variants that earlier tests compiled do not
     hide a missing warm-up), restored after; yields a count of the variants compiled since."""
-    from triton.runtime.jit import JITFunction
+    from gemma4serve_kernels._common import jit_kernels
 
-    import gemma4serve_kernels  # noqa: F401 (its modules, by name: functions shadow some)
-
-    mods = [m for name, m in sys.modules.items() if name.startswith("gemma4serve_kernels.")]
-    fns = [f for m in mods for f in vars(m).values() if isinstance(f, JITFunction)]
+    fns = jit_kernels()
     # Kept alive: earlier graphs may still point at them.
     saved = {f: dict(f.device_caches) for f in fns}
     try:
