@@ -5,7 +5,8 @@ warm-up and graph capture are meant to load them all. This starts the engine on 
 dummy weights through the offline `LLM` API, counts every kernel module's loaded variants, then
 runs requests of many shapes (lengths up to --max-model-len, prompt logprobs over a long prefix,
 sampling settings, n = 2, JSON-object outputs, many sequences at once, a long prompt beside short
-ones) and prints, per case, any variant that loaded after start.
+ones) and prints, per case, any variant that loaded after start (rank 0's, under tensor
+parallelism: every rank launches the same shapes).
 
     python bench/compile_after_start.py --model configs/gemma-4-31B-it \\
         --draft configs/gemma-4-31B-it-assistant
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic_tokenizer import write_synthetic_tokenizer  # noqa: E402
 
 from gemma4serve import LLM, SamplingParams  # noqa: E402
+from gemma4serve.cli import setup_logging  # noqa: E402
 from gemma4serve.structured.spec import StructuredOutputsParams  # noqa: E402
 from gemma4serve_kernels._common import jit_kernels  # noqa: E402
 
@@ -52,6 +54,10 @@ def cases(longest: int, rng: random.Random) -> dict[str, list[tuple[list, Sampli
         "prompt logprobs over a long prefix": [
             ([prompt(long)], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
         ],
+        "short prompts' logprobs": [
+            ([prompt(n) for n in lens], SamplingParams(max_tokens=2, prompt_logprobs=0))
+            for lens in ([9], [12], [16], [5, 14], [40, 9, 9])
+        ],
         "sampling, n = 2, logprobs": [([prompt(300), prompt(1200)], sampled)],
         "a repetition penalty": [
             ([prompt(200)] * 3, SamplingParams(max_tokens=10, repetition_penalty=1.2))
@@ -78,7 +84,10 @@ def main() -> None:
     parser.add_argument("--model", default="configs/gemma-4-31B-it")
     parser.add_argument("--draft", help="the drafter's config or checkpoint (default: none)")
     parser.add_argument("--max-model-len", type=int, default=16384)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
+    setup_logging("info")  # the start's steps and their times
     tokenizer = Path(tempfile.mkdtemp(prefix="g4s-tokenizer-"))
     write_synthetic_tokenizer(tokenizer, 262144)
     start = time.monotonic()
@@ -89,6 +98,8 @@ def main() -> None:
         dtype="bfloat16",
         load_format="dummy",
         max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
         tokenizer=str(tokenizer),
     )
     print(f"started in {time.monotonic() - start:.1f} s: {sum(loaded_variants().values())} "

@@ -52,8 +52,13 @@ def jit_kernels() -> list:
     return list({f for m in modules for f in vars(m).values() if isinstance(f, JITFunction)})
 
 
+# Host arithmetic in plain ints: triton's helpers are constexpr functions, ~5 µs a call.
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, int(n)))
+    return 1 << (max(1, int(n)) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @functools.cache

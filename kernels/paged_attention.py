@@ -27,6 +27,8 @@ launch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import (
     INTERPRET,
+    cdiv,
     dot_in_fp32,
     next_pow2,
     pdl_args,
@@ -53,12 +56,13 @@ WIDE_TILE_PROGRAMS = {1: 256, 2: 1024}
 # programs (docs/performance.md, H200: every model's full layers from 1024 rows over 8192).
 LONG_PREFIX = 8192
 LONG_PREFIX_TOKENS = 1024
+MAX_SPLITS = 64  # KV splits of a launch at most
 
 
 def table_chunk(page_size: int, block_n: int) -> tuple[int, int]:
     """(table entries held, key tiles whose pages surely lie in them from the first tile's page on,
     whatever the first tile's offset in its page)."""
-    entries = max(TABLE_CHUNK, next_pow2(triton.cdiv(block_n + page_size - 1, page_size)))
+    entries = max(TABLE_CHUNK, next_pow2(cdiv(block_n + page_size - 1, page_size)))
     return entries, (entries * page_size - page_size + 1) // block_n
 
 
@@ -487,6 +491,11 @@ def _merge_kernel(
     tl.store(o_ptr + t * stride_ot + h * stride_oh + d, round_to(out, DT).to(DT))
 
 
+def wide_rows(group: int) -> int:
+    """Query rows of a 128-row prefill tile (its rows hold every head of the group)."""
+    return max(1, 128 // next_pow2(group))
+
+
 def attention_config(
     head_dim: int,
     group: int,
@@ -529,9 +538,9 @@ def attention_config(
         # programs enough (WIDE_TILE_PROGRAMS): on the 256-wide heads with 64-key tiles; on the
         # 512-wide ones, whose 128-row accumulator would not fit in registers, with the value
         # columns split over two programs (each computes the scores again).
-        wide_t = max(1, 128 // group_p)
+        wide_t = wide_rows(group)
         value_parts = 2 if head_dim > 256 else 1
-        programs = triton.cdiv(tokens, wide_t) * kv_heads * value_parts
+        programs = cdiv(tokens, wide_t) * kv_heads * value_parts
         long_prefix = tokens >= LONG_PREFIX_TOKENS and chunk_context >= LONG_PREFIX
         enough = programs >= WIDE_TILE_PROGRAMS[value_parts]
         if max_q_len >= wide_t and (enough or (value_parts > 1 and long_prefix)):
@@ -542,7 +551,6 @@ def attention_config(
                 num_warps=8,
                 num_stages=2 if value_parts > 1 else 3,
                 value_parts=value_parts,
-                for_context=not enough,  # the context alone picked them
             )
         return cfg
     max_rows = 64 if head_dim <= 256 else 32
@@ -573,17 +581,17 @@ def split_limits(window: int, max_q_len: int) -> tuple[int, int]:
         return (
             (max(1, window // 64), 64)
             if max_q_len == 1
-            else (triton.cdiv(window + max_q_len - 1, 128), 128)
+            else (cdiv(window + max_q_len - 1, 128), 128)
         )
     return (32, 32) if max_q_len == 1 else (16, 64)
 
 
-def choose_splits(programs: int, device: torch.device, max_splits: int = 64, waves: int = 2) -> int:
+def choose_splits(programs: int, sms: int, max_splits: int = MAX_SPLITS, waves: int = 2) -> int:
     """Enough KV splits for about `waves` waves of programs; 1 when the batch already fills them."""
-    target = waves * sm_count(device)
+    target = waves * sms
     if programs >= target:
         return 1
-    return min(max_splits, next_pow2(triton.cdiv(target, programs)))
+    return min(max_splits, next_pow2(cdiv(target, programs)))
 
 
 def splits_within_waves(programs: int, sms: int, max_splits: int) -> int:
@@ -593,6 +601,153 @@ def splits_within_waves(programs: int, sms: int, max_splits: int) -> int:
     of a wave past a whole one pays for the whole second wave (docs/performance.md).
     """
     return max(1, min(max_splits, 3 * sms // (2 * programs)))
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """What a launch's tensors fix: heads, head width, page size, dtype, and its visible window."""
+
+    head_dim: int
+    num_heads: int
+    kv_heads: int
+    page_size: int
+    window: int  # visible keys ending at kv_end (0 = unlimited)
+    dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """The host ints of a launch's metadata that choose its tiles, splits and grid."""
+
+    tokens: int
+    groups: int
+    max_q_len: int
+    chunk_context: int = 0  # the most positions any prefill chunk of the launch reaches
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How one launch runs: its grid, its KV split count and the attention kernel's compile-time
+    constants (the merge's: `merge_constants`)."""
+
+    grid: tuple[int, ...]
+    num_splits: int
+    constants: dict
+
+    @property
+    def variant(self) -> tuple:
+        """What Triton compiles an attention variant for (with the device's PDL)."""
+        return tuple(sorted(self.constants.items()))
+
+
+def merge_constants(num_splits: int, head_dim: int) -> dict | None:
+    """The split merge's compile-time constants (None: the launch does not split)."""
+    if num_splits <= 1:
+        return None
+    return dict(
+        SPLITS_P=8 if num_splits <= 8 else next_pow2(num_splits),
+        HEAD_DIM=head_dim,
+        num_warps=4 if head_dim <= 256 else 8,
+    )
+
+
+def plan_launch(
+    layer: AttentionLayer,
+    shape: LaunchShape,
+    sms: int,
+    *,
+    num_splits: int | None = None,
+    min_split_keys: int | None = None,
+    config: dict | None = None,
+) -> AttentionLaunch:
+    """The tiles, split count and grid of a launch (host ints only); the overrides are
+    `paged_attention`'s."""
+    hd, nkv, window, page_size = layer.head_dim, layer.kv_heads, layer.window, layer.page_size
+    T, G, max_q_len = shape.tokens, shape.groups, shape.max_q_len
+    group = layer.num_heads // nkv
+    # fp32 keeps the 64-row prefill tiles (the ieee FMA dot spills past them)
+    cfg = attention_config(
+        hd, group, max_q_len, 0 if layer.dtype == torch.float32 else T, nkv, shape.chunk_context
+    )
+    if config:  # a benchmark's explicit tiles
+        cfg.update(config)
+        if "block_m" not in config:
+            cfg["block_m"] = max(16, cfg["block_t"] * next_pow2(group))
+        if "short_block_t" in cfg:  # a short group fits one query block
+            cfg["short_block_t"] = min(cfg["short_block_t"], cfg["block_t"])
+            if "short_block_m" not in config:
+                cfg["short_block_m"] = max(16, cfg["short_block_t"] * next_pow2(group))
+    assert cfg["block_m"] >= cfg["block_t"] * next_pow2(group)
+    assert cfg.get("short_block_m", 16) >= cfg.get("short_block_t", 0) * next_pow2(group)
+    prefill = max_q_len > 8
+    # Prefill: one flat axis of query blocks, T // block_t + G numbers (see _group_of_block).
+    grid_blocks = (
+        (T // cfg["block_t"] + G, 1) if prefill else (G, cdiv(max(1, max_q_len), cfg["block_t"]))
+    )
+    max_splits, default_min_keys = split_limits(window, max_q_len)
+    min_split_keys = min_split_keys or default_min_keys
+    if num_splits is None:
+        programs = grid_blocks[0] * grid_blocks[1] * nkv
+        if window > 0 and 1 < max_q_len <= 8:
+            num_splits = splits_within_waves(programs, sms, max_splits)
+        else:
+            # Full-layer verification tiles (up to 32 rows of 512 dims, 4-8 warps) fill an SM
+            # alone: a second wave of splits only adds partials to merge (docs/performance.md).
+            waves = 1 if window == 0 and 1 < max_q_len <= 8 else 2
+            num_splits = choose_splits(programs, sms, max_splits, waves)
+    if not config:
+        # Short decode splits want their few tiles in flight at once: a sliding split of at most 64
+        # keys as 32-key tiles, all in flight; a full layer's 32-key split as two 16-key tiles,
+        # deeper. Not for long full-layer splits, where it was slower. 8 warps for small sliding
+        # grids win alone and lose inside a step (docs/performance.md).
+        if window > 0 and max_q_len == 1 and cdiv(window, num_splits) <= 64:
+            cfg.update(block_n=32, num_stages=3)
+        if window == 0 and max_q_len == 1 and num_splits >= 16:
+            cfg.update(block_n=16, num_stages=4)
+        if layer.dtype == torch.float32 and not INTERPRET:
+            # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
+            cfg.update(block_n=16, short_block_n=16, num_stages=1)
+    entries, chunk = table_chunk(page_size, cfg["block_n"])
+    # Decode and verification launches have no short groups: their short tiles repeat the main
+    # ones (one compiled variant).
+    short = {key: cfg.get(f"short_{key}", cfg[key]) for key in ("block_t", "block_m", "block_n")}
+    short_entries, short_chunk = table_chunk(page_size, short["block_n"])
+    value_parts = cfg["value_parts"]
+    grid = (
+        (grid_blocks[0] * nkv * num_splits * value_parts,)
+        if prefill
+        else (*grid_blocks, nkv * num_splits)
+    )
+    constants = dict(
+        GROUP=group,
+        GROUP_P=next_pow2(group),
+        HEAD_DIM=hd,
+        PAGE=page_size,
+        BLOCK_T=cfg["block_t"],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        MIN_BLOCKS=max(1, cdiv(min_split_keys, cfg["block_n"])),
+        TABLE_CHUNK=entries,
+        CHUNK_TILES=chunk,
+        SHORT_T=short["block_t"],
+        SHORT_M=short["block_m"],
+        SHORT_N=short["block_n"],
+        SHORT_MIN_BLOCKS=max(1, cdiv(min_split_keys, short["block_n"])),
+        SHORT_TABLE_CHUNK=short_entries,
+        SHORT_CHUNK_TILES=short_chunk,
+        SPLIT=num_splits > 1,
+        DOT_FP32=dot_in_fp32(layer.dtype),
+        # The next kernel (the merge, or o_proj) may launch once every program has passed its
+        # wait. Single-query grids of at most two programs per SM let it launch only after their
+        # key loops, which pays there and costs verification and larger decode grids
+        # (docs/performance.md).
+        LAUNCH_NEXT_LATE=max_q_len == 1 and G * nkv * num_splits <= 2 * sms,
+        PREFILL=prefill,  # prefill chunks: the flat grid, the long groups' table-read key loop
+        VALUE_PARTS=value_parts,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return AttentionLaunch(grid, num_splits, constants)
 
 
 def paged_attention(
@@ -630,79 +785,21 @@ def paged_attention(
     G = cu_seqlens_q.shape[0] - 1
     if T == 0 or G == 0:
         return out
-    group = nh // nkv
-    # fp32 keeps the 64-row prefill tiles (the ieee FMA dot spills past them)
-    cfg = attention_config(
-        hd, group, max_q_len, 0 if q.dtype == torch.float32 else T, nkv, chunk_context
+    launch = plan_launch(
+        AttentionLayer(hd, nh, nkv, page_size, window, q.dtype),
+        LaunchShape(T, G, max_q_len, chunk_context),
+        sm_count(q.device),
+        num_splits=num_splits,
+        min_split_keys=min_split_keys,
+        config=config,
     )
-    if config:  # a benchmark's explicit tiles (split by their groups unless they say otherwise)
-        cfg.pop("for_context", None)
-        cfg.update(config)
-        if "block_m" not in config:
-            cfg["block_m"] = max(16, cfg["block_t"] * next_pow2(group))
-        if "short_block_t" in cfg:  # a short group fits one query block
-            cfg["short_block_t"] = min(cfg["short_block_t"], cfg["block_t"])
-            if "short_block_m" not in config:
-                cfg["short_block_m"] = max(16, cfg["short_block_t"] * next_pow2(group))
-    assert cfg["block_m"] >= cfg["block_t"] * next_pow2(group)
-    assert cfg.get("short_block_m", 16) >= cfg.get("short_block_t", 0) * next_pow2(group)
-    prefill = max_q_len > 8
-    # Prefill: one flat axis of query blocks, T // block_t + G numbers (see _group_of_block).
-    grid_blocks = (
-        (T // cfg["block_t"] + G, 1)
-        if prefill
-        else (G, triton.cdiv(max(1, max_q_len), cfg["block_t"]))
-    )
-    max_splits, default_min_keys = split_limits(window, max_q_len)
-    min_split_keys = min_split_keys or default_min_keys
-    if num_splits is None:
-        # Tiles the context alone picked run in eager steps only (a graph cannot see it), and
-        # split by their rows alone, as one chunk: the warm-up's lengths then compile every
-        # variant those steps take, whatever their groups.
-        blocks = (
-            T // cfg["block_t"] + 1 if cfg.get("for_context") else grid_blocks[0] * grid_blocks[1]
-        )
-        programs = blocks * nkv
-        if window > 0 and 1 < max_q_len <= 8:
-            num_splits = splits_within_waves(programs, sm_count(q.device), max_splits)
-        else:
-            # Full-layer verification tiles (up to 32 rows of 512 dims, 4-8 warps) fill an SM
-            # alone: a second wave of splits only adds partials to merge (docs/performance.md).
-            waves = 1 if window == 0 and 1 < max_q_len <= 8 else 2
-            num_splits = choose_splits(programs, q.device, max_splits, waves)
-    if not config:
-        # Short decode splits want their few tiles in flight at once: a sliding split of at most 64
-        # keys as 32-key tiles, all in flight; a full layer's 32-key split as two 16-key tiles,
-        # deeper. Not for long full-layer splits, where it was slower. 8 warps for small sliding
-        # grids win alone and lose inside a step (docs/performance.md).
-        if window > 0 and max_q_len == 1 and triton.cdiv(window, num_splits) <= 64:
-            cfg.update(block_n=32, num_stages=3)
-        if window == 0 and max_q_len == 1 and num_splits >= 16:
-            cfg.update(block_n=16, num_stages=4)
-        if q.dtype == torch.float32 and not INTERPRET:
-            # the fp32 (ieee FMA) dot spills at the bf16 tile sizes
-            cfg.update(block_n=16, short_block_n=16, num_stages=1)
-    entries, chunk = table_chunk(page_size, cfg["block_n"])
-    # Decode and verification launches have no short groups: their short tiles repeat the main
-    # ones (one compiled variant).
-    short = {key: cfg.get(f"short_{key}", cfg[key]) for key in ("block_t", "block_m", "block_n")}
-    short_entries, short_chunk = table_chunk(page_size, short["block_n"])
+    num_splits = launch.num_splits
     if num_splits > 1:
         part_o = torch.empty(T, nh, num_splits, hd, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # never touched
-    # The next kernel (the merge, or o_proj) may launch once every program has passed its wait.
-    # Single-query grids of at most two programs per SM let it launch only after their key loops,
-    # which pays there and costs verification and larger decode grids (docs/performance.md).
-    late = max_q_len == 1 and G * nkv * num_splits <= 2 * sm_count(q.device)
-    value_parts = cfg["value_parts"]
-    grid = (
-        (grid_blocks[0] * nkv * num_splits * value_parts,)
-        if prefill
-        else (*grid_blocks, nkv * num_splits)
-    )
-    _attn_kernel[grid](
+    _attn_kernel[launch.grid](
         q,
         k_cache,
         v_cache,
@@ -728,29 +825,7 @@ def paged_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         page_table.stride(0),
-        GROUP=group,
-        GROUP_P=next_pow2(group),
-        HEAD_DIM=hd,
-        PAGE=page_size,
-        BLOCK_T=cfg["block_t"],
-        BLOCK_M=cfg["block_m"],
-        BLOCK_N=cfg["block_n"],
-        MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, cfg["block_n"])),
-        TABLE_CHUNK=entries,
-        CHUNK_TILES=chunk,
-        SHORT_T=short["block_t"],
-        SHORT_M=short["block_m"],
-        SHORT_N=short["block_n"],
-        SHORT_MIN_BLOCKS=max(1, triton.cdiv(min_split_keys, short["block_n"])),
-        SHORT_TABLE_CHUNK=short_entries,
-        SHORT_CHUNK_TILES=short_chunk,
-        SPLIT=num_splits > 1,
-        DOT_FP32=dot_in_fp32(q.dtype),
-        LAUNCH_NEXT_LATE=late,
-        PREFILL=prefill,  # prefill chunks: the flat grid, the long groups' table-read key loop
-        VALUE_PARTS=value_parts,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        **launch.constants,
         **pdl_args(q.device),
     )
     if num_splits > 1:
@@ -762,9 +837,7 @@ def paged_attention(
             num_splits,
             out.stride(0),
             out.stride(1),
-            SPLITS_P=8 if num_splits <= 8 else next_pow2(num_splits),
-            HEAD_DIM=hd,
-            num_warps=4 if hd <= 256 else 8,
+            **merge_constants(num_splits, hd),
             **pdl_args(q.device),
         )
     return out

@@ -104,7 +104,9 @@ def write_slots(token_seq: torch.Tensor, pos: torch.Tensor, tables: dict, page_t
     The slot is where each token's K/V goes, through its sequence's row of each of the two page
     tables: page * page_tokens[kind] + offset.
     """
-    (kind_a, table_a), (kind_b, table_b) = tables.items()
+    # By kind name, not the dict's order (which follows the order a sequence's kinds got pages):
+    # the page sizes are compile-time constants.
+    (kind_a, table_a), (kind_b, table_b) = sorted(tables.items())
     T = pos.shape[0]
     assert (
         token_seq.is_contiguous()

@@ -23,14 +23,13 @@ from gemma4serve.config import load_config
 from gemma4serve.detokenizer import IncrementalDetokenizer
 from gemma4serve.engine.args import EngineArgs
 from gemma4serve.engine.cuda_graphs import leaves_graph_for_context, matmul_flops_per_row
-from gemma4serve.engine.engine import LLMEngine, long_prefix_lengths
+from gemma4serve.engine.engine import LLMEngine
 from gemma4serve.engine.llm import LLM
 from gemma4serve.engine.output_processor import OutputProcessor
 from gemma4serve.engine.outputs import ITERATION_TOKEN_BUCKETS, RequestOutput
 from gemma4serve.engine.spec import DraftLength, StepCost, draft_choices
 from gemma4serve.engine_process.client import EngineProcessClient
 from gemma4serve.model.gemma4 import Gemma4Model
-from gemma4serve.parallel.shards import shard_text_config
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve_kernels import LONG_PREFIX
 
@@ -934,26 +933,6 @@ def test_long_steps_alone_leave_their_graphs_for_the_long_prefix_tiles(model, ea
     if eager:  # groups too short for the 128-row tiles (verifications and a short tail) keep them
         assert not leaves_graph_for_context(cfg, flops, 1100, 15, LONG_PREFIX)
         assert leaves_graph_for_context(cfg, flops, 1100, 16, LONG_PREFIX)
-
-
-def test_the_warm_up_runs_the_long_prefix_lengths_serving_takes():
-    """Over a long prefix the warm-up runs, of the chunk lengths that take its tiles, the buckets'
-    (powers of two, one past them, the longest), the shortest and the longest (between which a
-    launch's split changes, by its rows): the 31B's eager steps from 1024 rows to 2032, a rank of
-    two's from 1366 to 2048 (its matmuls outlast the host's launch from 1366 rows), none for the
-    models that keep their graphs, and without graphs every length whose tiles change."""
-    limit = 2048
-    buckets = {1, limit - 1, limit} | {n for j in range(1, 12) for n in (2**j, 2**j + 1)}
-    dense = load_config("configs/gemma-4-31B-it")
-    moe = load_config("configs/gemma-4-26B-A4B-it")
-    assert long_prefix_lengths(dense, limit, buckets, 58.6e9) == [1024, 1025, 2032]
-    assert long_prefix_lengths(shard_text_config(dense, 2), limit, buckets, 29.3e9) == [
-        1366,
-        2047,
-        2048,
-    ]
-    assert long_prefix_lengths(moe, limit, buckets, 6.2e9) == []
-    assert long_prefix_lengths(moe, limit, buckets, None) == [1024, 1025, 2047, 2048]
 
 
 def test_draft_length_policy():

@@ -35,6 +35,7 @@ from gemma4serve.model.layers import (  # noqa: E402
     rope_inv_freq,
 )
 from gemma4serve_kernels import (  # noqa: E402
+    LONG_PREFIX,
     PeerBuffers,
     all_reduce_residual_norm,
     attention_config,
@@ -59,7 +60,18 @@ from gemma4serve_kernels import (  # noqa: E402
     write_slots,
 )
 from gemma4serve_kernels import rms_norm as k_rms_norm  # noqa: E402
+from gemma4serve_kernels._common import sm_count  # noqa: E402
+from gemma4serve_kernels.attention_variants import (  # noqa: E402
+    LaunchLimits,
+    compile_variants,
+    reachable_launches,
+)
 from gemma4serve_kernels.gemv import _zeroed_scratch, mlp_down_config  # noqa: E402
+from gemma4serve_kernels.paged_attention import (  # noqa: E402
+    AttentionLayer,
+    LaunchShape,
+    plan_launch,
+)
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KIND = "attn"
@@ -333,36 +345,58 @@ def test_full_layers_take_128_row_tiles_over_a_long_prefix():
     assert tiles(512, 8, 3, 4096, 4, 32768)[1] == 1  # verification
 
 
-def test_long_prefix_tiles_split_by_their_rows_alone(monkeypatch):
-    """A launch on the tiles a long prefix alone picks (run in eager steps only) splits its keys by
-    its rows, whatever its groups: the warm-up's one-chunk lengths then compile every variant it
-    takes. A rank of two's 31B full layer (16 query heads on 2 KV heads), 1408 rows as one chunk
-    or beside 47 one-row groups (by groups, those 47 would end the split). Launches are recorded
-    under a 132-SM GPU's split rule, not run."""
+def _every_variant(layer, limits, sms: int) -> set:
+    """The attention variants of every launch shape within `limits`: each row count, longest
+    group, group count (from the fewest that hold the rows) and context a launch can have."""
+    found = set()
+    for tokens in range(1, limits.max_tokens + 1):
+        for q in range(1, tokens + 1):
+            for groups in range(-(-tokens // q), min(limits.max_groups, tokens - q + 1) + 1):
+                for context in (0, limits.max_context):
+                    shape = LaunchShape(tokens, groups, q, context)
+                    found.add(plan_launch(layer, shape, sms).variant)
+    return found
+
+
+@pytest.mark.parametrize(
+    "layer, sms",
+    [
+        (AttentionLayer(256, 4, 2, 16, 1024), 4),  # sliding, 2 query heads a KV head
+        (AttentionLayer(512, 16, 2, 16, 0), 16),  # full, 8 a KV head, value columns split
+        (AttentionLayer(16, 4, 2, 4, 20), 4),  # a window short enough to stop the splits
+    ],
+)
+def test_the_enumerated_launches_meet_every_attention_variant(layer, sms, monkeypatch):
+    """`reachable_launches` finds every variant any launch within the limits takes, and no other:
+    against every launch shape, with the thresholds of the wide and long-prefix tiles brought
+    within 144 rows so that the walk passes them."""
     module = importlib.import_module("gemma4serve_kernels.paged_attention")
-    launches = []
+    monkeypatch.setattr(module, "WIDE_TILE_PROGRAMS", {1: 4, 2: 8})
+    monkeypatch.setattr(module, "LONG_PREFIX_TOKENS", 48)
+    limits = LaunchLimits(max_tokens=144, max_groups=12, max_context=LONG_PREFIX)
+    found = reachable_launches.__wrapped__(layer, limits, sms)
+    assert set(found) == _every_variant(layer, limits, sms)
+    assert {plan_launch(layer, shape, sms).variant for shape in found.values()} == set(found)
 
-    class Recorder:  # (VALUE_PARTS, num_splits) of each attention launch
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((kwargs["VALUE_PARTS"], args[13]))
 
-    class Skip:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
+def test_compile_variants_launches_each_enumerated_variant(monkeypatch):
+    """`compile_variants` builds, for each enumerated launch shape, metadata whose launch plans the
+    same variant, and runs it (here under the interpreter); then every split merge."""
+    module = importlib.import_module("gemma4serve_kernels.paged_attention")
+    plan, planned = module.plan_launch, set()
 
-    monkeypatch.setattr(module, "_attn_kernel", Recorder())
-    monkeypatch.setattr(module, "_merge_kernel", Skip())
-    monkeypatch.setattr(module, "sm_count", lambda device: 132)
-    T, nh, nkv, hd = 1408, 16, 2, 512
-    q = torch.zeros(1, nh, hd, dtype=torch.bfloat16).expand(T, nh, hd)
-    cache = torch.zeros(4, 32, nkv, hd, dtype=torch.bfloat16)
-    i32 = dict(dtype=torch.int32)
-    for groups in (1, 48):
-        chunk = T - (groups - 1)
-        cu = torch.tensor([0, *range(chunk, T + 1)], **i32)
-        args = (torch.zeros(T, **i32), torch.full((T,), 9000, **i32), torch.zeros(groups, 4, **i32))
-        paged_attention(q, cache, cache, *args, cu, chunk, 0, out=q, chunk_context=9000)
-    assert launches == [(2, 2), (2, 2)]  # split 128-row tiles, two splits each
+    def recorded(*args, **kwargs):
+        launch = plan(*args, **kwargs)
+        planned.add(launch.variant)
+        return launch
+
+    monkeypatch.setattr(module, "plan_launch", recorded)
+    cache = torch.zeros(4, 4, 2, 16)
+    limits = LaunchLimits(max_tokens=24, max_groups=4, max_context=64)
+    launches = compile_variants(4, cache, cache, 20, limits)
+    layer = AttentionLayer(16, 4, 2, 4, 20, torch.float32)
+    assert planned == set(reachable_launches(layer, limits, sm_count(cache.device)))
+    assert launches == len(planned) > 4
 
 
 def test_attention_grid_within_cuda_limits_for_a_huge_step(monkeypatch):

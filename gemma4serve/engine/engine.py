@@ -16,10 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemma4serve.attention.triton_backend import context_changes_tiles
-from gemma4serve.config import TextConfig
 from gemma4serve.engine.args import GENERATION_DEFAULTS, EngineArgs
-from gemma4serve.engine.cuda_graphs import capture_graphs, leaves_graph_for_context
+from gemma4serve.engine.attention_variants import compile_attention_variants
+from gemma4serve.engine.cuda_graphs import capture_graphs
 from gemma4serve.engine.models import check_tensor_parallel, load_models
 from gemma4serve.engine.output_processor import OutputProcessor, StopChoice
 from gemma4serve.engine.outputs import (
@@ -47,7 +46,6 @@ from gemma4serve.validation import (
     encode_text,
     with_bos,
 )
-from gemma4serve_kernels import LONG_PREFIX
 
 log = logging.getLogger("gemma4serve")
 
@@ -62,23 +60,6 @@ def generation_defaults(checkpoint_dir: Path) -> dict:
         return {}
     gen = json.loads(path.read_text())
     return {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
-
-
-def long_prefix_lengths(
-    cfg: TextConfig, limit: int, buckets: set[int], flops_per_row: float | None
-) -> list[int]:
-    """The chunk lengths (up to `limit`) the warm-up runs once more over a long prefix: of those
-    that run on the tiles it picks (eagerly, `leaves_graph_for_context` at `flops_per_row`; without
-    graphs, None, every one whose tiles it changes), the buckets', the shortest and the longest
-    (between which such a launch's split changes once, by its rows: `paged_attention`)."""
-
-    def on_its_tiles(n: int) -> bool:
-        if flops_per_row is None:
-            return context_changes_tiles(cfg, n, n, LONG_PREFIX)
-        return leaves_graph_for_context(cfg, flops_per_row, n, n, LONG_PREFIX)
-
-    taken = [n for n in range(1, limit + 1) if on_its_tiles(n)]
-    return sorted(buckets.intersection(taken) | set(taken[:1] + taken[-1:]))
 
 
 @dataclass(eq=False)
@@ -179,6 +160,7 @@ class LLMEngine:
                 forced.mean_tokens_per_step,
             )
         graphs, costs = capture_graphs(self.state, args, k)
+        compile_attention_variants(self.state, args, k)  # every rank, after its graphs
         self.draft_length = DraftLength(k, costs)
         self.runner = ModelRunner(
             self.state,
@@ -199,11 +181,9 @@ class LLMEngine:
 
     def _warm_up(self) -> None:
         """One eager step per chunk-length bucket, so Triton compiles the shape-selected kernel
-        variants before serving rather than while requests wait; one greedy step for the greedy
-        heads' kernels; and, once more over a long prefix, the chunk lengths that run on the tiles
-        it picks (eagerly: `leaves_graph_for_context`, or every such length without graphs): those
-        of the buckets, the shortest and the longest (the prefix's K/V is left unwritten, the
-        outputs are dropped). Its pages are freed again."""
+        variants before serving rather than while requests wait, and one greedy step for the
+        greedy heads' kernels (attention's variants: `compile_attention_variants`). Its pages are
+        freed again."""
         t0 = time.monotonic()
         limit = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
         longest = limit // 16 * 16
@@ -214,30 +194,21 @@ class LLMEngine:
         }
         sampled = SamplingParams(max_tokens=1)
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
-        runs = [(0, n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(0, 1, greedy)]
-        graphs = self.runner.graphs
-        # (Triton's tiles: FlashInfer runs Triton's on the full layers; the torch backend has none,
-        # and would gather every row's keys over the prefix.)
-        if self.max_model_len > LONG_PREFIX and self.runner.state.attn.name != "torch":
-            flops = graphs.flops_per_row if graphs is not None else None
-            runs += [
-                (max(0, LONG_PREFIX - n), n, sampled)
-                for n in long_prefix_lengths(self.cfg, limit, lengths, flops)
-            ]
-        for start, n, params in runs:
+        runs = [(n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(1, greedy)]
+        for n, params in runs:
             seq = Sequence(
                 request_id="warm-up",
                 index=0,
-                token_ids=[0] * (start + n),
-                num_prompt=start + n,
+                token_ids=[0] * n,
+                num_prompt=n,
                 params=params,
                 seed=0,
                 arrival=0,
-                max_len=start + n + 1,
+                max_len=n + 1,
             )
-            self.kv.grow(seq, 0, start + n)
+            self.kv.grow(seq, 0, n)
             try:
-                chunk = ScheduledChunk(seq, start, n, [])
+                chunk = ScheduledChunk(seq, 0, n, [])
                 self.runner.launch([chunk], self.num_draft_tokens).results()
             finally:
                 self.kv.free(seq, committed=0)

@@ -429,10 +429,6 @@ class ModelRunner:
             return TargetOutputs(hidden, None, None, graphs.tables, graphed=True)
         state = self.state
         positions = to_device(batch.positions, state.device)
-        # An eager step takes the tiles its chunks' context picks only where it left its graph for
-        # them (or no graphs run); elsewhere the graphs' tiles, whose kernels are the warmed ones.
-        if graphs is not None and batch.chunk_context and not graphs.leaves_for_context(batch):
-            batch = dataclasses.replace(batch, chunk_context=0)
         meta = self._eager_metadata(batch, positions)
         token_ids = to_device(batch.token_ids, state.device)
         context = ForwardContext(meta, state.kv, state.attn, self._readout(batch))

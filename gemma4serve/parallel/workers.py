@@ -242,6 +242,7 @@ def run_worker(
         # Rank 0 logs what every rank does (loading, KV sizing); workers only their problems.
         setup_logging(log_level if log_level == "debug" else "warning")
     stopped_by_parent(leader_pid)
+    from gemma4serve.engine.attention_variants import compile_attention_variants
     from gemma4serve.engine.cuda_graphs import capture_graphs
     from gemma4serve.engine.models import load_models
     from gemma4serve.engine.runner import ModelRunner
@@ -255,6 +256,7 @@ def run_worker(
     k = args.num_draft_tokens if state.draft is not None else 0
     forced = ForcedAcceptance.from_args(args, k, state.device)
     graphs, _ = capture_graphs(state, args, k)  # rank 0 captures the same, at the same point
+    compile_attention_variants(state, args, k)
     plans = PlanReceiver(connection)
     runner = ModelRunner(state, num_draft_tokens=k, forced=forced, graphs=graphs, leader=plans)
     folder = args.tensor_parallel_step_log

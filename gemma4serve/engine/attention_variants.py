@@ -1,0 +1,61 @@
+"""Every attention kernel variant a rank's launches can take, compiled before it serves.
+
+The engine's warm-up steps compile what steps of its chosen lengths launch; attention picks its
+tiles and splits from more than a step's length (its groups, its longest group, a chunk's
+context), so its variants are enumerated on the host instead (`gemma4serve_kernels.
+attention_variants`). Every rank calls this at the same point (no collectives inside).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from gemma4serve.config import FULL, SLIDING
+from gemma4serve.engine.args import EngineArgs
+from gemma4serve_kernels.attention_variants import LaunchLimits, compile_variants
+
+log = logging.getLogger("gemma4serve")
+
+
+def launch_limits(args: EngineArgs, max_model_len: int, num_draft_tokens: int) -> LaunchLimits:
+    """A step's rows (its token budget, or every sequence's verification), sequences and
+    context."""
+    return LaunchLimits(
+        max_tokens=max(args.max_num_batched_tokens, args.max_num_seqs * (num_draft_tokens + 1)),
+        max_groups=args.max_num_seqs,
+        max_context=max_model_len,
+    )
+
+
+def compile_attention_variants(state, args: EngineArgs, num_draft_tokens: int) -> None:
+    """Compile every Triton attention variant the target's and the drafter's layers can launch
+    (the torch backend has none)."""
+    if state.device.type != "cuda" or state.attn.name == "torch":
+        return
+    limits = launch_limits(args, state.kv_plan.max_model_len, num_draft_tokens)
+    target = state.target.cfg
+    models = [(target, {SLIDING: target.sliding_window, FULL: 0})]
+    if state.draft is not None:
+        models.append((state.draft.cfg.text, {SLIDING: state.draft.window, FULL: 0}))
+    # (query heads, the KV store layer its kind reads, the visible window)
+    sites = [
+        (cfg.num_heads, target.store_layer(kind), window)
+        for cfg, windows in models
+        for kind, window in windows.items()
+        if kind in cfg.layer_types
+    ]
+    t0 = time.monotonic()
+    launches = 0
+    for num_heads, layer, window in sites:
+        k_cache, v_cache = state.kv.layer(layer)
+        launches += compile_variants(num_heads, k_cache, v_cache, window, limits)
+    torch.cuda.synchronize(state.device)
+    log.info(
+        "attention: %d variants of %d launch sites compiled in %.1fs",
+        launches,
+        len(sites),
+        time.monotonic() - t0,
+    )
