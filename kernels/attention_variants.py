@@ -59,7 +59,7 @@ def _row_counts(layer: AttentionLayer, shortest: int, limit: int) -> list[int]:
 
 
 def launch_shapes(layer: AttentionLayer, limits: LaunchLimits) -> Iterator[LaunchShape]:
-    """Launch shapes covering every variant within `limits` (`test_attention_variants` checks
+    """Launch shapes covering every variant within `limits` (tests/test_triton_kernels.py checks
     them against every shape of smaller limits).
 
     - Decodes and verifications (at most 8 rows a group): every group count, as the split count

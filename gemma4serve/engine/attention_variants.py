@@ -54,7 +54,7 @@ def compile_attention_variants(state, args: EngineArgs, num_draft_tokens: int) -
         launches += compile_variants(num_heads, k_cache, v_cache, window, limits)
     torch.cuda.synchronize(state.device)
     log.info(
-        "attention: %d variants of %d launch sites compiled in %.1fs",
+        "attention: %d variants of %d launch sites compiled (or loaded) in %.1fs",
         launches,
         len(sites),
         time.monotonic() - t0,
