@@ -15,13 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import pdl_args, sm_count
+from ._common import cdiv, sm_count
 from .paged_attention import (
     MAX_SPLITS,
     AttentionLayer,
     LaunchShape,
-    _merge_kernel,
-    merge_constants,
+    merge_splits,
     paged_attention,
     plan_launch,
     wide_rows,
@@ -37,15 +36,16 @@ class LaunchLimits:
     max_context: int  # positions one chunk reaches
 
 
-def _longest_groups(layer: AttentionLayer, limit: int) -> list[int]:
-    """Longest-group lengths past 8 rows (prefill chunks), up to `limit`, that meet every tile and
-    split choice: the tiles follow power-of-two buckets of them (the bucket's shortest, and each
-    power of two for the tiles that start at one), the sliding split limit steps where the window
-    plus the chunk passes 128 keys."""
-    lengths = {9} | {n for j in range(4, limit.bit_length()) for n in (2**j, 2**j + 1)}
+def _longest_group_runs(layer: AttentionLayer, limit: int) -> list[tuple[int, int]]:
+    """Runs [shortest, longest] of longest-group lengths past 8 rows (prefill chunks), up to
+    `limit`, within which no tile or split choice changes: the tiles follow power-of-two buckets
+    of them (a run starts one past each power of two, and at each power of two for the tiles that
+    start at one), the sliding split limit steps where the window plus the chunk passes 128 keys."""
+    starts = {9} | {n for j in range(4, limit.bit_length()) for n in (2**j, 2**j + 1)}
     if layer.window > 0:
-        lengths |= {129 - layer.window, 130 - layer.window}
-    return sorted(n for n in lengths if 9 <= n <= limit)
+        starts |= {129 - layer.window, 130 - layer.window}
+    starts = sorted(n for n in starts if 9 <= n <= limit)
+    return list(zip(starts, [n - 1 for n in starts[1:]] + [limit]))
 
 
 def _row_counts(layer: AttentionLayer, shortest: int, limit: int) -> list[int]:
@@ -64,19 +64,22 @@ def launch_shapes(layer: AttentionLayer, limits: LaunchLimits) -> Iterator[Launc
 
     - Decodes and verifications (at most 8 rows a group): every group count, as the split count
       (and through it the key tile and the late launch) follows it; their rows do not matter.
-    - Prefill chunks: their longest group by `_longest_groups`, their rows by `_row_counts`, the
-      fewest and the most groups that hold them (the split falls with the programs they add), no
-      context and the longest (the context's tiles start at a threshold).
+    - Prefill chunks: their longest group by the runs of `_longest_group_runs`, their rows by
+      `_row_counts`; the most groups that hold them (beside the run's shortest longest group) and
+      the fewest (beside its longest), as the split falls with the programs they add; no context
+      and the longest (the context's tiles start at a threshold).
     """
     for q in range(1, min(8, limits.max_tokens) + 1):
         for groups in range(1, min(limits.max_groups, limits.max_tokens - q + 1) + 1):
             yield LaunchShape(groups + q - 1, groups, q)
-    for q in _longest_groups(layer, limits.max_tokens):
-        for tokens in _row_counts(layer, q, limits.max_tokens):
-            fewest, most = -(-tokens // q), min(limits.max_groups, tokens - q + 1)
-            for groups in {fewest, most} if fewest <= most else ():
-                for context in {0, limits.max_context}:
-                    yield LaunchShape(tokens, groups, q, context)
+    for shortest, longest in _longest_group_runs(layer, limits.max_tokens):
+        for tokens in _row_counts(layer, shortest, limits.max_tokens):
+            widest = min(tokens, longest)
+            fewest, most = cdiv(tokens, widest), min(limits.max_groups, tokens - shortest + 1)
+            for context in {0, limits.max_context}:
+                yield LaunchShape(tokens, most, shortest, context)
+                if fewest <= limits.max_groups:
+                    yield LaunchShape(tokens, fewest, widest, context)
 
 
 @functools.cache
@@ -135,15 +138,5 @@ def compile_variants(
     for splits in (2**j for j in range(3, MAX_SPLITS.bit_length())):
         part_o = torch.zeros(1, num_heads, splits, head_dim, dtype=torch.float32, device=device)
         part_lse = torch.zeros(1, num_heads, splits, dtype=torch.float32, device=device)
-        _merge_kernel[(1, num_heads)](
-            part_o,
-            part_lse,
-            out,
-            num_heads,
-            splits,
-            out.stride(0),
-            out.stride(1),
-            **merge_constants(splits, head_dim),
-            **pdl_args(device),
-        )
+        merge_splits(part_o, part_lse, out)
     return len(launches)

@@ -628,7 +628,7 @@ class LaunchShape:
 @dataclass(frozen=True)
 class AttentionLaunch:
     """How one launch runs: its grid, its KV split count and the attention kernel's compile-time
-    constants (the merge's: `merge_constants`)."""
+    constants."""
 
     grid: tuple[int, ...]
     num_splits: int
@@ -640,14 +640,21 @@ class AttentionLaunch:
         return tuple(sorted(self.constants.items()))
 
 
-def merge_constants(num_splits: int, head_dim: int) -> dict | None:
-    """The split merge's compile-time constants (None: the launch does not split)."""
-    if num_splits <= 1:
-        return None
-    return dict(
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge the partials [T, nh, num_splits, (hd)] of a split launch into out [T, nh, hd]."""
+    T, nh, num_splits, hd = part_o.shape
+    _merge_kernel[(T, nh)](
+        part_o,
+        part_lse,
+        out,
+        nh,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
         SPLITS_P=8 if num_splits <= 8 else next_pow2(num_splits),
-        HEAD_DIM=head_dim,
-        num_warps=4 if head_dim <= 256 else 8,
+        HEAD_DIM=hd,
+        num_warps=4 if hd <= 256 else 8,
+        **pdl_args(out.device),
     )
 
 
@@ -829,15 +836,5 @@ def paged_attention(
         **pdl_args(q.device),
     )
     if num_splits > 1:
-        _merge_kernel[(T, nh)](
-            part_o,
-            part_lse,
-            out,
-            nh,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            **merge_constants(num_splits, hd),
-            **pdl_args(q.device),
-        )
+        merge_splits(part_o, part_lse, out)
     return out

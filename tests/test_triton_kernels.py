@@ -359,19 +359,24 @@ def _every_variant(layer, limits, sms: int) -> set:
 
 
 @pytest.mark.parametrize(
-    "layer, sms",
+    "layer, sms, wide_programs",
     [
-        (AttentionLayer(256, 4, 2, 16, 1024), 4),  # sliding, 2 query heads a KV head
-        (AttentionLayer(512, 16, 2, 16, 0), 16),  # full, 8 a KV head, value columns split
-        (AttentionLayer(16, 4, 2, 4, 20), 4),  # a window short enough to stop the splits
+        (AttentionLayer(256, 4, 2, 16, 1024), 4, 4),  # sliding, 2 query heads a KV head
+        (AttentionLayer(512, 16, 2, 16, 0), 16, 4),  # full, 8 a KV head, value columns split
+        (AttentionLayer(16, 4, 2, 4, 20), 4, 4),  # a window short enough to stop the splits
+        # a lone chunk between two powers of two splits where two groups would not (a review's
+        # case: the 31B's 961-1023-row chunks, 1985-2047 on a rank of two)
+        (AttentionLayer(256, 16, 2, 16, 1024), 7, 12),
     ],
 )
-def test_the_enumerated_launches_meet_every_attention_variant(layer, sms, monkeypatch):
+def test_the_enumerated_launches_meet_every_attention_variant(
+    layer, sms, wide_programs, monkeypatch
+):
     """`reachable_launches` finds every variant any launch within the limits takes, and no other:
     against every launch shape, with the thresholds of the wide and long-prefix tiles brought
     within 144 rows so that the walk passes them."""
     module = importlib.import_module("gemma4serve_kernels.paged_attention")
-    monkeypatch.setattr(module, "WIDE_TILE_PROGRAMS", {1: 4, 2: 8})
+    monkeypatch.setattr(module, "WIDE_TILE_PROGRAMS", {1: wide_programs, 2: 8})
     monkeypatch.setattr(module, "LONG_PREFIX_TOKENS", 48)
     limits = LaunchLimits(max_tokens=144, max_groups=12, max_context=LONG_PREFIX)
     found = reachable_launches.__wrapped__(layer, limits, sms)

@@ -2,8 +2,8 @@
 
 The engine's warm-up steps compile what steps of its chosen lengths launch; attention picks its
 tiles and splits from more than a step's length (its groups, its longest group, a chunk's
-context), so its variants are enumerated on the host instead (`gemma4serve_kernels.
-attention_variants`). Every rank calls this at the same point (no collectives inside).
+context), so its variants are enumerated on the host instead (`kernels/attention_variants.py`).
+Every rank calls this at the same point (no collectives inside).
 """
 
 from __future__ import annotations
