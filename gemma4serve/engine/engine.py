@@ -180,10 +180,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer) if args.detokenize else None
 
     def _warm_up(self) -> None:
-        """One eager step per chunk-length bucket, so Triton compiles the shape-selected kernel
-        variants before serving rather than while requests wait, and one greedy step for the
-        greedy heads' kernels (attention's variants: `compile_attention_variants`). Its pages are
-        freed again."""
+        """One step per chunk-length bucket (eager, or on the mixed graph that holds it), so Triton
+        compiles the shape-selected kernel variants before serving rather than while requests
+        wait, and one greedy step for the greedy heads' kernels (attention's variants:
+        `compile_attention_variants`). Its pages are freed again."""
         t0 = time.monotonic()
         limit = min(self.args.max_num_batched_tokens, self.max_model_len - 1)
         longest = limit // 16 * 16
