@@ -40,13 +40,14 @@ def compile_attention_variants(state, args: EngineArgs, num_draft_tokens: int) -
     models = [(target, {SLIDING: target.sliding_window, FULL: 0})]
     if state.draft is not None:
         models.append((state.draft.cfg.text, {SLIDING: state.draft.window, FULL: 0}))
-    # (query heads, the KV store layer its kind reads, the visible window)
-    sites = [
+    # (query heads, the KV store layer its kind reads, the visible window), each once: the
+    # drafter's full layers are the target's site again where their heads match
+    sites = dict.fromkeys(
         (cfg.num_heads, target.store_layer(kind), window)
         for cfg, windows in models
         for kind, window in windows.items()
         if kind in cfg.layer_types
-    ]
+    )
     t0 = time.monotonic()
     launches = 0
     for num_heads, layer, window in sites:
