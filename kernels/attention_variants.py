@@ -4,16 +4,20 @@ Triton compiles a variant of `_attn_kernel` per set of compile-time constants, w
 `plan_launch` picks from a launch's host ints (its rows, groups, longest group and the context its
 chunks reach); a variant first met while serving stalls that step for seconds. `reachable_launches`
 walks the launch shapes within a server's limits and keeps one per distinct variant;
-`compile_variants` runs each once, and every split merge the layer can take, on the real caches.
+`compile_variants` runs each once, and every split merge the layer can take, on the real caches;
+under `parallel_compiles` with `compile_only` it first queues their compiles on threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from triton.runtime._async_compile import AsyncCompileMode
 
 from ._common import cdiv, sm_count
 from .paged_attention import (
@@ -65,21 +69,23 @@ def launch_shapes(layer: AttentionLayer, limits: LaunchLimits) -> Iterator[Launc
     - Decodes and verifications (at most 8 rows a group): every group count, as the split count
       (and through it the key tile and the late launch) follows it; their rows do not matter.
     - Prefill chunks: their longest group by the runs of `_longest_group_runs`, their rows by
-      `_row_counts`; the most groups that hold them (beside the run's shortest longest group) and
-      the fewest (beside its longest), as the split falls with the programs they add; no context
-      and the longest (the context's tiles start at a threshold).
+      `_row_counts`; the most groups that hold them (beside the run's shortest longest group that
+      can) and the fewest (beside its longest), as the split falls with the programs they add; no
+      context and the longest (the context's tiles start at a threshold).
     """
     for q in range(1, min(8, limits.max_tokens) + 1):
         for groups in range(1, min(limits.max_groups, limits.max_tokens - q + 1) + 1):
             yield LaunchShape(groups + q - 1, groups, q)
     for shortest, longest in _longest_group_runs(layer, limits.max_tokens):
         for tokens in _row_counts(layer, shortest, limits.max_tokens):
-            widest = min(tokens, longest)
-            fewest, most = cdiv(tokens, widest), min(limits.max_groups, tokens - shortest + 1)
+            # the run's shortest longest group that `max_groups` groups can hold the rows beside
+            narrowest, widest = max(shortest, cdiv(tokens, limits.max_groups)), min(tokens, longest)
+            if narrowest > widest:
+                continue
+            fewest, most = cdiv(tokens, widest), min(limits.max_groups, tokens - narrowest + 1)
             for context in {0, limits.max_context}:
-                yield LaunchShape(tokens, most, shortest, context)
-                if fewest <= limits.max_groups:
-                    yield LaunchShape(tokens, fewest, widest, context)
+                yield LaunchShape(tokens, most, narrowest, context)
+                yield LaunchShape(tokens, fewest, widest, context)
 
 
 @functools.cache
@@ -93,7 +99,7 @@ def reachable_launches(
     return found
 
 
-def _run(shape: LaunchShape, q, k_cache, v_cache, window: int) -> None:
+def _run(shape: LaunchShape, q, k_cache, v_cache, window: int, compile_only: bool) -> None:
     """One launch of `shape` whose rows all read key 0 of page 0 (the output is dropped): its first
     group holds the longest rows, the others share the rest."""
     device = q.device
@@ -119,24 +125,40 @@ def _run(shape: LaunchShape, q, k_cache, v_cache, window: int) -> None:
         shape.max_q_len,
         window,
         chunk_context=shape.chunk_context,
+        compile_only=compile_only,
     )
 
 
 def compile_variants(
-    num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int, limits: LaunchLimits
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    window: int,
+    limits: LaunchLimits,
+    *,
+    compile_only: bool = False,
 ) -> int:
     """Compile (by running once) every attention variant and split merge that launches of
-    `num_heads` query heads over these caches can take within `limits` -> the launches run."""
+    `num_heads` query heads over these caches can take within `limits` -> the launches run.
+    compile_only: queue the compiles (under `parallel_compiles`) and run nothing."""
     device = k_cache.device
     _, page_size, kv_heads, head_dim = k_cache.shape
     layer = AttentionLayer(head_dim, num_heads, kv_heads, page_size, window, k_cache.dtype)
     launches = reachable_launches(layer, limits, sm_count(device))
     q = torch.zeros(limits.max_tokens, num_heads, head_dim, dtype=k_cache.dtype, device=device)
     for shape in launches.values():
-        _run(shape, q, k_cache, v_cache, window)
+        _run(shape, q, k_cache, v_cache, window, compile_only)
     out = q[:1]
     for splits in (2**j for j in range(3, MAX_SPLITS.bit_length())):
         part_o = torch.zeros(1, num_heads, splits, head_dim, dtype=torch.float32, device=device)
         part_lse = torch.zeros(1, num_heads, splits, dtype=torch.float32, device=device)
-        merge_splits(part_o, part_lse, out)
+        merge_splits(part_o, part_lse, out, compile_only=compile_only)
     return len(launches)
+
+
+@contextlib.contextmanager
+def parallel_compiles(workers: int) -> Iterator[None]:
+    """Triton compiles queued inside run on `workers` threads (most of a compile waits on
+    `ptxas`, outside the GIL); leaving the block waits for them all."""
+    with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool):
+        yield

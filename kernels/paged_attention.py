@@ -640,10 +640,12 @@ class AttentionLaunch:
         return tuple(sorted(self.constants.items()))
 
 
-def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+def merge_splits(
+    part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, *, compile_only: bool = False
+) -> None:
     """Merge the partials [T, nh, num_splits, (hd)] of a split launch into out [T, nh, hd]."""
     T, nh, num_splits, hd = part_o.shape
-    _merge_kernel[(T, nh)](
+    _merge_kernel.run(
         part_o,
         part_lse,
         out,
@@ -655,6 +657,8 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         HEAD_DIM=hd,
         num_warps=4 if hd <= 256 else 8,
         **pdl_args(out.device),
+        grid=(T, nh),
+        warmup=compile_only,
     )
 
 
@@ -773,12 +777,15 @@ def paged_attention(
     num_splits: int | None = None,
     min_split_keys: int | None = None,
     config: dict | None = None,
+    compile_only: bool = False,
 ) -> torch.Tensor:
     """Attention of q [T, nh, hd] over the paged caches -> [T, nh, hd], into `out` when given.
 
     chunk_context: the most positions any prefill chunk of the launch reaches (a host int; it
     picks the tiles, so a captured launch keeps the context it was captured with).
     num_splits, min_split_keys and config override the tuned choices (benchmarks, tests).
+    compile_only: compile the launch's kernels (queued under Triton's AsyncCompileMode) and run
+    nothing.
     """
     T, nh, hd = q.shape
     page_size, nkv = k_cache.shape[1], k_cache.shape[2]
@@ -806,7 +813,7 @@ def paged_attention(
         part_lse = torch.empty(T, nh, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # never touched
-    _attn_kernel[launch.grid](
+    _attn_kernel.run(
         q,
         k_cache,
         v_cache,
@@ -834,7 +841,9 @@ def paged_attention(
         page_table.stride(0),
         **launch.constants,
         **pdl_args(q.device),
+        grid=launch.grid,
+        warmup=compile_only,
     )
     if num_splits > 1:
-        merge_splits(part_o, part_lse, out)
+        merge_splits(part_o, part_lse, out, compile_only=compile_only)
     return out
