@@ -159,8 +159,8 @@ class LLMEngine:
                 "generated text is NOT the model's output",
                 forced.mean_tokens_per_step,
             )
+        compile_attention_variants(self.state, args, k)  # every rank; its graphs then find them
         graphs, costs = capture_graphs(self.state, args, k)
-        compile_attention_variants(self.state, args, k)  # every rank, after its graphs
         self.draft_length = DraftLength(k, costs)
         self.runner = ModelRunner(
             self.state,

@@ -255,8 +255,8 @@ def run_worker(
     state = load_models(args, tp)
     k = args.num_draft_tokens if state.draft is not None else 0
     forced = ForcedAcceptance.from_args(args, k, state.device)
-    graphs, _ = capture_graphs(state, args, k)  # rank 0 captures the same, at the same point
     compile_attention_variants(state, args, k)
+    graphs, _ = capture_graphs(state, args, k)  # rank 0 captures the same, at the same point
     plans = PlanReceiver(connection)
     runner = ModelRunner(state, num_draft_tokens=k, forced=forced, graphs=graphs, leader=plans)
     folder = args.tensor_parallel_step_log
