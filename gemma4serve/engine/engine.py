@@ -35,6 +35,7 @@ from gemma4serve.engine.sequence import ScheduledChunk, Sequence, Status, StepRe
 from gemma4serve.engine.spec import DraftLength, ForcedAcceptance
 from gemma4serve.engine.step_data import StepHandle
 from gemma4serve.kv.manager import KVManager
+from gemma4serve.model.fused import gemv_max_rows
 from gemma4serve.parallel.workers import TensorParallelWorkers
 from gemma4serve.sampling_params import SamplingParams
 from gemma4serve.structured.grammar import GrammarCompiler, GrammarState
@@ -195,6 +196,12 @@ class LLMEngine:
         sampled = SamplingParams(max_tokens=1)
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         runs = [(n, sampled) for n in sorted(lengths) if 1 <= n <= limit] + [(1, greedy)]
+        # Unaligned rows past the GEMV's, eager (prompt logprobs keep a step off the mixed graphs,
+        # whose rows are 16-aligned): variants only such steps take (tensor parallelism's fused
+        # all-reduce after cuBLAS rows).
+        unaligned = gemv_max_rows() + 1
+        if unaligned <= limit:
+            runs.append((unaligned, SamplingParams(max_tokens=1, prompt_logprobs=0)))
         for n, params in runs:
             seq = Sequence(
                 request_id="warm-up",
@@ -205,6 +212,7 @@ class LLMEngine:
                 seed=0,
                 arrival=0,
                 max_len=n + 1,
+                prompt_logprobs=[] if params.prompt_logprobs is not None else None,
             )
             self.kv.grow(seq, 0, n)
             try:
