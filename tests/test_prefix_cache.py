@@ -146,6 +146,35 @@ def test_sampled_equal_with_and_without_cache(plain, cached):
     assert_idle(cached)
 
 
+def run_choices(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """One request of params.n choices -> each choice's tokens."""
+    rid = f"r{next(_ids)}"
+    engine.add_request(rid, prompt, params)
+    done = None
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        done = [out for out in engine.step() if out.finished] or done
+    return [choice.token_ids for choice in sorted(done[0].outputs, key=lambda c: c.index)]
+
+
+@pytest.mark.parametrize("length", [60, 150])  # within the 64-token budget, and in chunks
+def test_choices_of_one_prompt_share_its_prefill(plain, cached, length):
+    """n = 4 choices of a prompt: the first computes it, the others start from its rows (up to
+    the cache's last boundary before the prompt's end) as soon as the step that writes them is
+    scheduled, in that same step where the budget allows; the tokens equal the uncached ones."""
+    cached.reset_prefix_cache()
+    prompt = prompt_of(length, 41)
+    params = SamplingParams(n=4, max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)
+    reference = run_choices(plain, prompt, params)
+    before = cached.snapshot().prefix_cache_hits
+    got = run_choices(cached, prompt, params)
+    assert got == reference and len({tuple(t) for t in got}) > 1
+    boundary = cached.kv.cache.boundary
+    assert cached.snapshot().prefix_cache_hits - before == 3 * ((length - 1) // boundary * boundary)
+    assert_idle(cached)
+
+
 def test_cache_salt_shares_pages_only_within_one_salt(plain, cached):
     """vLLM's cache_salt: a salted request hits only what requests of its salt left, and an
     unsalted one never hits a salted request's pages; outputs are the same as without a cache."""

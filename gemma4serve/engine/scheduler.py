@@ -95,6 +95,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             self.kv.grow(seq, chunk.start, chunk.start + chunk.num_query)
+            self.kv.offer_written(seq, chunk.start + chunk.num_query)
             chunks.append(chunk)
             budget -= chunk.num_query
         return chunks + self.admit(budget)
@@ -119,6 +120,8 @@ class Scheduler:
             self.kv.grow(seq, chunk.start, end)
             chunks.append(chunk)
             budget -= chunk.num_query
+        for chunk in chunks:  # they launch now (none would have, had one not fit)
+            self.kv.offer_written(chunk.seq, chunk.start + chunk.num_query)
         return chunks
 
     def admit(self, budget: int, admissible=lambda seq: True) -> list[ScheduledChunk]:
@@ -147,6 +150,7 @@ class Scheduler:
                 self.kv.adopt(seq, hit)
                 seq.num_computed = hit.tokens
             self.kv.grow(seq, chunk.start, chunk.start + chunk.num_query)
+            self.kv.offer_written(seq, chunk.start + chunk.num_query)  # the next may start there
             reserved += self.kv.growth(seq.pages, self.expected_end(seq))
             chunks.append(chunk)
             budget -= chunk.num_query

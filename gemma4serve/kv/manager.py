@@ -134,6 +134,13 @@ class KVManager:
         for i, page in zip(missing, self.pool.allocate(len(missing))):
             pages.sliding[i] = page
 
+    def offer_written(self, seq: PagedSequence, end: int) -> None:
+        """Offer the prefix cache the rows of known tokens below `end` that a step about to launch
+        writes (its drafts' rows may be rejected: never offered). Each layer writes a step's KV
+        before its attention reads any, so a sequence scheduled beside this one (another choice
+        of its prompt, the same prompt sent twice) can start from them in the same step."""
+        self._offer_to_cache(seq, min(end, seq.num_tokens))
+
     def grow_all(self, spans: list[tuple[PagedSequence, int, int]]) -> bool:
         """`grow` every (sequence, start, end) if all fit together; else change nothing."""
         needed = sum(self.pages_needed(seq.pages, start, end) for seq, start, end in spans)
