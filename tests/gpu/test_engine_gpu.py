@@ -9,6 +9,7 @@ and compares nothing after it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,29 @@ def test_nan_hidden_states_give_token_zero_and_the_engine_lives_on(ckpt):
     norm.copy_(saved)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == before
     assert llm.engine.kv_pool_free() == free0
+
+
+def test_choices_of_one_prompt_share_its_prefill(ckpt):
+    """n = 4 greedy choices of one prompt, on the GPU's graphs and kernels: three start from the
+    first one's rows in the step that writes them (the prompt and their tails fit one step), and
+    each emits what an engine without the prefix cache does (or parts from it at a near-tie)."""
+    variant, target, assistant = ckpt
+    judge = load_hf_target(target, dtype=torch.float32, device="cuda")
+    noisy = load_hf_target(target, dtype=torch.bfloat16, device="cuda")
+    cached = gpu_llm(target, assistant)
+    plain = gpu_llm(target, assistant, enable_prefix_caching=False)
+    prompt = prompt_of(300, seed=3)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    free0 = cached.engine.kv_pool_free()
+    (want,) = plain.generate([prompt], greedy)
+    (got,) = cached.generate([prompt], dataclasses.replace(greedy, n=4))
+    boundary = cached.engine.kv.cache.boundary
+    hits = cached.engine.snapshot().prefix_cache_hits
+    assert hits == 3 * ((len(prompt) - 1) // boundary * boundary)
+    assert len(got.outputs) == 4
+    for choice in got.outputs:
+        assert_same_or_near_tie(choice.token_ids, want.token_ids, prompt, judge, noisy)
+    assert cached.engine.kv_pool_free() == free0
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
