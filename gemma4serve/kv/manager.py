@@ -214,9 +214,9 @@ class KVManager:
         )
 
     def _offer_to_cache(self, seq: PagedSequence, committed: int, extra_boundaries=()) -> None:
-        if self.cache is None:
-            return
         pages = seq.pages
+        if self.cache is None or (committed <= pages.windows_done and not extra_boundaries):
+            return  # every row below `committed` was offered (a step's second offer)
         boundaries = self.cache.boundaries(pages.windows_done, committed, seq.num_prompt)
         boundaries += [b for b in extra_boundaries if b not in boundaries]
         self.cache.register(pages, seq.token_ids, committed, boundaries, cache_salt=seq.cache_salt)
