@@ -175,6 +175,29 @@ def test_choices_of_one_prompt_share_its_prefill(plain, cached, length):
     assert_idle(cached)
 
 
+def test_a_failed_step_leaves_no_rows_it_did_not_write(plain, cached, monkeypatch):
+    """A step's rows are in the cache from its scheduling on: when the step fails (its launch
+    raises here), the cache is emptied, and the same prompt again computes what an engine
+    without the cache does, over an arena of stale values."""
+    prompt = prompt_of(60, 7)
+    reference = run(plain, [prompt], GREEDY)[0][0]
+    cached.reset_prefix_cache()
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cached.runner, "launch", fails)
+        cached.add_request("fails", prompt, GREEDY)
+        with pytest.raises(RuntimeError, match="launch failed"):
+            cached.step()
+    cached.abort("fails")
+    assert not cached.kv.cache.full and not cached.kv.cache.windows
+    cached.state.kv.arena.normal_()  # what was never written is visibly wrong
+    assert run(cached, [prompt], GREEDY)[0] == (reference, 0)
+    assert_idle(cached)
+
+
 def test_cache_salt_shares_pages_only_within_one_salt(plain, cached):
     """vLLM's cache_salt: a salted request hits only what requests of its salt left, and an
     unsalted one never hits a salted request's pages; outputs are the same as without a cache."""

@@ -397,15 +397,21 @@ class LLMEngine:
         ended in the previous step get all-allowed rows, whose results are dropped. That second
         launch always runs, even when every sequence ended: the tensor-parallel workers wait for
         its bitmask."""
-        handle = self._inflight if self._inflight is not None else self._launch_scheduled()
-        if handle is None:
-            return []
-        self._inflight = None
-        if handle.continuable and self.args.async_scheduling:
-            self._inflight = self._launch_continued(handle)
-        outputs = self._processed(self._commit_step(handle))
-        if self._inflight is not None and self._inflight.pending is not None:
-            self._inflight = self.runner.sample_continued(self._inflight)
+        try:
+            handle = self._inflight if self._inflight is not None else self._launch_scheduled()
+            if handle is None:
+                return []
+            self._inflight = None
+            if handle.continuable and self.args.async_scheduling:
+                self._inflight = self._launch_continued(handle)
+            outputs = self._processed(self._commit_step(handle))
+            if self._inflight is not None and self._inflight.pending is not None:
+                self._inflight = self.runner.sample_continued(self._inflight)
+        except BaseException:
+            # The prefix cache holds the rows of a step from its scheduling on: a step that
+            # failed may have written none of them.
+            self.reset_prefix_cache()
+            raise
         if self._inflight is not None and all(
             s.status is Status.FINISHED for s in self._inflight.sequences
         ):
